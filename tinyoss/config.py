@@ -1,0 +1,211 @@
+"""Model configuration: a checkpoint's config.json flattened into the fields tinyoss uses.
+
+Real gpt-oss config.json files say `rope_scaling`; transformers 5 writes `rope_parameters`.
+Both are accepted. Anything tinyoss cannot run exactly is refused here, with the field named,
+rather than computed wrongly later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json that tinyoss cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 150000.0
+    factor: float = 32.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position_embeddings: int = 4096
+    truncate: bool = False
+    yarn: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_local_experts: int = 32
+    num_experts_per_tok: int = 4
+    sliding_window: int = 128
+    layer_types: tuple[str, ...] = ()
+    max_position_embeddings: int = 131072
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    quant_method: str = "mxfp4"
+    eos_token_ids: tuple[int, ...] = (200002, 199999, 200012)
+    pad_token_id: int | None = 199999
+    bos_token_id: int | None = 199998
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            types = tuple(SLIDING if i % 2 == 0 else FULL for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", types)
+        _validate(self)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        """Tokens a query of `layer` sees (itself included); 0 means the whole context."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else 0
+
+    def with_(self, **changes: object) -> ModelConfig:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, generation: dict | None = None) -> ModelConfig:
+        """Build from the dicts of config.json and (optionally) generation_config.json."""
+        if cfg.get("model_type") != "gpt_oss":
+            raise ConfigError(
+                f"config.json: model_type is {cfg.get('model_type')!r}; tinyoss runs only 'gpt_oss'"
+            )
+        quant = cfg.get("quantization_config") or {}
+        quant_method = quant.get("quant_method")
+        if quant_method != "mxfp4":
+            raise ConfigError(
+                f"config.json: quantization_config.quant_method is {quant_method!r}; tinyoss loads "
+                "gpt-oss checkpoints with MXFP4 experts ('mxfp4'), as published by OpenAI"
+            )
+        missing = [k for k in _REQUIRED if k not in cfg]
+        if missing:
+            raise ConfigError(f"config.json: missing required field(s) {', '.join(missing)}")
+        n_layers = int(cfg["num_hidden_layers"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            num_key_value_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+            num_local_experts=int(cfg["num_local_experts"]),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4))),
+            sliding_window=int(cfg.get("sliding_window") or 0),
+            layer_types=tuple(cfg.get("layer_types") or ()),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+            rope=_rope_from_dict(cfg),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            quant_method=quant_method,
+            eos_token_ids=_eos_ids(cfg, generation or {}),
+            pad_token_id=cfg.get("pad_token_id"),
+            bos_token_id=(generation or {}).get("bos_token_id", cfg.get("bos_token_id")),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        folder = Path(folder)
+        path = folder / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a gpt-oss checkpoint folder needs config.json")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        gen_path = folder / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        return cls.from_dict(cfg, generation)
+
+
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_local_experts",
+)
+
+
+def _rope_from_dict(cfg: dict) -> RopeConfig:
+    theta = float(cfg.get("rope_theta", 150000.0))
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", theta))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return RopeConfig(theta=theta, factor=1.0, yarn=False)
+    if rope_type != "yarn":
+        raise ConfigError(f"config.json: rope_type {rope_type!r} is not supported (gpt-oss uses 'yarn')")
+    orig = int(params.get("original_max_position_embeddings", 4096))
+    max_pos = cfg.get("max_position_embeddings")
+    # transformers recomputes the factor from the two lengths when both are given.
+    if max_pos and "original_max_position_embeddings" in params:
+        factor = float(max_pos) / orig
+    else:
+        factor = float(params.get("factor", 32.0))
+    return RopeConfig(
+        theta=theta,
+        factor=factor,
+        beta_fast=float(params.get("beta_fast", 32.0)),
+        beta_slow=float(params.get("beta_slow", 1.0)),
+        original_max_position_embeddings=orig,
+        truncate=bool(params.get("truncate", True)),
+        yarn=True,
+    )
+
+
+def _eos_ids(cfg: dict, generation: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (generation.get("eos_token_id"), cfg.get("eos_token_id")):
+        for i in source if isinstance(source, list) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def _validate(c: ModelConfig) -> None:
+    def bad(msg: str) -> None:
+        raise ConfigError(f"config.json: {msg}")
+
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+                 "num_experts_per_tok"):
+        if getattr(c, name) <= 0:
+            bad(f"{name} must be positive, got {getattr(c, name)}")
+    if c.num_attention_heads % c.num_key_value_heads:
+        bad(f"num_attention_heads ({c.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({c.num_key_value_heads})")
+    if c.num_experts_per_tok > c.num_local_experts:
+        bad(f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds num_local_experts "
+            f"({c.num_local_experts})")
+    if c.head_dim % 2:
+        bad(f"head_dim ({c.head_dim}) must be even for rotary embeddings")
+    for name in ("hidden_size", "intermediate_size"):
+        if getattr(c, name) % 32:
+            bad(f"{name} ({getattr(c, name)}) must be a multiple of 32 (MXFP4 blocks of 32)")
+    if len(c.layer_types) != c.num_hidden_layers:
+        bad(f"layer_types has {len(c.layer_types)} entries for {c.num_hidden_layers} layers")
+    unknown = sorted(set(c.layer_types) - {SLIDING, FULL})
+    if unknown:
+        bad(f"layer_types holds {unknown}; expected {SLIDING!r} or {FULL!r}")
+    if SLIDING in c.layer_types and c.sliding_window <= 0:
+        bad("sliding_attention layers need a positive sliding_window")
+    if not math.isfinite(c.rope.factor) or c.rope.factor <= 0:
+        bad(f"rope factor must be positive, got {c.rope.factor}")
