@@ -1,0 +1,35 @@
+"""The compute kernels the model calls, chosen once at start-up for the hardware at hand.
+
+The model holds a `Kernels` and never branches on the device itself: swapping the reference
+torch functions for GPU kernels happens here, in one place, and is logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
+
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights], torch.Tensor]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
+                  "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); the weight multiplies in float32, as transformers does."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * y).to(x.dtype), x
+
+
+@dataclass
+class Kernels:
+    moe: MoEFn = moe_torch
+    rms_norm: NormFn = rms_norm_torch
+    names: dict[str, str] = field(default_factory=lambda: {"moe": "torch", "norm": "torch"})

@@ -1,0 +1,152 @@
+"""gpt-oss: the one model tinyoss runs, on a flat batch of tokens from many sequences.
+
+Module and parameter names follow the Hugging Face checkpoint, except that q/k/v are held as one
+`qkv_proj` (one matmul instead of three). Attention goes through the backend passed to
+`forward` (it owns the paged KV cache); the MoE and norms go through `Kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tinyoss.config import ModelConfig
+from tinyoss.kernels import Kernels
+from tinyoss.kernels.moe_torch import ExpertWeights
+from tinyoss.model.rope import apply_rope, cos_sin_cache
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor) -> torch.Tensor: ...
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, kernels: Kernels) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=torch.float32)  # kept in fp32, as transformers does
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=True)
+        self.sinks = _param(self.num_heads, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, k, positions, rope_cache)
+        return self.o_proj(attn(self.layer, q, k, v, self.sinks))
+
+
+class Experts(nn.Module):
+    """Packed MXFP4 experts, named as in the checkpoint."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj_blocks = _param(e, 2 * i, h // 32, 16, dtype=torch.uint8)
+        self.gate_up_proj_scales = _param(e, 2 * i, h // 32, dtype=torch.uint8)
+        self.gate_up_proj_bias = _param(e, 2 * i)
+        self.down_proj_blocks = _param(e, h, i // 32, 16, dtype=torch.uint8)
+        self.down_proj_scales = _param(e, h, i // 32, dtype=torch.uint8)
+        self.down_proj_bias = _param(e, h)
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(
+            self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias,
+            self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias,
+            self.alpha, self.limit,
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
+        self.experts = Experts(config)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1, sorted=True)
+        top_weights = torch.softmax(top_logits.float(), dim=-1)
+        return self.kernels.moe(x, top_weights, top_ids, self.experts.weights())
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, kernels: Kernels) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = MoE(config, kernels)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope_cache: torch.Tensor, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+
+class GptOssForCausalLM(nn.Module):
+    """Build under `torch.device("meta")`, then materialize with `init_runtime` and load weights."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.kernels = kernels or Kernels()
+        self.model = GptOssModel(config, self.kernels)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_cache: torch.Tensor | None = None
+
+    def init_runtime(self, max_len: int, device: torch.device) -> None:
+        """Builds what is computed rather than loaded: the rotary table for `max_len` positions."""
+        c = self.config
+        self.rope_cache = cos_sin_cache(c.rope, c.head_dim, max_len, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [T] (tokens of all sequences, back to back) -> hidden [T, H]."""
+        assert self.rope_cache is not None, "init_runtime() must run before forward()"
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, positions, self.rope_cache, attn)
+        return self.model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,209 @@
+"""Find a checkpoint (folder, hub id or the built-in `tiny`) and load it into the model.
+
+Tensors are read one at a time from memory-mapped safetensors and copied once onto their device;
+MXFP4 experts stay packed. Every failure names the tensor and the file, and says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tinyoss.config import ModelConfig
+from tinyoss.kernels import Kernels
+from tinyoss.model.gpt_oss import GptOssForCausalLM
+from tinyoss.model.layout import TensorSpec, checkpoint_tensors
+from tinyoss.model.synthetic import synthetic_tensors
+
+log = logging.getLogger("tinyoss")
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+HUB_IGNORE = ["original/*", "metal/*", "*.bin", "*.pth"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or not in the gpt-oss layout."""
+
+
+def resolve_model(model: str | Path, revision: str | None = None) -> Path:
+    """A local folder as is; `tiny` -> the built-in model (written on first use); else a hub id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if str(model) == "tiny":
+        from tinyoss.tools.make_checkpoint import ensure_tiny
+
+        return ensure_tiny()
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise CheckpointError(
+            f"model {str(model)!r} is neither a checkpoint folder nor a hub id like "
+            "'openai/gpt-oss-20b' (use 'tiny' for the built-in test model)"
+        )
+    return _download(str(model), revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, ignore_patterns=HUB_IGNORE))
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(
+            f"{repo_id} is not in the local Hugging Face cache and the hub cannot be reached "
+            f"(HF_HUB_OFFLINE or no network): download it first or pass a local folder ({e})"
+        ) from e
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"could not download {repo_id} from the Hugging Face hub: {e}") from e
+
+
+class SafetensorsCheckpoint:
+    """Lazy, memory-mapped access to a single-file or sharded safetensors checkpoint."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        elif (self.folder / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{self.folder} has neither {SINGLE} nor {INDEX}")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        missing = [f for f in files if not (self.folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{self.folder}: shard(s) {', '.join(missing)} listed in {INDEX} "
+                                  "are missing; the download is incomplete")
+        self._handles: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+        self.file_of: dict[str, str] = {}
+        for f in files:
+            handle = self._open(f)
+            for name in handle.keys():
+                self.file_of[name] = f
+        if weight_map:
+            for name, f in weight_map.items():
+                if self.file_of.get(name) != f:
+                    raise CheckpointError(f"{INDEX} places {name} in {f}, but {f} does not hold it")
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._stack.enter_context(
+                    safe_open(self.folder / file, framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{self.folder / file} is truncated or corrupt ({e}); "
+                                      "download it again") from e
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def read(self, spec: TensorSpec) -> torch.Tensor:
+        """The tensor named by `spec`, checked against the expected shape and dtype."""
+        file = self.file_of.get(spec.name)
+        if file is None:
+            raise CheckpointError(f"tensor {spec.name} is missing from the checkpoint in "
+                                  f"{self.folder} (looked in {', '.join(sorted(self._handles))})")
+        handle = self._open(file)
+        lazy = handle.get_slice(spec.name)
+        shape, dtype = tuple(lazy.get_shape()), lazy.get_dtype()
+        where = f"tensor {spec.name} in {self.folder / file}"
+        if shape != spec.shape:
+            raise CheckpointError(f"{where} has shape {list(shape)}, but config.json implies "
+                                  f"{list(spec.shape)}")
+        want_int = spec.dtype == "U8"
+        if want_int != (dtype == "U8") or dtype not in ("U8", "BF16", "F16", "F32"):
+            raise CheckpointError(f"{where} has dtype {dtype}, expected {spec.dtype}")
+        return handle.get_tensor(spec.name)
+
+    def tensors(self, specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+        for spec in specs:
+            yield spec, self.read(spec)
+
+
+def _targets(model: GptOssForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
+    """Checkpoint tensor name -> (parameter it fills, first row of it within that parameter)."""
+    c = model.config
+    params = dict(model.named_parameters())
+    targets: dict[str, tuple[torch.Tensor, int]] = {}
+    for name, param in params.items():
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            stem, kind = name.rsplit(".qkv_proj.", 1)
+            for part, row in (("q", 0), ("k", c.q_size), ("v", c.q_size + c.kv_size)):
+                targets[f"{stem}.{part}_proj.{kind}"] = (param, row)
+        elif name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        else:
+            targets[name] = (param, 0)
+    return targets
+
+
+def load_weights(model: GptOssForCausalLM, source: Iterable[tuple[TensorSpec, torch.Tensor]]) -> None:
+    """Copy every checkpoint tensor into its parameter (converting dtype on the device)."""
+    targets = _targets(model)
+    filled: set[str] = set()
+    for spec, tensor in source:
+        param, row = targets[spec.name]
+        dst = param.data[row:row + tensor.shape[0]] if param.dim() > 0 else param.data
+        dst.copy_(tensor.reshape(dst.shape))
+        filled.add(spec.name)
+    unfilled = sorted(set(targets) - filled)
+    assert not unfilled, f"loader bug: parameters left unfilled: {unfilled[:5]}"
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                kernels: Kernels | None = None) -> GptOssForCausalLM:
+    """An empty model (uninitialised memory) on `device`: weights are written once, by loading."""
+    with torch.device("meta"), _default_dtype(dtype):
+        model = GptOssForCausalLM(config, kernels)
+    return model.to_empty(device=device).eval()
+
+
+def load_model(folder: str | Path | None, config: ModelConfig, *, dtype: torch.dtype,
+               device: torch.device, kernels: Kernels | None = None, load_format: str = "auto",
+               seed: int = 0) -> GptOssForCausalLM:
+    """Builds the model and fills it from `folder`, or with random weights for `dummy`."""
+    model = build_model(config, dtype=dtype, device=device, kernels=kernels)
+    specs = checkpoint_tensors(config)
+    if load_format == "dummy":
+        load_weights(model, synthetic_tensors(config, seed, device))
+    elif load_format in ("auto", "safetensors"):
+        if folder is None:
+            raise CheckpointError("load_format 'auto' needs a checkpoint folder")
+        ckpt = SafetensorsCheckpoint(folder)
+        try:
+            extra = sorted(set(ckpt.file_of) - {s.name for s in specs})
+            if extra:
+                log.warning("checkpoint holds %d tensors tinyoss does not use, e.g. %s",
+                            len(extra), ", ".join(extra[:3]))
+            load_weights(model, ckpt.tensors(specs))
+        finally:
+            ckpt.close()
+    else:
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return model
