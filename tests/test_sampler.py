@@ -1,0 +1,287 @@
+"""Sampler transforms against independent float64 references, seeding, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tinyoss.engine.sampler import Sampler, SamplingBatch, SamplingRow, compute_logprobs
+from tinyoss.sampling_params import SamplingParams
+
+V = 16
+N = 20_000  # draws per distribution check
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def fixed_logits(v: int = V, seed: int = 1) -> torch.Tensor:
+    return torch.randn(v, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]):
+    batch = SamplingBatch.build(rows, logits.shape[-1], "cpu")
+    return Sampler()(logits, batch)
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int = N, **row) -> torch.Tensor:
+    """n independent samples of one row: the row repeated n times in one batch."""
+    rows = [SamplingRow(params, **row)] * n
+    return sample(logits.expand(n, -1).contiguous(), rows).token_ids
+
+
+def reference(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0) -> torch.Tensor:
+    """Expected sampling distribution, computed token by token in float64."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    keep = [i for i in range(len(p)) if p[i] >= min_p * p.max()]
+    keep.sort(key=lambda i: (-p[i].item(), i))
+    if top_k > 0:
+        keep = keep[:top_k]
+    total, mass, kept = sum(p[i].item() for i in keep), 0.0, []
+    for i in keep:
+        if top_p < 1 and mass >= top_p:
+            break
+        kept.append(i)
+        mass += p[i].item() / total
+    out = torch.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+def check_distribution(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Samples stay inside the support; every likely token appears; frequencies pass a
+    chi-square bound (df + 8 sd), with cells expecting < 5 draws pooled."""
+    counts = torch.bincount(tokens, minlength=len(expected)).double()
+    exp = expected.double() * len(tokens)
+    assert set(tokens.tolist()) <= set((expected > 0).nonzero().flatten().tolist())
+    assert (counts[exp >= 20] > 0).all()
+    big = exp >= 5
+    obs_cells = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_cells = torch.cat([exp[big], exp[~big].sum()[None]])
+    used = exp_cells > 0
+    chi2 = ((obs_cells[used] - exp_cells[used]) ** 2 / exp_cells[used]).sum().item()
+    df = max(int(used.sum()) - 1, 1)
+    assert chi2 < df + 8 * math.sqrt(2 * df), (chi2, df)
+
+
+def test_plain_sampling_matches_softmax() -> None:
+    logits = fixed_logits()
+    check_distribution(draws(logits, SamplingParams()), reference(logits))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_temperature(temperature: float) -> None:
+    logits = fixed_logits()
+    got = draws(logits, SamplingParams(temperature=temperature))
+    check_distribution(got, reference(logits, temperature=temperature))
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 7, V, V + 5])
+def test_top_k(top_k: int) -> None:
+    logits = fixed_logits()
+    got = draws(logits, SamplingParams(top_k=top_k), n=8000)
+    check_distribution(got, reference(logits, top_k=top_k))
+    if top_k == 1:
+        assert (got == logits.argmax()).all()
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 0.3, 0.62, 0.9, 1.0])
+def test_top_p(top_p: float) -> None:
+    logits = fixed_logits()
+    got = draws(logits, SamplingParams(top_p=top_p), n=8000)
+    check_distribution(got, reference(logits, top_p=top_p))
+    if top_p == 1e-9:
+        assert (got == logits.argmax()).all()
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.25, {0}), (0.5, {0, 1}), (0.5001, {0, 1, 2}),
+                                         (1.0, {0, 1, 2, 3})])
+def test_top_p_boundary_and_ties(top_p: float, kept: set[int]) -> None:
+    """Four equal logits: probabilities exactly 0.25; reaching top_p exactly stops there, and
+    ties keep the lower token ids."""
+    got = draws(torch.zeros(4), SamplingParams(top_p=top_p), n=4000)
+    check_distribution(got, torch.tensor([1.0 if i in kept else 0.0 for i in range(4)]) / len(kept))
+
+
+def test_top_k_ties_keep_lower_ids() -> None:
+    logits = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 0.5])
+    got = draws(logits, SamplingParams(top_k=2), n=4000)
+    check_distribution(got, torch.tensor([0, 0.5, 0.5, 0, 0, 0]))
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p(min_p: float) -> None:
+    logits = fixed_logits()
+    got = draws(logits, SamplingParams(min_p=min_p, temperature=0.8), n=8000)
+    check_distribution(got, reference(logits, temperature=0.8, min_p=min_p))
+    if min_p == 1.0:
+        assert (got == logits.argmax()).all()
+
+
+def test_combined_filters_in_order() -> None:
+    logits = fixed_logits(seed=3)
+    params = SamplingParams(temperature=0.7, min_p=0.02, top_k=6, top_p=0.8)
+    check_distribution(draws(logits, params),
+                       reference(logits, temperature=0.7, top_k=6, top_p=0.8, min_p=0.02))
+
+
+def test_min_tokens_masks_stop_ids_until_reached() -> None:
+    logits = fixed_logits()
+    order = logits.argsort(descending=True).tolist()
+    stop = order[:2]
+    greedy = SamplingParams(temperature=0, min_tokens=3)
+    rows = [SamplingRow(greedy, output_token_ids=[5, 5], min_tokens_stop_ids=stop + [10**9]),
+            SamplingRow(greedy, output_token_ids=[5, 5, 5], min_tokens_stop_ids=stop)]
+    assert sample(logits.expand(2, -1), rows).token_ids.tolist() == [order[2], order[0]]
+    got = draws(logits, SamplingParams(min_tokens=1), min_tokens_stop_ids=stop)
+    expected = torch.softmax(logits.double(), -1)
+    expected[stop] = 0
+    check_distribution(got, expected / expected.sum())
+
+
+def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float = 1.0,
+              freq: float = 0.0, pres: float = 0.0) -> torch.Tensor:
+    out = logits.double().clone()
+    for t in range(len(out)):
+        c = output.count(t)
+        if t in prompt or c:
+            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        out[t] -= freq * c + pres * (c > 0)
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"rep": 1.8}, {"rep": 0.6}, {"freq": 0.7}, {"freq": -1.2},
+                                {"pres": 1.5}, {"pres": -0.8},
+                                {"rep": 1.3, "freq": 0.4, "pres": 0.9}])
+def test_penalties(kw: dict) -> None:
+    logits = fixed_logits()
+    prompt, output = [1, 2, 3, 3], [3, 4, 4, 4, 9]
+    params = SamplingParams(repetition_penalty=kw.get("rep", 1.0),
+                            frequency_penalty=kw.get("freq", 0.0),
+                            presence_penalty=kw.get("pres", 0.0))
+    expected = penalised(logits, prompt, output, **kw)
+    got = draws(logits, params, prompt_token_ids=prompt, output_token_ids=output)
+    check_distribution(got, torch.softmax(expected, -1))
+    greedy = SamplingParams(temperature=0, repetition_penalty=params.repetition_penalty,
+                            frequency_penalty=params.frequency_penalty,
+                            presence_penalty=params.presence_penalty)
+    # A plain row beside the penalised one must be untouched.
+    rows = [SamplingRow(SamplingParams(temperature=0), prompt, output),
+            SamplingRow(greedy, prompt, output)]
+    tokens = sample(logits.expand(2, -1), rows).token_ids.tolist()
+    assert tokens == [logits.argmax().item(), expected.argmax().item()]
+
+
+def test_penalty_flips_greedy_choice() -> None:
+    logits = torch.tensor([0.0, 2.0, 1.9, -1.0])
+    row = SamplingRow(SamplingParams(temperature=0, presence_penalty=0.5), (), [1])
+    assert sample(logits[None], [row]).token_ids.tolist() == [2]
+
+
+def test_no_penalty_state_without_penalties() -> None:
+    batch = SamplingBatch.build([SamplingRow(SamplingParams(), [1, 2], [3])] * 3, V, "cpu")
+    assert batch.penalties is None and batch.banned is None and batch.top_k is None
+
+
+def test_greedy_is_argmax_in_mixed_batch() -> None:
+    logits = torch.randn(6, 1000)
+    rows = [SamplingRow(SamplingParams(temperature=0 if i % 2 else 1.0, top_k=5)) for i in range(6)]
+    tokens = sample(logits, rows).token_ids
+    assert tokens.dtype == torch.int64
+    assert tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
+    assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
+
+
+def seeded_run(seed: int, position: int, others: list[SamplingRow], logits: torch.Tensor,
+               steps: int = 8) -> list[int]:
+    params = SamplingParams(seed=seed, temperature=1.1, top_p=0.95)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        rows = list(others)
+        rows.insert(position, SamplingRow(params, generator=g))
+        batch_logits = torch.randn(len(rows), logits.shape[-1])
+        batch_logits[position] = logits
+        out.append(sample(batch_logits, rows).token_ids[position].item())
+    return out
+
+
+def test_seeded_rows_reproduce_in_any_batch() -> None:
+    logits = torch.zeros(1000)  # uniform: every draw is a fresh choice among 1000
+    a = seeded_run(7, 0, [SamplingRow(SamplingParams())], logits)
+    other_seed = SamplingParams(seed=99, top_k=3)
+    b = seeded_run(7, 2, [SamplingRow(SamplingParams(temperature=0)),
+                          SamplingRow(other_seed, generator=torch.Generator().manual_seed(99)),
+                          SamplingRow(SamplingParams(min_p=0.1, repetition_penalty=1.2))], logits)
+    assert a == b
+    assert seeded_run(8, 0, [], logits) != a
+
+
+def test_empirical_frequencies_small_vocab() -> None:
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3])
+    check_distribution(draws(logits, SamplingParams(), n=50_000), torch.softmax(logits, -1))
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    logits = torch.randn(4, 300) * 3
+    rows = [SamplingRow(SamplingParams(temperature=0.5, top_k=3, logprobs=2)),
+            SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), [1], [2]),
+            SamplingRow(SamplingParams(logprobs=5)),
+            SamplingRow(SamplingParams(min_p=0.5, logprobs=0))]
+    out = sample(logits, rows)
+    ref = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_ids.shape == out.top_logprobs.shape == (4, 5)
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    top = ref.topk(5, -1)
+    assert out.top_ids.tolist() == top.indices.tolist()
+    torch.testing.assert_close(out.top_logprobs, top.values)
+    none = sample(logits, [SamplingRow(SamplingParams())] * 4)
+    assert none.top_ids is None and none.top_logprobs is None
+
+
+def test_compute_logprobs_for_prompt() -> None:
+    logits = torch.randn(7, 50)
+    ids = torch.randint(0, 50, (7,))
+    lp, top_ids, top_lp = compute_logprobs(logits, ids, 3)
+    ref = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(lp, ref[torch.arange(7), ids])
+    assert top_ids.tolist() == ref.topk(3).indices.tolist()
+    torch.testing.assert_close(top_lp, ref.topk(3).values)
+    _, no_ids, no_lps = compute_logprobs(logits, ids, 0)
+    assert no_ids.shape == no_lps.shape == (7, 0)
+
+
+def test_stop_normalisation() -> None:
+    p = SamplingParams(stop="x", stop_token_ids=None, temperature=1)
+    assert p.stop == ["x"] and p.stop_token_ids == [] and isinstance(p.temperature, float)
+    assert SamplingParams().stop == [] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(frequency_penalty=0.1).needs_penalties
+    assert not SamplingParams().needs_penalties
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("n", 1.0), ("temperature", -0.1), ("temperature", float("nan")),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1),
+    ("min_p", 1.5), ("presence_penalty", 2.1), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("stop", ""),
+    ("stop", ["ok", ""]), ("stop", 5), ("stop_token_ids", [1, "2"]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", 3), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
+    ("logprobs", -1), ("logprobs", True), ("prompt_logprobs", 50), ("seed", "7"),
+    ("seed", 1.5), ("seed", 2**64), ("ignore_eos", 1), ("skip_special_tokens", None),
+])
+def test_validation_names_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"{field}={value!r}".replace("[", r"\[")) as err:
+        SamplingParams(**{field: value})
+    assert "must be" in str(err.value)
+
+
+def test_min_tokens_above_max_tokens() -> None:
+    with pytest.raises(ValueError, match=r"min_tokens=5 .*max_tokens \(3\)"):
+        SamplingParams(min_tokens=5, max_tokens=3)
+    assert SamplingParams(min_tokens=5, max_tokens=None).min_tokens == 5
