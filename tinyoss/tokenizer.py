@@ -1,0 +1,156 @@
+"""The o200k_harmony tokenizer of gpt-oss, and streaming detokenization.
+
+Encoding runs in the Rust `tokenizers` library. Decoding goes through bytes: every id maps to
+its raw bytes (byte-level BPE is lossless), and bytes become text with Python's UTF-8 decoder.
+That makes `decode` and the streaming `IncrementalDetokenizer` agree by construction, and lets
+ids that a published tokenizer.json does not list (200019..201087, model embedding rows only)
+decode as `<|reserved_N|>` instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+VOCAB_SIZE = 201_088  # the model's embedding rows; every id below decodes
+
+STARTOFTEXT = 199_998
+ENDOFTEXT = 199_999
+RETURN = 200_002
+CONSTRAIN = 200_003
+CHANNEL = 200_005
+START = 200_006
+END = 200_007
+MESSAGE = 200_008
+CALL = 200_012
+ENDOFPROMPT = 200_018
+
+
+def byte_to_unicode() -> list[str]:
+    """GPT-2's printable stand-in for each byte, so byte-level tokens are valid JSON strings."""
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
+    table = []
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            table.append(chr(b))
+        else:
+            table.append(chr(256 + extra))
+            extra += 1
+    return table
+
+
+class Tokenizer:
+    """o200k_harmony: encode text, decode any id below the model's vocab size."""
+
+    def __init__(self, hf: HFTokenizer) -> None:
+        if not isinstance(hf.decoder, decoders.ByteLevel):
+            raise ValueError(
+                "expected a byte-level BPE tokenizer (o200k_harmony), "
+                f"got decoder {type(hf.decoder).__name__}"
+            )
+        self._hf = hf
+        self._hf.encode_special_tokens = True  # "<|start|>" typed by a user stays plain text
+        listed = hf.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(listed, VOCAB_SIZE)
+        self._special = {
+            i: t.content for i, t in hf.get_added_tokens_decoder().items() if t.special
+        }
+        self._special.update((i, f"<|reserved_{i}|>") for i in range(listed, self.vocab_size))
+        self._special_ids = {name: i for i, name in self._special.items()}
+        self._byte_of = {c: b for b, c in enumerate(byte_to_unicode())}
+        self._bytes: dict[int, bytes] = {}
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Load `folder`/tokenizer.json, as found in a gpt-oss checkpoint."""
+        path = Path(folder) / "tokenizer.json"
+        hint = (
+            "expected the o200k_harmony tokenizer.json of a gpt-oss checkpoint "
+            "(`python -m tinyoss.tools.o200k FOLDER` writes one)"
+        )
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: {hint}")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"{path} is not a readable tokenizer.json ({e}): {hint}") from e
+        return cls(hf)
+
+    def encode(self, text: str) -> list[int]:
+        """BPE ids of `text`; special-token look-alikes in it are encoded as ordinary text."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = False) -> bytes:
+        """Raw bytes of `ids` (a token may end inside a UTF-8 character)."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special]
+        return b"".join([self.token_bytes(i) for i in ids])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token; a special token's bytes are its name."""
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            cached = self._bytes[token_id] = self._lookup_bytes(token_id)
+        return cached
+
+    def _lookup_bytes(self, token_id: int) -> bytes:
+        token = self.id_to_token(token_id)
+        if token_id in self._special:
+            return token.encode()
+        try:
+            return bytes([self._byte_of[c] for c in token])
+        except KeyError:  # an added non-special token is stored as plain text
+            return token.encode()
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a special token name or a byte-level BPE token string ("Ġhello"); else None."""
+        special = self._special_ids.get(token)
+        return special if special is not None else self._hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        """Special token name or byte-level BPE token string of `token_id`."""
+        token = self._special.get(token_id)
+        if token is None and token_id >= 0:
+            token = self._hf.id_to_token(token_id)
+        if token is None:
+            raise ValueError(
+                f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        return token
+
+
+class IncrementalDetokenizer:
+    """Streams text for token ids as they come, O(new tokens) a call.
+
+    Bytes go through an incremental UTF-8 decoder, so a character split across tokens (emoji,
+    CJK) is held back until complete, and the deltas add up to `Tokenizer.decode` exactly.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, ids: Iterable[int]) -> str:
+        """The new text that `ids` complete."""
+        return self._utf8.decode(self._tokenizer.decode_bytes(ids, self._skip_special_tokens))
+
+    def flush(self) -> str:
+        """What is left at the end of the stream (U+FFFD for an unfinished character)."""
+        return self._utf8.decode(b"", final=True)
