@@ -1,0 +1,526 @@
+"""The harmony chat format of gpt-oss: chats to prompt tokens, generated tokens to messages.
+
+Rendering follows OpenAI's reference renderer (github.com/openai/harmony, src/encoding.rs and
+docs/format.md); tests/test_harmony.py pins where the Hugging Face chat_template.jinja differs.
+Special tokens are kept as ids and only ordinary text goes through the tokenizer, so no user
+text can forge a message boundary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import re
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+STARTOFTEXT, ENDOFTEXT, RETURN, CONSTRAIN = 199998, 199999, 200002, 200003
+CHANNEL, START, END, MESSAGE, CALL = 200005, 200006, 200007, 200008, 200012
+SPECIAL_NAMES = {
+    STARTOFTEXT: "<|startoftext|>",
+    ENDOFTEXT: "<|endoftext|>",
+    RETURN: "<|return|>",
+    CONSTRAIN: "<|constrain|>",
+    CHANNEL: "<|channel|>",
+    START: "<|start|>",
+    END: "<|end|>",
+    MESSAGE: "<|message|>",
+    CALL: "<|call|>",
+}
+FIRST_SPECIAL = 199998  # every id from here up is a special token in o200k_harmony
+STOP_TOKENS = (RETURN, CALL)  # generation ends on these (they close the last message)
+DEFAULT_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
+CHANNELS_LINE = (
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+)
+TOOLS_LINE = "Calls to these tools must go to the commentary channel: 'functions'."
+
+Segment = int | str  # a special token id, or text for the tokenizer
+Message = dict[str, Any]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render_segments(
+    messages: list[Message],
+    *,
+    tools: list[dict] | None = None,
+    tool_choice: str | dict | None = "auto",
+    reasoning_effort: str = "medium",
+    model_identity: str = DEFAULT_IDENTITY,
+    knowledge_cutoff: str = "2024-06",
+    current_date: str | None = None,
+) -> list[Segment]:
+    """The prompt as special ids and text runs, ending with `<|start|>assistant`.
+
+    OpenAI `system`/`developer` messages become harmony's developer "# Instructions" (leading
+    ones merged, later ones as their own developer message); harmony's system message carries
+    identity, knowledge cutoff, date (None: today, "": left out) and reasoning effort.
+    `tool_choice`: "none" offers no tools; "required" adds an instruction to call one; a named
+    function ({"type": "function", "function": {"name": N}}) offers only N and adds an
+    instruction to call it. Harmony has no native tool_choice; the engine may also constrain
+    decoding.
+    """
+    if reasoning_effort not in ("low", "medium", "high"):
+        raise ValueError(f"reasoning_effort must be low, medium or high, not {reasoning_effort!r}")
+    tools, directive = _choose_tools(tools or [], tool_choice)
+    if current_date is None:
+        current_date = datetime.date.today().isoformat()
+    head = "\n".join(
+        line
+        for line in (
+            model_identity,
+            knowledge_cutoff and f"Knowledge cutoff: {knowledge_cutoff}",
+            current_date and f"Current date: {current_date}",
+        )
+        if line
+    )
+    channels = CHANNELS_LINE + ("\n" + TOOLS_LINE if tools else "")
+    out: list[Segment] = []
+    _message(
+        out,
+        ["system"],
+        "\n\n".join(s for s in (head, f"Reasoning: {reasoning_effort}", channels) if s),
+    )
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
+        lead += 1
+    instructions = "\n\n".join(
+        s for s in [_text(m.get("content")) for m in messages[:lead]] + [directive] if s
+    )
+    sections = (["# Instructions", instructions] if instructions else []) + (
+        ["# Tools\n\n" + render_tool_namespace(tools)] if tools else []
+    )
+    if sections:
+        _message(out, ["developer"], "\n\n".join(sections))
+    _render_turns(out, messages[lead:])
+    out += [START, "assistant"]
+    return out
+
+
+def render_text(messages: list[Message], **options: Any) -> str:
+    """The prompt as one string with special tokens written out (for templates and debugging)."""
+    return "".join(
+        SPECIAL_NAMES[s] if isinstance(s, int) else s for s in render_segments(messages, **options)
+    )
+
+
+def render_prompt(
+    messages: list[Message], encode: Callable[[str], list[int]], **options: Any
+) -> list[int]:
+    """Prompt token ids. `encode` must treat its text as ordinary (never emit special ids)."""
+    ids: list[int] = []
+    for s in render_segments(messages, **options):
+        ids.extend([s] if isinstance(s, int) else encode(s))
+    return ids
+
+
+def _choose_tools(tools: list[dict], choice: str | dict | None) -> tuple[list[dict], str]:
+    if not tools or choice in (None, "auto"):
+        return tools, ""
+    if choice == "none":
+        return [], ""
+    if choice == "required":
+        return tools, "You must call at least one of the functions in the `functions` namespace."
+    name = (choice.get("function") or choice).get("name") if isinstance(choice, dict) else None
+    chosen = [t for t in tools if t.get("function", t).get("name") == name]
+    if not chosen:
+        raise ValueError(f"tool_choice names no offered function: {choice!r}")
+    return chosen, f"You must call the function `functions.{name}`."
+
+
+def _message(out: list[Segment], header: list[Segment], body: str, end: int = END) -> None:
+    for s in [START, *header, MESSAGE, body, end]:
+        if isinstance(s, str) and out and isinstance(out[-1], str):
+            out[-1] += s
+        elif s != "":
+            out.append(s)
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(
+        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+    )
+
+
+def _render_turns(out: list[Segment], messages: list[Message]) -> None:
+    """User, assistant and tool turns; reasoning is kept only before tool calls of the turn in
+    progress (no assistant answer after it), as harmony and the HF template prescribe."""
+    names = {
+        c.get("id"): c.get("function", c).get("name")
+        for m in messages
+        for c in m.get("tool_calls") or []
+    }
+    last_answer = max(
+        (
+            i
+            for i, m in enumerate(messages)
+            if m.get("role") == "assistant" and not m.get("tool_calls")
+        ),
+        default=-1,
+    )
+    last_call = None
+    for i, m in enumerate(messages):
+        role, text = m.get("role"), _text(m.get("content"))
+        if role == "user":
+            _message(out, ["user"], text)
+        elif role in ("system", "developer"):
+            _message(out, ["developer"], "# Instructions\n\n" + text)
+        elif role == "assistant" and m.get("tool_calls"):
+            reasoning = m.get("reasoning") or m.get("reasoning_content") or m.get("thinking")
+            if reasoning and i > last_answer:
+                _message(out, ["assistant", CHANNEL, "analysis"], reasoning)
+            if text:
+                _message(out, ["assistant", CHANNEL, "commentary"], text)
+            for call in m["tool_calls"]:
+                fn = call.get("function", call)
+                last_call, args = fn["name"], fn.get("arguments", "")
+                _message(
+                    out,
+                    [
+                        "assistant",
+                        CHANNEL,
+                        f"commentary to=functions.{last_call} ",
+                        CONSTRAIN,
+                        "json",
+                    ],
+                    args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                    CALL,
+                )
+        elif role == "assistant":
+            _message(out, ["assistant", CHANNEL, "final"], text)
+        elif role == "tool":
+            name = names.get(m.get("tool_call_id")) or m.get("name") or last_call
+            if not name:
+                raise ValueError("tool message without a matching tool call")
+            _message(out, [f"functions.{name} to=assistant", CHANNEL, "commentary"], text)
+        else:
+            raise ValueError(f"unknown message role {role!r}")
+
+
+def render_tool_namespace(tools: list[dict]) -> str:
+    """OpenAI function tools as harmony's TypeScript-like `namespace functions`."""
+    lines = ["## functions\n", "namespace functions {\n"]
+    for tool in tools:
+        fn = tool.get("function", tool)
+        lines += [f"// {line}" for line in (fn.get("description") or "").splitlines()]
+        params = fn.get("parameters")
+        args = f"_: {_ts(params, '')}" if params and params.get("properties") else ""
+        lines.append(f"type {fn['name']} = ({args}) => any;\n")
+    lines.append("} // namespace functions")
+    return "\n".join(lines)
+
+
+def _is_enum(schema: dict) -> bool:
+    return isinstance(schema.get("enum"), list) and bool(schema["enum"])
+
+
+def _default(value: Any, schema: dict, raw_enum: bool = True) -> str:
+    if isinstance(value, str) and not _is_enum(schema):
+        return f'"{value}"'
+    if isinstance(value, str) and raw_enum:
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _nullable(ts: str, schema: dict) -> str:
+    return ts + " | null" if schema.get("nullable") is True and "null" not in ts else ts
+
+
+def _ts(schema: dict, indent: str) -> str:
+    """JSON schema to TypeScript, a port of harmony's json_schema_to_typescript."""
+    if not isinstance(schema, dict):
+        return "any"
+    if isinstance(schema.get("oneOf"), list):
+        out = ""
+        for variant in schema["oneOf"]:
+            out += f"\n{indent} | " + _nullable(_ts(variant, indent + "   "), variant)
+            notes = [variant["description"]] if isinstance(variant.get("description"), str) else []
+            if "default" in variant:
+                notes.append("default: " + _default(variant["default"], variant, raw_enum=False))
+            out += f" // {' '.join(notes)}" if notes else ""
+        return out
+    kind = schema.get("type")
+    if isinstance(kind, list) and any(isinstance(k, str) for k in kind):
+        return " | ".join("number" if k == "integer" else k for k in kind if isinstance(k, str))
+    if kind == "object":
+        return _ts_object(schema, indent)
+    if kind == "string":
+        values = [f'"{v}"' for v in schema.get("enum") or [] if isinstance(v, str)]
+        return " | ".join(values) if values else "string"
+    if kind == "array":
+        return _ts(schema["items"], indent) + "[]" if "items" in schema else "Array<any>"
+    return {"number": "number", "integer": "number", "boolean": "boolean"}.get(kind, "any")
+
+
+def _ts_object(schema: dict, indent: str) -> str:
+    desc = schema.get("description")
+    out = (f"{indent}// {desc}\n" if isinstance(desc, str) else "") + "{\n"
+    required = set(schema.get("required") or [])
+    for key, val in (schema.get("properties") or {}).items():
+        val = val if isinstance(val, dict) else {}
+        opt = "" if key in required else "?"
+        if isinstance(val.get("title"), str):
+            out += f"{indent}// {val['title']}\n{indent}//\n"
+        desc = val.get("description") if isinstance(val.get("description"), str) else None
+        if desc and "oneOf" not in val:
+            out += f"{indent}// {desc}\n"
+        if isinstance(val.get("examples"), list) and val["examples"]:
+            out += f"{indent}// Examples:\n" + "".join(
+                f'{indent}// - "{ex}"\n' for ex in val["examples"] if isinstance(ex, str)
+            )
+        variants = val.get("oneOf")
+        if not isinstance(variants, list):
+            out += f"{indent}{key}{opt}: " + _nullable(_ts(val, indent + "    "), val) + ","
+            out += f" // default: {_default(val['default'], val)}" if "default" in val else ""
+            out += "\n"
+            continue
+        above = bool(desc) and not (variants and variants[0].get("description") == desc)
+        out += f"{indent}// {desc}\n" if above else ""
+        out += f"{indent}// default: {_default(val['default'], val)}\n" if "default" in val else ""
+        out += f"{indent}{key}{opt}:\n"
+        for i, variant in enumerate(variants):
+            out += f"{indent} | " + _nullable(_ts(variant, indent + "   "), variant)
+            vdesc = variant.get("description")
+            notes = (
+                [vdesc]
+                if isinstance(vdesc, str) and vdesc != desc and not (i == 0 and above)
+                else []
+            )
+            if "default" in variant:
+                notes.append("default: " + _default(variant["default"], variant))
+            out += (f" // {' '.join(notes)}" if notes else "") + "\n"
+        out += f"{indent},\n"
+    return out + f"{indent}}}"
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # the JSON text as generated, possibly cut short
+
+
+@dataclass
+class ParsedCompletion:
+    reasoning: str | None  # analysis (and unknown-channel) text, messages joined by "\n"
+    content: str | None  # final text and commentary without a recipient, joined by "\n"
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish: Literal["stop", "tool_calls", "length"] = "stop"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streaming event: text of a kind, or the start of tool call `index` (id, name)."""
+
+    kind: Literal["reasoning", "content", "tool_call", "arguments"]
+    text: str = ""
+    index: int = 0
+    id: str = ""
+    name: str = ""
+
+
+class Detokenizer(Protocol):
+    def add(self, ids: list[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class WindowDetokenizer:
+    """Incremental decode over a full `decode`: holds text back while it ends in U+FFFD (a
+    character cut between tokens), so deltas never split UTF-8 and join to decode(all)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode, self._ids = decode, []
+
+    def add(self, ids: list[int]) -> str:
+        self._ids += ids
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        self._ids = []
+        return text
+
+    def flush(self) -> str:
+        text, self._ids = self._decode(self._ids) if self._ids else "", []
+        return text
+
+
+class _WholeDecode:
+    """Decodes a message's content in one call when it ends (non-streaming parse)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode, self._ids = decode, []
+
+    def add(self, ids: list[int]) -> str:
+        self._ids += ids
+        return ""
+
+    def flush(self) -> str:
+        return self._decode(self._ids) if self._ids else ""
+
+
+_CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]*)")
+_RECIPIENT_RE = re.compile(r"to=([^\s<]+)")
+_CONSTRAIN_RE = re.compile(r"<\|constrain\|>\s*[^\s<]*")
+_NOT_RECIPIENTS = ("all", "assistant", "user")
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+class HarmonyStreamParser:
+    """Parses generated tokens (they start after `<|start|>assistant`) one at a time.
+
+    `decode(ids) -> str` decodes ordinary ids (headers, and content unless `detokenizer` is
+    given: a factory of incremental detokenizers with add/flush, one per message). Tool call ids
+    are `call_` + 24 letters/digits, from `random.Random(seed)` when a seed is given. Never
+    raises on malformed output: it keeps what it can.
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        *,
+        detokenizer: Callable[[], Detokenizer] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self._decode = decode
+        self._new_detok = detokenizer or (lambda: WindowDetokenizer(decode))
+        self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._state = "header"  # header | content | idle (between messages)
+        self._header: list[int] = []
+        self._implicit_role = True  # the first header has no role: it follows <|start|>assistant
+        self._kind: str | None = None  # what the open message's text is; None: discarded
+        self._detok: Detokenizer | None = None
+        self._started = False  # the open message has emitted text
+        self._text: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self.tool_calls: list[ToolCall] = []
+
+    def add(self, token: int) -> list[Delta]:
+        """Feed one generated token; returns the deltas it completes."""
+        out: list[Delta] = []
+        if self._state == "content":
+            if token < FIRST_SPECIAL:
+                self._emit(self._detok.add([token]), out)
+            elif token in (END, RETURN, CALL, ENDOFTEXT, START, CHANNEL):
+                self._close(out)
+                self._state = "idle"
+                if token in (START, CHANNEL):  # a missing <|end|>: the next header began
+                    self._begin(token)
+        elif self._state == "header":
+            if token == MESSAGE:
+                self._open(out)
+            elif token < FIRST_SPECIAL or token in (CHANNEL, CONSTRAIN):
+                self._header.append(token)
+            elif token == START:
+                self._begin(token)
+            elif token in (END, RETURN, CALL, ENDOFTEXT):
+                self._salvage(out)
+                self._state = "idle"
+        elif token in (START, CHANNEL):
+            self._begin(token)
+        return out
+
+    def finish(self) -> list[Delta]:
+        """End of generation: flushes the open message (a cut-off header is dropped)."""
+        out: list[Delta] = []
+        if self._state == "content":
+            self._close(out)
+        return out
+
+    def result(self) -> ParsedCompletion:
+        """Everything parsed so far; finish is "length" when output stopped inside a message."""
+        reasoning, content = ("".join(self._text[k]) or None for k in ("reasoning", "content"))
+        finish = "length" if self._state != "idle" else "tool_calls" if self.tool_calls else "stop"
+        return ParsedCompletion(reasoning, content, list(self.tool_calls), finish)
+
+    def _begin(self, token: int) -> None:
+        self._state, self._implicit_role = "header", token == CHANNEL
+        self._header = [CHANNEL] if token == CHANNEL else []
+
+    def _parse_header(self) -> tuple[bool, str | None, str | None, str]:
+        """(from the assistant, channel, recipient, leftover text) of the pending header."""
+        text, run = "", []
+        for t in self._header:
+            if t < FIRST_SPECIAL:
+                run.append(t)
+            else:
+                text, run = text + self._decode_run(run) + SPECIAL_NAMES[t], []
+        text += self._decode_run(run)
+        channel = recipient = None
+        if m := _CHANNEL_RE.search(text):
+            channel, text = m.group(1) or None, text[: m.start()] + " " + text[m.end() :]
+        if m := _RECIPIENT_RE.search(text):
+            recipient, text = m.group(1), text[: m.start()] + " " + text[m.end() :]
+        text = _CONSTRAIN_RE.sub(" ", text).strip()
+        role = ""
+        if not self._implicit_role and text:
+            role, _, text = text.partition(" ")
+        elif text.startswith("assistant") and text[9:10] in ("", " "):
+            text = text[9:]
+        if recipient in _NOT_RECIPIENTS:
+            recipient = None
+        return role in ("", "assistant"), channel, recipient, text.strip()
+
+    def _decode_run(self, ids: list[int]) -> str:
+        return self._decode(ids) if ids else ""
+
+    def _kind_of(self, channel: str | None) -> str:
+        return "reasoning" if channel not in (None, "final", "commentary") else "content"
+
+    def _open(self, out: list[Delta]) -> None:
+        mine, channel, recipient, _ = self._parse_header()
+        self._kind = None
+        if mine and recipient:
+            call_id = "call_" + "".join(self._rng.choice(_ID_CHARS) for _ in range(24))
+            name = recipient.removeprefix("functions.")
+            self.tool_calls.append(ToolCall(call_id, name, ""))
+            out.append(Delta("tool_call", index=len(self.tool_calls) - 1, id=call_id, name=name))
+            self._kind = "arguments"
+        elif mine:
+            self._kind = self._kind_of(channel)
+        self._state, self._detok, self._started = "content", self._new_detok(), False
+
+    def _salvage(self, out: list[Delta]) -> None:
+        """A header ended without <|message|>: its leftover text is the message (as harmony's
+        non-strict parser does), unless it addressed a tool (a call cut short)."""
+        mine, channel, recipient, text = self._parse_header()
+        if mine and not recipient and text:
+            self._kind, self._started = self._kind_of(channel), False
+            self._emit(text, out)
+        self._kind = None
+
+    def _emit(self, text: str, out: list[Delta]) -> None:
+        if not text or self._kind is None:
+            return
+        if self._kind == "arguments":
+            self.tool_calls[-1].arguments += text
+            out.append(Delta("arguments", text, index=len(self.tool_calls) - 1))
+            return
+        if not self._started and self._text[self._kind]:
+            text = "\n" + text
+        self._started = True
+        self._text[self._kind].append(text)
+        out.append(Delta(self._kind, text))
+
+    def _close(self, out: list[Delta]) -> None:
+        self._emit(self._detok.flush(), out)
+        self._detok, self._kind = None, None
+
+
+def parse_completion(
+    token_ids: list[int], decode: Callable[[list[int]], str], *, seed: int | None = None
+) -> ParsedCompletion:
+    """Parse a whole generation (include its stop token: without one, finish is "length")."""
+    parser = HarmonyStreamParser(decode, detokenizer=lambda: _WholeDecode(decode), seed=seed)
+    for token in token_ids:
+        parser.add(token)
+    parser.finish()
+    return parser.result()
