@@ -39,19 +39,24 @@ def test_from_folder(tmp_path):
     assert ModelConfig.from_folder(tmp_path).hidden_size == 128
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"model_type": "llama"}, "model_type is 'llama'"),
-    ({"quantization_config": {"quant_method": "awq"}}, "quant_method is 'awq'"),
-    ({"quantization_config": None}, "quant_method is None"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
-    ({"num_experts_per_tok": 9}, "exceeds num_local_experts"),
-    ({"hidden_size": 100}, "hidden_size \\(100\\) must be a multiple of 32"),
-    ({"layer_types": ["sliding_attention"]}, "layer_types has 1 entries for 4 layers"),
-    ({"layer_types": ["sliding_attention", "local", "full_attention", "full_attention"]},
-     "layer_types holds \\['local'\\]"),
-    ({"rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope' is not supported"),
-    ({"head_dim": 63}, "head_dim \\(63\\) must be even"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"model_type": "llama"}, "model_type is 'llama'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method is 'awq'"),
+        ({"quantization_config": None}, "quant_method is None"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+        ({"num_experts_per_tok": 9}, "exceeds num_local_experts"),
+        ({"hidden_size": 100}, "hidden_size \\(100\\) must be a multiple of 32"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types has 1 entries for 4 layers"),
+        (
+            {"layer_types": ["sliding_attention", "local", "full_attention", "full_attention"]},
+            "layer_types holds \\['local'\\]",
+        ),
+        ({"rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope' is not supported"),
+        ({"head_dim": 63}, "head_dim \\(63\\) must be even"),
+    ],
+)
 def test_refusals_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict(preset_config("tiny") | change)

@@ -8,13 +8,32 @@ from tinyoss.model import mxfp4
 
 def _block(codes: list[int]) -> torch.Tensor:
     """Pack 32 codes (even index -> low nibble) into one 16-byte block, by hand."""
-    return torch.tensor([[codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(16)]], dtype=torch.uint8)
+    return torch.tensor(
+        [[codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(16)]], dtype=torch.uint8
+    )
 
 
 def test_every_code_and_nibble_order():
     codes = list(range(16)) * 2  # 0..15 twice
     out = mxfp4.dequantize(_block(codes), torch.tensor([127], dtype=torch.uint8))
-    expected = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    expected = [
+        0.0,
+        0.5,
+        1.0,
+        1.5,
+        2.0,
+        3.0,
+        4.0,
+        6.0,
+        -0.0,
+        -0.5,
+        -1.0,
+        -1.5,
+        -2.0,
+        -3.0,
+        -4.0,
+        -6.0,
+    ]
     assert out.tolist() == expected * 2
     # byte 0x71: low nibble 1 (0.5) is element 0, high nibble 7 (6.0) is element 1
     b = torch.zeros(1, 16, dtype=torch.uint8)
@@ -23,7 +42,9 @@ def test_every_code_and_nibble_order():
     assert vals[:2].tolist() == [0.5, 6.0]
 
 
-@pytest.mark.parametrize("scale,factor", [(127, 1.0), (128, 2.0), (126, 0.5), (120, 2.0**-7), (0, 2.0**-127)])
+@pytest.mark.parametrize(
+    "scale,factor", [(127, 1.0), (128, 2.0), (126, 0.5), (120, 2.0**-7), (0, 2.0**-127)]
+)
 def test_scale_bias_127(scale, factor):
     codes = [5] * 32  # 3.0
     out = mxfp4.dequantize(_block(codes), torch.tensor([scale], dtype=torch.uint8))

@@ -34,8 +34,13 @@ def draws(logits: torch.Tensor, params: SamplingParams, n: int = N, **row) -> to
     return sample(logits.expand(n, -1).contiguous(), rows).token_ids
 
 
-def reference(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-              min_p: float = 0.0) -> torch.Tensor:
+def reference(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
     """Expected sampling distribution, computed token by token in float64."""
     p = torch.softmax(logits.double() / temperature, -1)
     keep = [i for i in range(len(p)) if p[i] >= min_p * p.max()]
@@ -99,8 +104,9 @@ def test_top_p(top_p: float) -> None:
         assert (got == logits.argmax()).all()
 
 
-@pytest.mark.parametrize("top_p, kept", [(0.25, {0}), (0.5, {0, 1}), (0.5001, {0, 1, 2}),
-                                         (1.0, {0, 1, 2, 3})])
+@pytest.mark.parametrize(
+    "top_p, kept", [(0.25, {0}), (0.5, {0, 1}), (0.5001, {0, 1, 2}), (1.0, {0, 1, 2, 3})]
+)
 def test_top_p_boundary_and_ties(top_p: float, kept: set[int]) -> None:
     """Four equal logits: probabilities exactly 0.25; reaching top_p exactly stops there, and
     ties keep the lower token ids."""
@@ -126,8 +132,9 @@ def test_min_p(min_p: float) -> None:
 def test_combined_filters_in_order() -> None:
     logits = fixed_logits(seed=3)
     params = SamplingParams(temperature=0.7, min_p=0.02, top_k=6, top_p=0.8)
-    check_distribution(draws(logits, params),
-                       reference(logits, temperature=0.7, top_k=6, top_p=0.8, min_p=0.02))
+    check_distribution(
+        draws(logits, params), reference(logits, temperature=0.7, top_k=6, top_p=0.8, min_p=0.02)
+    )
 
 
 def test_min_tokens_masks_stop_ids_until_reached() -> None:
@@ -135,8 +142,10 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
     order = logits.argsort(descending=True).tolist()
     stop = order[:2]
     greedy = SamplingParams(temperature=0, min_tokens=3)
-    rows = [SamplingRow(greedy, output_token_ids=[5, 5], min_tokens_stop_ids=stop + [10**9]),
-            SamplingRow(greedy, output_token_ids=[5, 5, 5], min_tokens_stop_ids=stop)]
+    rows = [
+        SamplingRow(greedy, output_token_ids=[5, 5], min_tokens_stop_ids=stop + [10**9]),
+        SamplingRow(greedy, output_token_ids=[5, 5, 5], min_tokens_stop_ids=stop),
+    ]
     assert sample(logits.expand(2, -1), rows).token_ids.tolist() == [order[2], order[0]]
     got = draws(logits, SamplingParams(min_tokens=1), min_tokens_stop_ids=stop)
     expected = torch.softmax(logits.double(), -1)
@@ -144,8 +153,14 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
     check_distribution(got, expected / expected.sum())
 
 
-def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float = 1.0,
-              freq: float = 0.0, pres: float = 0.0) -> torch.Tensor:
+def penalised(
+    logits: torch.Tensor,
+    prompt: list[int],
+    output: list[int],
+    rep: float = 1.0,
+    freq: float = 0.0,
+    pres: float = 0.0,
+) -> torch.Tensor:
     out = logits.double().clone()
     for t in range(len(out)):
         c = output.count(t)
@@ -155,24 +170,40 @@ def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], rep: f
     return out
 
 
-@pytest.mark.parametrize("kw", [{"rep": 1.8}, {"rep": 0.6}, {"freq": 0.7}, {"freq": -1.2},
-                                {"pres": 1.5}, {"pres": -0.8},
-                                {"rep": 1.3, "freq": 0.4, "pres": 0.9}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"rep": 1.8},
+        {"rep": 0.6},
+        {"freq": 0.7},
+        {"freq": -1.2},
+        {"pres": 1.5},
+        {"pres": -0.8},
+        {"rep": 1.3, "freq": 0.4, "pres": 0.9},
+    ],
+)
 def test_penalties(kw: dict) -> None:
     logits = fixed_logits()
     prompt, output = [1, 2, 3, 3], [3, 4, 4, 4, 9]
-    params = SamplingParams(repetition_penalty=kw.get("rep", 1.0),
-                            frequency_penalty=kw.get("freq", 0.0),
-                            presence_penalty=kw.get("pres", 0.0))
+    params = SamplingParams(
+        repetition_penalty=kw.get("rep", 1.0),
+        frequency_penalty=kw.get("freq", 0.0),
+        presence_penalty=kw.get("pres", 0.0),
+    )
     expected = penalised(logits, prompt, output, **kw)
     got = draws(logits, params, prompt_token_ids=prompt, output_token_ids=output)
     check_distribution(got, torch.softmax(expected, -1))
-    greedy = SamplingParams(temperature=0, repetition_penalty=params.repetition_penalty,
-                            frequency_penalty=params.frequency_penalty,
-                            presence_penalty=params.presence_penalty)
+    greedy = SamplingParams(
+        temperature=0,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+    )
     # A plain row beside the penalised one must be untouched.
-    rows = [SamplingRow(SamplingParams(temperature=0), prompt, output),
-            SamplingRow(greedy, prompt, output)]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0), prompt, output),
+        SamplingRow(greedy, prompt, output),
+    ]
     tokens = sample(logits.expand(2, -1), rows).token_ids.tolist()
     assert tokens == [logits.argmax().item(), expected.argmax().item()]
 
@@ -197,8 +228,9 @@ def test_greedy_is_argmax_in_mixed_batch() -> None:
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
 
 
-def seeded_run(seed: int, position: int, others: list[SamplingRow], logits: torch.Tensor,
-               steps: int = 8) -> list[int]:
+def seeded_run(
+    seed: int, position: int, others: list[SamplingRow], logits: torch.Tensor, steps: int = 8
+) -> list[int]:
     params = SamplingParams(seed=seed, temperature=1.1, top_p=0.95)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -215,9 +247,16 @@ def test_seeded_rows_reproduce_in_any_batch() -> None:
     logits = torch.zeros(1000)  # uniform: every draw is a fresh choice among 1000
     a = seeded_run(7, 0, [SamplingRow(SamplingParams())], logits)
     other_seed = SamplingParams(seed=99, top_k=3)
-    b = seeded_run(7, 2, [SamplingRow(SamplingParams(temperature=0)),
-                          SamplingRow(other_seed, generator=torch.Generator().manual_seed(99)),
-                          SamplingRow(SamplingParams(min_p=0.1, repetition_penalty=1.2))], logits)
+    b = seeded_run(
+        7,
+        2,
+        [
+            SamplingRow(SamplingParams(temperature=0)),
+            SamplingRow(other_seed, generator=torch.Generator().manual_seed(99)),
+            SamplingRow(SamplingParams(min_p=0.1, repetition_penalty=1.2)),
+        ],
+        logits,
+    )
     assert a == b
     assert seeded_run(8, 0, [], logits) != a
 
@@ -229,10 +268,12 @@ def test_empirical_frequencies_small_vocab() -> None:
 
 def test_logprobs_are_raw_log_softmax() -> None:
     logits = torch.randn(4, 300) * 3
-    rows = [SamplingRow(SamplingParams(temperature=0.5, top_k=3, logprobs=2)),
-            SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), [1], [2]),
-            SamplingRow(SamplingParams(logprobs=5)),
-            SamplingRow(SamplingParams(min_p=0.5, logprobs=0))]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.5, top_k=3, logprobs=2)),
+        SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), [1], [2]),
+        SamplingRow(SamplingParams(logprobs=5)),
+        SamplingRow(SamplingParams(min_p=0.5, logprobs=0)),
+    ]
     out = sample(logits, rows)
     ref = torch.log_softmax(logits, -1)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
@@ -265,16 +306,42 @@ def test_stop_normalisation() -> None:
     assert not SamplingParams().needs_penalties
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 0), ("n", 1.0), ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1),
-    ("min_p", 1.5), ("presence_penalty", 2.1), ("frequency_penalty", -2.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("stop", ""),
-    ("stop", ["ok", ""]), ("stop", 5), ("stop_token_ids", [1, "2"]), ("stop_token_ids", [-1]),
-    ("stop_token_ids", 3), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
-    ("logprobs", -1), ("logprobs", True), ("prompt_logprobs", 50), ("seed", "7"),
-    ("seed", 1.5), ("seed", 2**64), ("ignore_eos", 1), ("skip_special_tokens", None),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("n", 1.0),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.1),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("inf")),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", 5),
+        ("stop_token_ids", [1, "2"]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", 3),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("prompt_logprobs", 50),
+        ("seed", "7"),
+        ("seed", 1.5),
+        ("seed", 2**64),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", None),
+    ],
+)
 def test_validation_names_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"{field}={value!r}".replace("[", r"\[")) as err:
         SamplingParams(**{field: value})

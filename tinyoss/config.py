@@ -103,7 +103,9 @@ class ModelConfig:
             num_key_value_heads=int(cfg["num_key_value_heads"]),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
             num_local_experts=int(cfg["num_local_experts"]),
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4))),
+            num_experts_per_tok=int(
+                cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4))
+            ),
             sliding_window=int(cfg.get("sliding_window") or 0),
             layer_types=tuple(cfg.get("layer_types") or ()),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
@@ -123,7 +125,9 @@ class ModelConfig:
         folder = Path(folder)
         path = folder / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: a gpt-oss checkpoint folder needs config.json")
+            raise FileNotFoundError(
+                f"{path} not found: a gpt-oss checkpoint folder needs config.json"
+            )
         try:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -152,7 +156,9 @@ def _rope_from_dict(cfg: dict) -> RopeConfig:
     if rope_type in (None, "default"):
         return RopeConfig(theta=theta, factor=1.0, yarn=False)
     if rope_type != "yarn":
-        raise ConfigError(f"config.json: rope_type {rope_type!r} is not supported (gpt-oss uses 'yarn')")
+        raise ConfigError(
+            f"config.json: rope_type {rope_type!r} is not supported (gpt-oss uses 'yarn')"
+        )
     orig = int(params.get("original_max_position_embeddings", 4096))
     max_pos = cfg.get("max_position_embeddings")
     # transformers recomputes the factor from the two lengths when both are given.
@@ -184,17 +190,29 @@ def _validate(c: ModelConfig) -> None:
     def bad(msg: str) -> None:
         raise ConfigError(f"config.json: {msg}")
 
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-                 "num_experts_per_tok"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_local_experts",
+        "num_experts_per_tok",
+    ):
         if getattr(c, name) <= 0:
             bad(f"{name} must be positive, got {getattr(c, name)}")
     if c.num_attention_heads % c.num_key_value_heads:
-        bad(f"num_attention_heads ({c.num_attention_heads}) is not a multiple of "
-            f"num_key_value_heads ({c.num_key_value_heads})")
+        bad(
+            f"num_attention_heads ({c.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({c.num_key_value_heads})"
+        )
     if c.num_experts_per_tok > c.num_local_experts:
-        bad(f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds num_local_experts "
-            f"({c.num_local_experts})")
+        bad(
+            f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds num_local_experts "
+            f"({c.num_local_experts})"
+        )
     if c.head_dim % 2:
         bad(f"head_dim ({c.head_dim}) must be even for rotary embeddings")
     for name in ("hidden_size", "intermediate_size"):

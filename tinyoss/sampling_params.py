@@ -51,42 +51,79 @@ class SamplingParams:
     def __post_init__(self) -> None:
         v = self
         _check("n", v.n, _is_int(v.n) and v.n >= 1, "an int >= 1")
-        _check("temperature", v.temperature, _is_real(v.temperature) and v.temperature >= 0,
-               "a finite number >= 0 (0 = greedy)")
+        _check(
+            "temperature",
+            v.temperature,
+            _is_real(v.temperature) and v.temperature >= 0,
+            "a finite number >= 0 (0 = greedy)",
+        )
         _check("top_p", v.top_p, _is_real(v.top_p) and 0 < v.top_p <= 1, "a number in (0, 1]")
-        _check("top_k", v.top_k, _is_int(v.top_k) and v.top_k >= -1,
-               "an int >= -1 (0 or -1 = off)")
+        _check("top_k", v.top_k, _is_int(v.top_k) and v.top_k >= -1, "an int >= -1 (0 or -1 = off)")
         _check("min_p", v.min_p, _is_real(v.min_p) and 0 <= v.min_p <= 1, "a number in [0, 1]")
         seed_ok = v.seed is None or _is_int(v.seed) and _SEED_MIN <= v.seed <= _SEED_MAX
         _check("seed", v.seed, seed_ok, f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]")
         for name in ("presence_penalty", "frequency_penalty"):
             x = getattr(v, name)
             _check(name, x, _is_real(x) and -2 <= x <= 2, "a number in [-2, 2]")
-        _check("repetition_penalty", v.repetition_penalty,
-               _is_real(v.repetition_penalty) and v.repetition_penalty > 0, "a finite number > 0")
+        _check(
+            "repetition_penalty",
+            v.repetition_penalty,
+            _is_real(v.repetition_penalty) and v.repetition_penalty > 0,
+            "a finite number > 0",
+        )
         stop = [v.stop] if isinstance(v.stop, str) else v.stop
-        _check("stop", v.stop, stop is None or isinstance(stop, (list, tuple)) and all(
-            isinstance(s, str) and s for s in stop), "None, a non-empty string or a list of them")
+        _check(
+            "stop",
+            v.stop,
+            stop is None
+            or isinstance(stop, (list, tuple))
+            and all(isinstance(s, str) and s for s in stop),
+            "None, a non-empty string or a list of them",
+        )
         ids = v.stop_token_ids
-        _check("stop_token_ids", ids, ids is None or isinstance(ids, (list, tuple)) and all(
-            _is_int(i) and i >= 0 for i in ids), "None or a list of ints >= 0")
+        _check(
+            "stop_token_ids",
+            ids,
+            ids is None
+            or isinstance(ids, (list, tuple))
+            and all(_is_int(i) and i >= 0 for i in ids),
+            "None or a list of ints >= 0",
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(v, name), isinstance(getattr(v, name), bool), "a bool")
-        _check("max_tokens", v.max_tokens,
-               v.max_tokens is None or _is_int(v.max_tokens) and v.max_tokens >= 1,
-               "None or an int >= 1")
-        _check("min_tokens", v.min_tokens, _is_int(v.min_tokens) and v.min_tokens >= 0,
-               "an int >= 0")
-        _check("min_tokens", v.min_tokens, v.max_tokens is None or v.min_tokens <= v.max_tokens,
-               f"<= max_tokens ({v.max_tokens})")
+        _check(
+            "max_tokens",
+            v.max_tokens,
+            v.max_tokens is None or _is_int(v.max_tokens) and v.max_tokens >= 1,
+            "None or an int >= 1",
+        )
+        _check(
+            "min_tokens", v.min_tokens, _is_int(v.min_tokens) and v.min_tokens >= 0, "an int >= 0"
+        )
+        _check(
+            "min_tokens",
+            v.min_tokens,
+            v.max_tokens is None or v.min_tokens <= v.max_tokens,
+            f"<= max_tokens ({v.max_tokens})",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             x = getattr(v, name)
-            _check(name, x, x is None or _is_int(x) and 0 <= x <= MAX_LOGPROBS,
-                   f"None or an int in [0, {MAX_LOGPROBS}]")
+            _check(
+                name,
+                x,
+                x is None or _is_int(x) and 0 <= x <= MAX_LOGPROBS,
+                f"None or an int in [0, {MAX_LOGPROBS}]",
+            )
         self.stop = list(stop or ())
         self.stop_token_ids = list(ids or ())
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             setattr(self, name, float(getattr(self, name)))
 
     @property
@@ -95,5 +132,8 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )

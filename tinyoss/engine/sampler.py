@@ -81,8 +81,9 @@ class SamplingBatch:
     max_logprobs: int  # k of the top logprobs: the largest any row asked for
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRowLike], vocab_size: int,
-              device: torch.device | str) -> SamplingBatch:
+    def build(
+        cls, rows: Sequence[SamplingRowLike], vocab_size: int, device: torch.device | str
+    ) -> SamplingBatch:
         device = torch.device(device)
         b, v = len(rows), vocab_size
         params = [r.params for r in rows]
@@ -90,25 +91,39 @@ class SamplingBatch:
         rand = [i for i in range(b) if not greedy[i]]
         top_k = [min(p.top_k, v) if p.top_k > 0 else v for p in params]
         sort = [i for i in rand if top_k[i] < v or params[i].top_p < 1]
-        banned = [(i, t) for i, r in enumerate(rows)
-                  if r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens
-                  for t in r.min_tokens_stop_ids if 0 <= t < v]
+        banned = [
+            (i, t)
+            for i, r in enumerate(rows)
+            if r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens
+            for t in r.min_tokens_stop_ids
+            if 0 <= t < v
+        ]
         gens = [(i, rows[i].generator) for i in rand if rows[i].generator is not None]
         pen = [i for i in range(b) if params[i].needs_penalties]
         return cls(
-            size=b, vocab_size=v,
+            size=b,
+            vocab_size=v,
             greedy=_dev(greedy, torch.bool, device) if any(greedy) else None,
             all_greedy=not rand,
-            temperature=_col([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                             device) if rand else None,
+            temperature=_col([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
+            if rand
+            else None,
             min_p=_col([0.0 if g else p.min_p for p, g in zip(params, greedy)], device)
-            if any(params[i].min_p > 0 for i in rand) else None,
+            if any(params[i].min_p > 0 for i in rand)
+            else None,
             sort_rows=_subset(sort, b, device),
             top_k=_col([top_k[i] for i in sort], device, torch.int64) if sort else None,
-            top_p=_col([params[i].top_p if params[i].top_p < 1 else float("inf") for i in sort],
-                       device) if sort else None,
-            banned=(_dev([i for i, _ in banned], torch.int64, device),
-                    _dev([t for _, t in banned], torch.int64, device)) if banned else None,
+            top_p=_col(
+                [params[i].top_p if params[i].top_p < 1 else float("inf") for i in sort], device
+            )
+            if sort
+            else None,
+            banned=(
+                _dev([i for i, _ in banned], torch.int64, device),
+                _dev([t for _, t in banned], torch.int64, device),
+            )
+            if banned
+            else None,
             penalties=_penalties(rows, pen, b, v, device) if pen else None,
             generators=gens,
             any_unseeded=len(gens) < len(rand),
@@ -127,8 +142,10 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.shape != (batch.size, batch.vocab_size):
-            raise ValueError(f"logits shape {tuple(logits.shape)} does not match the batch "
-                             f"({batch.size}, {batch.vocab_size})")
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match the batch "
+                f"({batch.size}, {batch.vocab_size})"
+            )
         x = logits.to(torch.float32, copy=True)
         if batch.banned is not None:
             x.index_put_(batch.banned, x.new_full((), _NEG_INF))  # a Python scalar would sync
@@ -203,8 +220,9 @@ def _race(x: Tensor, batch: SamplingBatch) -> Tensor:
     return (x - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()).argmax(-1)
 
 
-def _penalties(rows: Sequence[SamplingRowLike], pen: list[int], b: int, v: int,
-               device: torch.device) -> Penalties:
+def _penalties(
+    rows: Sequence[SamplingRowLike], pen: list[int], b: int, v: int, device: torch.device
+) -> Penalties:
     params = [rows[i].params for i in pen]
     counts = torch.zeros(len(pen), v, device=device)
     seen = torch.zeros(len(pen), v, dtype=torch.bool, device=device)
@@ -213,10 +231,13 @@ def _penalties(rows: Sequence[SamplingRowLike], pen: list[int], b: int, v: int,
     seen.index_put_(_flatten([rows[i].prompt_token_ids for i in pen], device), seen.new_ones(()))
     seen |= counts > 0
     return Penalties(
-        rows=_subset(pen, b, device), counts=counts, seen=seen,
+        rows=_subset(pen, b, device),
+        counts=counts,
+        seen=seen,
         presence=_col([p.presence_penalty for p in params], device),
         frequency=_col([p.frequency_penalty for p in params], device),
-        repetition=_col([p.repetition_penalty for p in params], device))
+        repetition=_col([p.repetition_penalty for p in params], device),
+    )
 
 
 def _flatten(lists: list[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:

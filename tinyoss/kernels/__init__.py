@@ -14,13 +14,15 @@ import torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
 
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights], torch.Tensor]
-NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
-                  "tuple[torch.Tensor, torch.Tensor]"]
+NormFn = Callable[
+    [torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"
+]
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual); the weight multiplies in float32, as transformers does."""
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); the weight multiplies in float32 (as transformers)."""
     if residual is not None:
         x = x + residual
     xf = x.float()

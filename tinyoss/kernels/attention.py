@@ -34,8 +34,13 @@ class AttentionMetadata:
 class TorchAttention:
     """Reference paged attention with sinks and sliding windows, in float32 (CPU or GPU)."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
-                 windows: list[int], scale: float) -> None:
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_groups: list[int],
+        windows: list[int],
+        scale: float,
+    ) -> None:
         self.kv_caches = kv_caches
         self.layer_groups = layer_groups
         self.windows = windows
@@ -45,9 +50,10 @@ class TorchAttention:
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 sinks: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D], sinks [Hq] -> [T, Hq * D]; stores k/v in the cache first."""
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D], sinks [Hq] -> [T, Hq * D]; stores k/v in the cache first"""
         meta = self.meta
         assert meta is not None, "plan() must run before attention"
         group = meta.groups[self.layer_groups[layer]]
@@ -63,14 +69,21 @@ class TorchAttention:
             values = v_cache[blocks].flatten(0, 1)[:kv_len]
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             k_pos = torch.arange(group.kv_starts[i], seq_len, device=q.device)
-            o = attend(q[start:start + q_len], keys, values, sinks, q_pos, k_pos, window, self.scale)
-            out[start:start + q_len] = o.flatten(1).to(out.dtype)
+            o = attend(
+                q[start : start + q_len], keys, values, sinks, q_pos, k_pos, window, self.scale
+            )
+            out[start : start + q_len] = o.flatten(1).to(out.dtype)
             start += q_len
         return out
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store new keys/values at their slots; slot -1 marks padding that must not be stored."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -78,8 +91,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-           q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
     """Causal (optionally windowed) GQA with one sink logit per query head, in float32.
 
     p_j = exp(l_j) / (exp(sink) + sum_k exp(l_k)): the sink joins the denominator only.

@@ -42,8 +42,9 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
     return swiglu(h, w.alpha, w.limit) @ w2.T + w.down_bias[e].float()
 
 
-def moe_torch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              w: ExpertWeights) -> torch.Tensor:
+def moe_torch(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: ExpertWeights
+) -> torch.Tensor:
     """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] -> sum_k w_k * expert_k(x) [T, H]."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()

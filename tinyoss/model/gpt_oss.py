@@ -19,8 +19,9 @@ from tinyoss.model.rope import apply_rope, cos_sin_cache
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 sinks: torch.Tensor) -> torch.Tensor: ...
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -34,7 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -50,8 +53,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=True)
         self.sinks = _param(self.num_heads, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -76,9 +84,14 @@ class Experts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(
-            self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias,
-            self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias,
-            self.alpha, self.limit,
+            self.gate_up_proj_blocks,
+            self.gate_up_proj_scales,
+            self.gate_up_proj_bias,
+            self.down_proj_blocks,
+            self.down_proj_scales,
+            self.down_proj_bias,
+            self.alpha,
+            self.limit,
         )
 
 
@@ -104,8 +117,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MoE(config, kernels)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rope_cache: torch.Tensor, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope_cache, attn)
         x, residual = self.post_attention_layernorm(x, residual)
@@ -138,8 +157,9 @@ class GptOssForCausalLM(nn.Module):
         c = self.config
         self.rope_cache = cos_sin_cache(c.rope, c.head_dim, max_len, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """input_ids, positions [T] (tokens of all sequences, back to back) -> hidden [T, H]."""
         assert self.rope_cache is not None, "init_runtime() must run before forward()"
         x = self.model.embed_tokens(input_ids)

@@ -99,5 +99,7 @@ def synthetic_init(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     if name.endswith("bias"):
         return 0.0, 0.1
     fan_in = shape[-2] * 32 if name.endswith("_blocks") else shape[-1]
-    scale = 3.0 if name.endswith("gate_up_proj_blocks") else 2.0 if name == "lm_head.weight" else 1.0
+    scale = (
+        3.0 if name.endswith("gate_up_proj_blocks") else 2.0 if name == "lm_head.weight" else 1.0
+    )
     return 0.0, scale / math.sqrt(fan_in)

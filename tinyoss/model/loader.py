@@ -82,8 +82,10 @@ class SafetensorsCheckpoint:
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
         missing = [f for f in files if not (self.folder / f).is_file()]
         if missing:
-            raise CheckpointError(f"{self.folder}: shard(s) {', '.join(missing)} listed in {INDEX} "
-                                  "are missing; the download is incomplete")
+            raise CheckpointError(
+                f"{self.folder}: shard(s) {', '.join(missing)} listed in {INDEX} "
+                "are missing; the download is incomplete"
+            )
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
         self.file_of: dict[str, str] = {}
@@ -100,10 +102,12 @@ class SafetensorsCheckpoint:
         if file not in self._handles:
             try:
                 self._handles[file] = self._stack.enter_context(
-                    safe_open(self.folder / file, framework="pt"))
+                    safe_open(self.folder / file, framework="pt")
+                )
             except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{self.folder / file} is truncated or corrupt ({e}); "
-                                      "download it again") from e
+                raise CheckpointError(
+                    f"{self.folder / file} is truncated or corrupt ({e}); download it again"
+                ) from e
         return self._handles[file]
 
     def close(self) -> None:
@@ -111,21 +115,28 @@ class SafetensorsCheckpoint:
 
     def read(self, spec: TensorSpec) -> torch.Tensor:
         """The tensor named by `spec`, checked against the expected shape and dtype."""
+        return self._open(self.check(spec)).get_tensor(spec.name)
+
+    def check(self, spec: TensorSpec) -> str:
+        """Checks a tensor's presence, shape and dtype from the header alone; returns its file."""
         file = self.file_of.get(spec.name)
         if file is None:
-            raise CheckpointError(f"tensor {spec.name} is missing from the checkpoint in "
-                                  f"{self.folder} (looked in {', '.join(sorted(self._handles))})")
+            raise CheckpointError(
+                f"tensor {spec.name} is missing from the checkpoint in "
+                f"{self.folder} (looked in {', '.join(sorted(self._handles))})"
+            )
         handle = self._open(file)
         lazy = handle.get_slice(spec.name)
         shape, dtype = tuple(lazy.get_shape()), lazy.get_dtype()
         where = f"tensor {spec.name} in {self.folder / file}"
         if shape != spec.shape:
-            raise CheckpointError(f"{where} has shape {list(shape)}, but config.json implies "
-                                  f"{list(spec.shape)}")
+            raise CheckpointError(
+                f"{where} has shape {list(shape)}, but config.json implies {list(spec.shape)}"
+            )
         want_int = spec.dtype == "U8"
         if want_int != (dtype == "U8") or dtype not in ("U8", "BF16", "F16", "F32"):
             raise CheckpointError(f"{where} has dtype {dtype}, expected {spec.dtype}")
-        return handle.get_tensor(spec.name)
+        return file
 
     def tensors(self, specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
         for spec in specs:
@@ -149,13 +160,15 @@ def _targets(model: GptOssForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
     return targets
 
 
-def load_weights(model: GptOssForCausalLM, source: Iterable[tuple[TensorSpec, torch.Tensor]]) -> None:
+def load_weights(
+    model: GptOssForCausalLM, source: Iterable[tuple[TensorSpec, torch.Tensor]]
+) -> None:
     """Copy every checkpoint tensor into its parameter (converting dtype on the device)."""
     targets = _targets(model)
     filled: set[str] = set()
     for spec, tensor in source:
         param, row = targets[spec.name]
-        dst = param.data[row:row + tensor.shape[0]] if param.dim() > 0 else param.data
+        dst = param.data[row : row + tensor.shape[0]] if param.dim() > 0 else param.data
         dst.copy_(tensor.reshape(dst.shape))
         filled.add(spec.name)
     unfilled = sorted(set(targets) - filled)
@@ -174,17 +187,25 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                kernels: Kernels | None = None) -> GptOssForCausalLM:
+def build_model(
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, kernels: Kernels | None = None
+) -> GptOssForCausalLM:
     """An empty model (uninitialised memory) on `device`: weights are written once, by loading."""
     with torch.device("meta"), _default_dtype(dtype):
         model = GptOssForCausalLM(config, kernels)
     return model.to_empty(device=device).eval()
 
 
-def load_model(folder: str | Path | None, config: ModelConfig, *, dtype: torch.dtype,
-               device: torch.device, kernels: Kernels | None = None, load_format: str = "auto",
-               seed: int = 0) -> GptOssForCausalLM:
+def load_model(
+    folder: str | Path | None,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: Kernels | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> GptOssForCausalLM:
     """Builds the model and fills it from `folder`, or with random weights for `dummy`."""
     model = build_model(config, dtype=dtype, device=device, kernels=kernels)
     specs = checkpoint_tensors(config)
@@ -197,13 +218,18 @@ def load_model(folder: str | Path | None, config: ModelConfig, *, dtype: torch.d
         try:
             extra = sorted(set(ckpt.file_of) - {s.name for s in specs})
             if extra:
-                log.warning("checkpoint holds %d tensors tinyoss does not use, e.g. %s",
-                            len(extra), ", ".join(extra[:3]))
+                log.warning(
+                    "checkpoint holds %d tensors tinyoss does not use, e.g. %s",
+                    len(extra),
+                    ", ".join(extra[:3]),
+                )
             load_weights(model, ckpt.tensors(specs))
         finally:
             ckpt.close()
     else:
-        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        raise ValueError(
+            f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return model

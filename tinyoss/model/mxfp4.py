@@ -11,13 +11,34 @@ import torch
 
 BLOCK = 32
 SCALE_BIAS = 127
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[..., G, 16] uint8 blocks and [..., G] uint8 scales -> [..., G * 32] values of `dtype`."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise TypeError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+        raise TypeError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
     if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(
             f"MXFP4 shapes do not match: blocks {tuple(blocks.shape)} needs [..., G, 16] and "
@@ -38,7 +59,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each value then rounds to the nearest E2M1 magnitude, a tie going to the smaller one.
     """
     if x.shape[-1] % BLOCK:
-        raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK}, got {x.shape[-1]}")
+        raise ValueError(
+            f"MXFP4 needs the last dimension to be a multiple of {BLOCK}, got {x.shape[-1]}"
+        )
     g = x.float().unflatten(-1, (-1, BLOCK))  # [..., G, 32]
     amax = g.abs().amax(dim=-1)
     exp = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(0.0, neginf=0.0, posinf=0.0)

@@ -34,12 +34,16 @@ def yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation_factor = 1 - ramp
-    inv_freq = inv_interpolation * (1 - extrapolation_factor) + inv_extrapolation * extrapolation_factor
+    inv_freq = (
+        inv_interpolation * (1 - extrapolation_factor) + inv_extrapolation * extrapolation_factor
+    )
     scaling = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
     return inv_freq, scaling
 
 
-def cos_sin_cache(rope: RopeConfig, head_dim: int, max_len: int, device: torch.device) -> torch.Tensor:
+def cos_sin_cache(
+    rope: RopeConfig, head_dim: int, max_len: int, device: torch.device
+) -> torch.Tensor:
     """[max_len, head_dim] float32: cos in the first half, sin in the second, both scaled."""
     inv_freq, scaling = yarn_inv_freq(rope, head_dim)
     positions = torch.arange(max_len, dtype=torch.float32)
@@ -47,7 +51,9 @@ def cos_sin_cache(rope: RopeConfig, head_dim: int, max_len: int, device: torch.d
     return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scaling).to(device)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] at `positions` [T]; returns new tensors."""
     cos, sin = cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

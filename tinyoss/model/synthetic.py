@@ -1,4 +1,4 @@
-"""Random weights in the exact checkpoint layout: for synthetic checkpoints and `load_format="dummy"`.
+"""Random weights in the exact checkpoint layout, for synthetic checkpoints and dummy loading.
 
 Small models get float experts quantized through `mxfp4.quantize` (realistic code statistics);
 full-size ones get uniform random E2M1 codes with a scale matched to the wanted spread, which is
@@ -17,7 +17,12 @@ from tinyoss.config import ModelConfig
 from tinyoss.model import mxfp4
 from tinyoss.model.layout import TensorSpec, checkpoint_tensors, synthetic_init
 
-_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8}
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "U8": torch.uint8,
+}
 _QUANTIZE_LIMIT = 1 << 24  # elements: below this, experts are quantized from float weights
 _E2M1_RMS = math.sqrt(sum(v * v for v in mxfp4.FP4_VALUES[:8]) / 8)
 
@@ -32,7 +37,9 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     return g
 
 
-def random_experts(spec: TensorSpec, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def random_experts(
+    spec: TensorSpec, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, scales) for a `*_blocks` spec [E, out, G, 16]."""
     gen = _generator(seed, spec.name, device)
     _, std = synthetic_init(spec.name, spec.shape)
@@ -42,8 +49,14 @@ def random_experts(spec: TensorSpec, seed: int, device: torch.device) -> tuple[t
         return mxfp4.quantize(w)
     blocks = torch.randint(0, 256, spec.shape, generator=gen, device=device, dtype=torch.uint8)
     exponent = round(math.log2(std / _E2M1_RMS)) + mxfp4.SCALE_BIAS
-    scales = torch.randint(exponent - 1, exponent + 2, (e, out, groups), generator=gen,
-                           device=device, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(
+        exponent - 1,
+        exponent + 2,
+        (e, out, groups),
+        generator=gen,
+        device=device,
+        dtype=torch.int32,
+    ).to(torch.uint8)
     return blocks, scales
 
 
@@ -54,8 +67,9 @@ def random_dense(spec: TensorSpec, seed: int, device: torch.device) -> torch.Ten
     return t.to(torch_dtype(spec.dtype))
 
 
-def synthetic_tensors(config: ModelConfig, seed: int = 0,
-                      device: torch.device | str = "cpu") -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+def synthetic_tensors(
+    config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"
+) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
     """Every checkpoint tensor with random contents, in checkpoint order, one at a time."""
     device = torch.device(device)
     pending_scales: dict[str, torch.Tensor] = {}

@@ -46,15 +46,19 @@ def _header(specs: list[TensorSpec]) -> bytes:
     entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
-        entries[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                              "data_offsets": [offset, offset + spec.nbytes]}
+        entries[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
 
 
-def write_safetensors(path: Path, specs: list[TensorSpec],
-                      tensors: Iterable[tuple[TensorSpec, torch.Tensor]] | None) -> None:
+def write_safetensors(
+    path: Path, specs: list[TensorSpec], tensors: Iterable[tuple[TensorSpec, torch.Tensor]] | None
+) -> None:
     """Stream `tensors` (in `specs` order) into a safetensors file; None leaves data as holes."""
     header = _header(specs)
     total = 8 + len(header) + sum(s.nbytes for s in specs)
@@ -70,8 +74,15 @@ def write_safetensors(path: Path, specs: list[TensorSpec],
     assert os.path.getsize(path) == total, f"{path}: wrote {os.path.getsize(path)} of {total} bytes"
 
 
-def make_checkpoint(preset: str, out: str | Path, *, seed: int = 0, data: str = "random",
-                    max_shard_bytes: int = SHARD_BYTES, config_overrides: dict | None = None) -> Path:
+def make_checkpoint(
+    preset: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    data: str = "random",
+    max_shard_bytes: int = SHARD_BYTES,
+    config_overrides: dict | None = None,
+) -> Path:
     """Writes config, generation config, tokenizer files and weights of `preset` into `out`."""
     if data not in ("random", "sparse"):
         raise ValueError(f"data must be 'random' or 'sparse', got {data!r}")
@@ -129,16 +140,20 @@ def ensure_tiny(seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="tinyoss make-checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="tinyoss make-checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("preset", help="tiny, gpt-oss-20b or gpt-oss-120b")
     p.add_argument("out", help="folder to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", choices=("random", "sparse"), default="random")
     p.add_argument("--max-shard-bytes", type=int, default=SHARD_BYTES)
     args = p.parse_args(argv)
-    out = make_checkpoint(args.preset, args.out, seed=args.seed, data=args.data,
-                          max_shard_bytes=args.max_shard_bytes)
+    out = make_checkpoint(
+        args.preset, args.out, seed=args.seed, data=args.data, max_shard_bytes=args.max_shard_bytes
+    )
     print(f"wrote {args.preset} checkpoint to {out}")
 
 

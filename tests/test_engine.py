@@ -1,0 +1,243 @@
+"""The engine on the tiny model (fp32, CPU): batching, chunking, preemption, prefix caching,
+sliding-window memory, sampling, stops and bad input."""
+
+import random
+
+import pytest
+import torch
+
+from tinyoss import LLM, SamplingParams
+from tinyoss.engine.sequence import Status
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(199998) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_llm):
+    """Each prompt of `prompts(6)` generated alone: the reference for batched runs."""
+    return [tokens(tiny_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts(6)]
+
+
+def test_batched_greedy_equals_each_prompt_alone(tiny_llm, solo):
+    outs = tiny_llm.generate(prompts(6), GREEDY, use_tqdm=False)
+    assert tokens(outs) == solo
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_chunked_prefill_equals_one_shot(tiny_dir, solo):
+    llm = LLM(
+        str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16384,
+        max_num_batched_tokens=37,
+        enable_prefix_caching=False,
+    )
+    assert tokens(llm.generate(prompts(6), GREEDY, use_tqdm=False)) == solo
+
+
+def test_tiny_pool_preempts_and_loses_nothing(tiny_dir, tiny_llm):
+    """Four sequences that each end up needing ~16 blocks share a pool of 24."""
+    batch = prompts(4, seed=2, lo=10, hi=40)
+    sp = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    expected = [tokens(tiny_llm.generate([p], sp, use_tqdm=False))[0] for p in batch]
+    llm = LLM(
+        str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16 * 24,
+        enable_prefix_caching=False,
+    )
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert tokens(outs) == expected
+    assert [len(t) for t in tokens(outs)] == [90] * 4  # nothing lost or duplicated
+    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
+
+
+def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llm, tiny_dir):
+    rng = random.Random(7)
+    system = [rng.randrange(199998) for _ in range(200)]
+    first = system + [rng.randrange(199998) for _ in range(30)]
+    second = system + [rng.randrange(199998) for _ in range(25)]
+    kv = tiny_llm.engine.kv
+    tiny_llm.generate([first], GREEDY, use_tqdm=False)
+    hits = kv.hit_blocks
+    out = tiny_llm.generate([second], GREEDY, use_tqdm=False)[0]
+    full_blocks = 200 // 16
+    window_blocks = -(-(128 + 16) // 16)
+    assert kv.hit_blocks - hits >= full_blocks  # full-attention group: the whole shared prefix
+    assert out.num_cached_tokens == full_blocks * 16
+    uncached = LLM(
+        str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16384,
+        enable_prefix_caching=False,
+    )
+    assert (
+        out.outputs[0].token_ids == tokens(uncached.generate([second], GREEDY, use_tqdm=False))[0]
+    )
+    assert kv.hit_blocks - hits <= full_blocks + window_blocks
+
+
+def test_sliding_layers_keep_only_the_window(tiny_llm):
+    """Between steps a sliding group holds the window's blocks plus one; a full group holds all.
+    (While a prefill chunk runs, its own tokens' blocks are held too.)"""
+    engine = tiny_llm.engine
+    windows = engine.layout.windows
+    request = engine.make_request(
+        "long",
+        prompts(1, seed=3, lo=400, hi=401)[0],
+        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+    )
+    engine.submit(request)
+    seq = request.seqs[0]
+    peak = {g: 0 for g in range(len(windows))}
+    while not seq.finished:
+        engine.step()
+        if seq.status is Status.RUNNING:
+            for g, table in enumerate(seq.blocks.tables):
+                peak[g] = max(peak[g], len(table))
+                if windows[g] == 0:
+                    assert len(table) == -(-seq.num_computed // 16)
+    sliding = windows.index(128)
+    assert peak[sliding] <= 128 // 16 + 1
+    assert peak[windows.index(0)] >= 600 // 16
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_llm):
+    p = prompts(3, seed=11)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = tokens(tiny_llm.generate([p[0]], sp, use_tqdm=False))[0]
+    other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batch = tiny_llm.generate([p[1], p[0], p[2]], [other, sp, other], use_tqdm=False)
+    assert tokens(batch)[1] == alone
+    different = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=10, ignore_eos=True)
+    assert tokens(tiny_llm.generate([p[0]], different, use_tqdm=False))[0] != alone
+
+
+def test_n_samples_share_the_prompt(tiny_llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    out = tiny_llm.generate([prompts(1, seed=4)[0]], sp, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_stop_ids_stop_strings_and_length(tiny_llm):
+    p = prompts(1, seed=5)[0]
+    free = tiny_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+    third = free.token_ids[2]
+    out = tiny_llm.generate(
+        [p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == third
+    assert out.token_ids == free.token_ids[:3]
+    tok = tiny_llm.get_tokenizer()
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3 and stop in text
+    out = tiny_llm.generate(
+        [p],
+        SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    out = tiny_llm.generate(
+        [p],
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            stop=[stop],
+            include_stop_str_in_output=True,
+            ignore_eos=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.text == text[: text.index(stop) + len(stop)]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    assert tok.decode(free.token_ids) == free.text
+
+
+def test_streaming_deltas_add_up(tiny_llm):
+    p = prompts(1, seed=6)[0]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    text, ids, lps = "", [], []
+    for out in tiny_llm.stream(p, sp):
+        c = out.outputs[0]
+        text += c.delta_text
+        ids += c.delta_token_ids
+        lps += c.delta_logprobs
+    assert c.finished and text == c.text and ids == c.token_ids and len(lps) == 12
+    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] for lp in lps)
+    assert all(lp.token_id == lp.top[0][0] for lp in lps)  # greedy picks the most likely token
+
+
+def test_logprobs_match_a_direct_forward(tiny_llm):
+    engine = tiny_llm.engine
+    p = prompts(1, seed=8, lo=20, hi=21)[0]
+    out = tiny_llm.generate(
+        [p],
+        SamplingParams(temperature=0, max_tokens=1, logprobs=0, prompt_logprobs=1),
+        use_tqdm=False,
+    )[0]
+    from tests.test_model_reference import run_paged
+
+    logits = run_paged(engine.model, engine.model_config, torch.tensor(p))
+    lsm = torch.log_softmax(logits, -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    for i in range(1, len(p)):
+        entry = out.prompt_logprobs[i]
+        assert entry.token_id == p[i]
+        assert entry.logprob == pytest.approx(lsm[i - 1, p[i]].item(), abs=1e-4)
+        assert entry.top[0][0] == lsm[i - 1].argmax().item()
+    first = out.outputs[0].logprobs[0]
+    assert first.token_id == lsm[-1].argmax().item()
+    assert first.logprob == pytest.approx(lsm[-1].max().item(), abs=1e-4)
+
+
+def test_bad_requests_fail_clearly_and_the_engine_keeps_serving(tiny_llm):
+    engine = tiny_llm.engine
+    long = [1] * engine.max_model_len
+    with pytest.raises(
+        ValueError,
+        match=f"prompt is {len(long)} tokens long, but max_model_len is {engine.max_model_len}",
+    ):
+        tiny_llm.generate([long], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny_llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.generate([[5, 201088]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(TypeError, match="unknown LLM argument\\(s\\) max_len"):
+        LLM("tiny", max_len=5)
+    assert (
+        not engine.requests
+        and engine.kv.num_free + sum(1 for r in engine.kv.ref_count if r) == engine.kv.num_blocks
+    )
+    out = tiny_llm.generate([prompts(1)[0]], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 12
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    engine.add_request("to-abort", prompts(1, seed=9)[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert any(engine.kv.ref_count)
+    out = engine.abort("to-abort")
+    assert out.outputs[0].finish_reason == "abort"
+    assert not any(engine.kv.ref_count) and not engine.has_unfinished()

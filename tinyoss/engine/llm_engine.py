@@ -1,0 +1,361 @@
+"""The engine: requests in, batched steps over the paged cache, outputs back.
+
+request -> scheduler -> model runner -> model -> sampler -> output. One `step()` runs one
+forward pass for everything the scheduler picked and returns the outputs that changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyoss.config import ModelConfig
+from tinyoss.engine.kv_cache import (
+    CacheLayout,
+    KVCacheManager,
+    allocate_kv_tensors,
+    kv_bytes_per_block,
+)
+from tinyoss.engine.model_runner import ModelRunner
+from tinyoss.engine.scheduler import Scheduler
+from tinyoss.engine.sequence import CompletionOutput, Sequence, TokenLogprob
+from tinyoss.kernels.attention import TorchAttention
+from tinyoss.model.loader import load_model, resolve_model
+from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
+from tinyoss.sampling_params import SamplingParams
+from tinyoss.tokenizer import Tokenizer
+
+log = logging.getLogger("tinyoss")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "auto"  # auto = bfloat16 on a GPU, float32 on the CPU
+    device: str | None = None  # default: cuda when available
+    max_model_len: int | None = None  # default: the model's context, capped by the KV cache
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    kv_cache_tokens: int | None = None  # explicit KV size in tokens (default on CPU: 65536)
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # auto | safetensors | dummy (random weights from the config)
+    revision: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_num_seqs", self.max_num_seqs >= 1),
+            ("block_size", self.block_size >= 1),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
+            ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"invalid dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
+
+
+_DTYPES = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """A snapshot: later steps do not change it (safe to hand to another thread)."""
+        outs = [
+            dataclasses.replace(
+                s.out,
+                token_ids=list(s.out.token_ids),
+                logprobs=None if s.out.logprobs is None else list(s.out.logprobs),
+            )
+            for s in self.seqs
+        ]
+        first = self.seqs[0]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            self.finished,
+            None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            min(s.num_cached_prompt for s in self.seqs),
+            self.arrival_time,
+            self.first_token_time,
+        )
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finished_requests: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.dtype = _DTYPES[config.dtype] or (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        )
+        folder = self._checkpoint_folder()
+        self.model_config = (
+            ModelConfig.from_folder(folder)
+            if folder is not None
+            else ModelConfig.from_dict(preset_config(config.model), GENERATION_CONFIG)
+        )
+        self.tokenizer = (
+            Tokenizer.from_folder(folder) if folder is not None else _default_tokenizer()
+        )
+        t0 = time.perf_counter()
+        self.model = load_model(
+            folder,
+            self.model_config,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        log.info(
+            "loaded %s in %.1f s (%s, %s)",
+            config.model,
+            time.perf_counter() - t0,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
+        self.layout = CacheLayout.for_model(self.model_config)
+        num_blocks = self._num_kv_blocks()
+        self.max_model_len = self._max_model_len(num_blocks)
+        self.model.init_runtime(self.max_model_len, self.device)
+        self.kv_tensors = allocate_kv_tensors(
+            self.layout, num_blocks, config.block_size, self.model_config, self.dtype, self.device
+        )
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, self.layout.windows, config.enable_prefix_caching
+        )
+        windows = [self.layout.windows[g] for g in self.layout.layer_group]
+        attention = TorchAttention(
+            self.kv_tensors, self.layout.layer_group, windows, self.model_config.head_dim**-0.5
+        )
+        self.runner = ModelRunner(
+            self.model, attention, self.layout, config.block_size, self.device
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        log.info(
+            "KV cache: %d blocks of %d tokens, %.2f GiB; max_model_len %d",
+            num_blocks,
+            config.block_size,
+            num_blocks
+            * kv_bytes_per_block(self.layout, config.block_size, self.model_config, self.dtype)
+            / 2**30,
+            self.max_model_len,
+        )
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _checkpoint_folder(self):
+        c = self.config
+        if c.load_format == "dummy" and c.model.removeprefix("openai/") in PRESETS:
+            return None
+        return resolve_model(c.model, c.revision)
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = kv_bytes_per_block(self.layout, c.block_size, self.model_config, self.dtype)
+        if c.kv_cache_tokens is not None or self.device.type != "cuda":
+            tokens = c.kv_cache_tokens or 65536
+            return max(1, -(-tokens // c.block_size))
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (
+            total * (1 - c.gpu_memory_utilization) + 2 * 2**30
+        )  # activations, graphs, workspace
+        blocks = int((free - reserve) // per_block)
+        if blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB after loading the weights); raise gpu_memory_utilization "
+                "or use a smaller model"
+            )
+        return blocks
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        if limit > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {limit} exceeds the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
+            )
+        lo, hi = 1, limit
+        while lo < hi:  # the longest sequence the cache can hold on its own
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.kv_blocks_needed(mid) <= num_blocks else (lo, mid - 1)
+        if lo < limit:
+            if self.config.max_model_len:
+                raise ValueError(
+                    f"max_model_len {limit} does not fit in the KV cache "
+                    f"({num_blocks} blocks hold one sequence of at most {lo} tokens); "
+                    "lower it or give the cache more memory"
+                )
+            log.warning("max_model_len lowered to %d tokens to fit the KV cache", lo)
+        return lo
+
+    def kv_blocks_needed(self, num_tokens: int) -> int:
+        bs = self.config.block_size
+        return sum(
+            -(-num_tokens // bs) if not w else min(-(-num_tokens // bs), (w - 1) // bs + 2)
+            for w in self.layout.windows
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Validate and build a request (no engine state changes): errors name the field."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one generated token)"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seqs = [
+            Sequence(
+                request_id,
+                i,
+                ids,
+                params,
+                max_tokens,
+                next(self._arrivals),
+                len(self.layout.windows),
+                self.tokenizer,
+                self.model_config.eos_token_ids,
+                self.device,
+            )
+            for i in range(params.n)
+        ]
+        return Request(request_id, text, ids, params, seqs)
+
+    def submit(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        self.submit(self.make_request(request_id, prompt, params))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its last output (None if unknown)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.begin_step()
+                seq.abort()
+            self.scheduler.remove(seq)
+        return request.output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        for item in plan.scheduled:
+            item.seq.begin_step()
+        result = self.runner.run(plan.scheduled)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for i, item in enumerate(plan.scheduled):
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            self.kv.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed)
+            self.kv.trim_window(seq.blocks, seq.num_computed)
+            if i in result.prompt_logprobs:
+                seq.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if i not in result.sampled:
+                continue
+            request = self.requests[seq.request_id]
+            token, logprob = result.sampled[i]
+            seq.append(token, logprob, self.max_model_len)
+            self.stats.generation_tokens += 1
+            request.first_token_time = request.first_token_time or now
+            touched[request.request_id] = request
+            if seq.finished:
+                self.scheduler.remove(seq)
+        outputs = []
+        for request in touched.values():
+            outputs.append(request.output())
+            if request.finished:
+                del self.requests[request.request_id]
+                self.stats.finished_requests += 1
+                self.stats.cached_prompt_tokens += outputs[-1].num_cached_tokens
+        return outputs
+
+
+def _default_tokenizer() -> Tokenizer:
+    from tinyoss.tools.o200k import tokenizer_dir
+
+    return Tokenizer.from_folder(tokenizer_dir())
