@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyoss.config import ModelConfig
+from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.kv_cache import (
     CacheLayout,
     KVCacheManager,
@@ -25,6 +26,7 @@ from tinyoss.engine.model_runner import ModelRunner
 from tinyoss.engine.scheduler import Scheduler
 from tinyoss.engine.sequence import CompletionOutput, Sequence, TokenLogprob
 from tinyoss.kernels.attention import TorchAttention
+from tinyoss.kernels.backends import select_backends
 from tinyoss.model.loader import load_model, resolve_model
 from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
 from tinyoss.sampling_params import SamplingParams
@@ -48,6 +50,9 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from the config)
     revision: str | None = None
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs (debugging)
+    attention_backend: str = "auto"  # auto | flashinfer | torch
+    moe_backend: str = "auto"  # auto | triton | torch
 
     def __post_init__(self) -> None:
         checks = [
@@ -150,12 +155,14 @@ class LLMEngine:
         self.tokenizer = (
             Tokenizer.from_folder(folder) if folder is not None else _default_tokenizer()
         )
+        self.backends = select_backends(self.device, config.attention_backend, config.moe_backend)
         t0 = time.perf_counter()
         self.model = load_model(
             folder,
             self.model_config,
             dtype=self.dtype,
             device=self.device,
+            kernels=self.backends.kernels,
             load_format=config.load_format,
             seed=config.seed,
         )
@@ -170,18 +177,25 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(num_blocks)
         self.model.init_runtime(self.max_model_len, self.device)
+        # One block more than the manager hands out: padded CUDA-graph rows write there.
         self.kv_tensors = allocate_kv_tensors(
-            self.layout, num_blocks, config.block_size, self.model_config, self.dtype, self.device
+            self.layout, num_blocks + 1, config.block_size, self.model_config, self.dtype,
+            self.device,
         )
         self.kv = KVCacheManager(
             num_blocks, config.block_size, self.layout.windows, config.enable_prefix_caching
         )
-        windows = [self.layout.windows[g] for g in self.layout.layer_group]
-        attention = TorchAttention(
-            self.kv_tensors, self.layout.layer_group, windows, self.model_config.head_dim**-0.5
-        )
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
+        attention = self._attention(num_blocks, sizes)
+        graphs = None
+        if use_graphs:
+            graphs = CudaGraphRunner(
+                self.model, attention, sizes, len(self.layout.windows), self.device
+            )
+            graphs.capture()
         self.runner = ModelRunner(
-            self.model, attention, self.layout, config.block_size, self.device
+            self.model, attention, self.layout, config.block_size, self.device, graphs
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -198,6 +212,29 @@ class LLMEngine:
         )
 
     # -- set-up -----------------------------------------------------------------------------
+    def _attention(self, num_blocks: int, sizes: list[int]):
+        c, m = self.config, self.model_config
+        if self.backends.attention == "torch":
+            windows = [self.layout.windows[g] for g in self.layout.layer_group]
+            return TorchAttention(
+                self.kv_tensors, self.layout.layer_group, windows, m.head_dim**-0.5
+            )
+        from tinyoss.kernels.attention_flashinfer import FlashInferAttention
+
+        return FlashInferAttention(
+            self.kv_tensors,
+            self.layout.layer_group,
+            self.layout.windows,
+            m.num_attention_heads,
+            m.num_key_value_heads,
+            m.head_dim,
+            c.block_size,
+            dummy_block=num_blocks,
+            max_num_tokens=max(c.max_num_batched_tokens, max(sizes, default=1)),
+            max_blocks_per_seq=-(-self.max_model_len // c.block_size) + 1,
+            graph_sizes=sizes,
+        )
+
     def _checkpoint_folder(self):
         c = self.config
         if c.load_format == "dummy" and c.model.removeprefix("openai/") in PRESETS:
@@ -323,8 +360,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        for item in plan.scheduled:
-            item.seq.begin_step()
+        for item in plan.scheduled:  # every sequence of a stepped request starts a fresh delta
+            for seq in self.requests[item.seq.request_id].seqs:
+                seq.begin_step()
         result = self.runner.run(plan.scheduled)
         now = time.monotonic()
         touched: dict[str, Request] = {}

@@ -1,0 +1,570 @@
+"""`tinyoss serve` end to end: a live uvicorn server on loopback, the tiny model on the CPU, and
+the official `openai` client.
+
+The tiny model has random weights, so its text is random. To test reasoning and tool calls, a
+test-only hook wraps the engine's model runner: when a prompt contains a script's marker, the
+sampled tokens are replaced by the script's harmony tokens (every other step of the engine,
+scheduler and KV cache runs for real).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tinyoss import harmony
+from tinyoss.engine.llm_engine import EngineConfig, LLMEngine
+from tinyoss.engine.sequence import TokenLogprob
+from tinyoss.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
+from tinyoss.server.app import EventStream, create_app
+
+KEY = "test-key"
+MAX_LEN = 512
+WEATHER = "[[weather]]"  # a user message that makes the model call get_weather
+ANSWER = "[[answer]]"  # ... that makes it think, then answer
+SLOW = "[[slow]]"  # ... that makes each engine step take 20 ms (for disconnects)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def harmony_ids(tokenizer, *parts: int | str) -> list[int]:
+    return [i for p in parts for i in ([p] if isinstance(p, int) else tokenizer.encode(p))]
+
+
+class Scripted:
+    """Test hook on `engine.runner.run`: scripted prompts sample their script's tokens."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        tok = engine.tokenizer
+        self.scripts = {
+            tuple(tok.encode(WEATHER)): harmony_ids(
+                tok, CHANNEL, "analysis", MESSAGE, "think", END, START, "assistant", CHANNEL,
+                "commentary to=functions.get_weather ", CONSTRAIN, "json", MESSAGE,
+                '{"city":"Paris"}', CALL,
+            ),
+            tuple(tok.encode(ANSWER)): harmony_ids(
+                tok, CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant",
+                CHANNEL, "final", MESSAGE, "Hello there, Paris!", RETURN,
+            ),
+        }  # fmt: skip
+        self.slow = tuple(tok.encode(SLOW))
+        self.prompts: list[str] = []  # decoded prompts of scripted requests, latest last
+        self._run, self._tok = engine.runner.run, tok
+        engine.runner.run = self.run
+
+    @staticmethod
+    def _has(ids: list[int], marker: tuple[int, ...]) -> bool:
+        return any(tuple(ids[i : i + len(marker)]) == marker for i in range(len(ids)))
+
+    def run(self, scheduled):
+        result = self._run(scheduled)
+        if any(self._has(item.seq.prompt_token_ids, self.slow) for item in scheduled):
+            time.sleep(0.02)
+        for i, (token, lp) in list(result.sampled.items()):
+            seq = scheduled[i].seq
+            for marker, script in self.scripts.items():
+                if self._has(seq.prompt_token_ids, marker) and seq.num_output < len(script):
+                    token = script[seq.num_output]
+                    lp = lp and TokenLogprob(token, lp.logprob, lp.top)
+                    result.sampled[i] = (token, lp)
+                    if seq.num_output == 0:
+                        self.prompts.append(self._tok.decode(seq.prompt_token_ids))
+        return result
+
+
+class Served:
+    """A uvicorn server in a thread, on a loopback socket bound before it starts."""
+
+    def __init__(self, app) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, args=([sock],), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.started
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def tiny_engine() -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model="tiny", device="cpu", dtype="float32", kv_cache_tokens=8192, max_model_len=MAX_LEN
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine = tiny_engine()
+    hook = Scripted(engine)
+    app = create_app(lambda: engine, model_name="tiny", api_key=KEY)
+    served = Served(app)
+    for _ in range(500):
+        if httpx.get(served.url + "/health").status_code == 200:
+            break
+        time.sleep(0.01)
+    served.engine, served.hook, served.state = engine, hook, app.state.server
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(srv, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(srv.url + path, content=content, headers=headers, timeout=30)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def stream_chat(client, **kw) -> tuple[dict, list]:
+    """Runs a streaming chat; returns the joined fields and the raw chunks."""
+    chunks = list(client.chat.completions.create(model="tiny", stream=True, **kw))
+    joined = {"role": None, "content": "", "reasoning": "", "reasoning_content": "", "lp": []}
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in chunks:
+        for ch in c.choices:
+            d = ch.delta
+            joined["role"] = joined["role"] or d.role
+            joined["content"] += d.content or ""
+            for k in ("reasoning", "reasoning_content"):
+                joined[k] += (d.model_extra or {}).get(k) or ""
+            for tc in d.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": tc.id, "name": None, "arguments": ""})
+                call["name"] = call["name"] or tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+            joined["lp"] += [e.token for e in (ch.logprobs.content if ch.logprobs else None) or []]
+            finish = ch.finish_reason or finish
+    joined["calls"], joined["finish"] = [calls[i] for i in sorted(calls)], finish
+    return joined, chunks
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_health_version_models(srv, client):
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(srv.url + "/version").json()["version"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == MAX_LEN
+
+
+def test_chat_length_and_exact_usage(srv, client):
+    r = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=7, seed=1)
+    prompt = harmony.render_prompt(user("hi"), srv.engine.tokenizer.encode)
+    assert r.object == "chat.completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.total_tokens == len(prompt) + 7
+
+
+def test_chat_stream_equals_non_stream_for_a_seed(client):
+    kw = {"messages": user("tell me"), "max_tokens": 12, "seed": 11, "logprobs": True}
+    kw["top_logprobs"] = 2
+    whole = client.chat.completions.create(model="tiny", **kw)
+    joined, chunks = stream_chat(client, stream_options={"include_usage": True}, **kw)
+    msg = whole.choices[0].message
+    assert joined["role"] == "assistant"
+    assert joined["lp"] == [e.token for e in whole.choices[0].logprobs.content]
+    assert len(joined["lp"]) == 12 and len(whole.choices[0].logprobs.content[0].top_logprobs) == 2
+    assert joined["content"] == (msg.content or "")
+    assert joined["reasoning"] == (msg.model_extra.get("reasoning") or "")
+    assert joined["finish"] == whole.choices[0].finish_reason == "length"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_reasoning_and_answer(srv, client):
+    r = client.chat.completions.create(
+        model="tiny", messages=user(ANSWER), reasoning_effort="high", max_tokens=64
+    )
+    assert "Reasoning: high" in srv.hook.prompts[-1]
+    msg = r.choices[0].message
+    assert msg.content == "Hello there, Paris!"
+    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] == "Let me think."
+    assert r.choices[0].finish_reason == "stop" and not msg.tool_calls
+    joined, _ = stream_chat(client, messages=user(ANSWER), reasoning_effort="low", max_tokens=64)
+    assert "Reasoning: low" in srv.hook.prompts[-1]
+    assert joined["content"] == msg.content and joined["finish"] == "stop"
+    assert joined["reasoning"] == joined["reasoning_content"] == "Let me think."
+
+
+def test_stop_strings_cut_the_answer_only(client):
+    kw = {"messages": user(ANSWER), "stop": [", Par", "think"], "max_tokens": 64}
+    r = client.chat.completions.create(model="tiny", **kw)
+    msg = r.choices[0].message
+    assert msg.content == "Hello there" and r.choices[0].finish_reason == "stop"
+    assert msg.model_extra["reasoning"] == "Let me think."  # stops do not apply to reasoning
+    joined, _ = stream_chat(client, **kw)
+    assert joined["content"] == "Hello there" and joined["finish"] == "stop"
+
+
+def test_tool_call_and_tool_result(srv, client):
+    kw = {"messages": user(WEATHER), "tools": TOOLS, "seed": 5, "max_tokens": 64}
+    r = client.chat.completions.create(model="tiny", **kw)
+    assert "namespace functions" in srv.hook.prompts[-1]
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.model_extra["reasoning"] == "think"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Paris"}')
+    joined, chunks = stream_chat(client, **kw)
+    assert joined["finish"] == "tool_calls" and joined["reasoning"] == "think"
+    assert joined["calls"] == [
+        {"id": call.id, "name": "get_weather", "arguments": '{"city":"Paris"}'}
+    ]
+    first = next(tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or [])
+    assert first.type == "function" and first.index == 0
+    history = [
+        *user(WEATHER),
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=64)
+    assert (
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
+        in srv.hook.prompts[-1]
+    )
+
+
+@pytest.mark.parametrize(
+    "choice, present, absent",
+    [
+        ("none", [], ["namespace functions"]),
+        ("required", ["You must call at least one"], []),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            ["You must call the function `functions.get_weather`"],
+            [],
+        ),
+    ],
+)
+def test_tool_choice_reaches_the_prompt(srv, client, choice, present, absent):
+    client.chat.completions.create(
+        model="tiny", messages=user(WEATHER), tools=TOOLS, tool_choice=choice, max_tokens=64
+    )
+    assert all(s in srv.hook.prompts[-1] for s in present)
+    assert not any(s in srv.hook.prompts[-1] for s in absent)
+
+
+def test_n_and_seed_reproducibility(client):
+    kw = {"messages": user("hey"), "n": 3, "seed": 42, "max_tokens": 6, "logprobs": True}
+    a = client.chat.completions.create(model="tiny", **kw)
+    b = client.chat.completions.create(model="tiny", **kw)
+    tokens = [[e.token for e in c.logprobs.content] for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert tokens == [[e.token for e in c.logprobs.content] for c in b.choices]
+    assert len({tuple(t) for t in tokens}) > 1
+    assert a.usage.completion_tokens == 18
+
+
+def test_completions_prompt_forms_and_echo(srv, client):
+    ids = srv.engine.tokenizer.encode("Hello")
+    r = client.completions.create(
+        model="tiny", prompt=["Hello", "World"], n=2, max_tokens=4, seed=3, temperature=0.8
+    )
+    assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens == 2
+    by_ids = client.completions.create(
+        model="tiny", prompt=[ids, ids], max_tokens=4, seed=3, temperature=0.8
+    )
+    single = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=4, seed=3, temperature=0.8
+    )
+    assert by_ids.choices[0].text == by_ids.choices[1].text == single.choices[0].text
+    assert single.choices[0].text == r.choices[0].text
+    echo = client.completions.create(
+        model="tiny", prompt="Hello", echo=True, max_tokens=4, seed=3, temperature=0.8
+    )
+    assert echo.choices[0].text == "Hello" + r.choices[0].text
+
+
+def test_completions_logprobs_stream_equals_non_stream(client):
+    kw = {"model": "tiny", "prompt": "Once upon", "max_tokens": 6, "seed": 9, "logprobs": 3}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(top) >= 3 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completions_stop_string(client):
+    base = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2)
+    text = base.choices[0].text
+    stop = text[3:6]
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2, stop=stop)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.find(stop)]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_request_errors(srv):
+    chat, msgs = "/v1/chat/completions", user("hi")
+    assert "malformed JSON" in error(post(srv, chat, "{nope"), 400)["message"]
+    assert error(post(srv, chat, "[1]"), 400)["message"].startswith("the request body")
+    assert error(post(srv, chat, {"model": "tiny"}), 400)["param"] == "messages"
+    err = error(post(srv, chat, {"messages": msgs, "temperature": -1}), 400)
+    assert err["param"] == "temperature" and "temperature=-1 is invalid" in err["message"]
+    assert error(post(srv, chat, {"messages": msgs, "n": "2"}), 400)["param"] == "n"
+    err = error(post(srv, chat, {"messages": msgs, "top_logprobs": 2}), 400)
+    assert err["param"] == "top_logprobs"
+    err = error(post(srv, chat, {"messages": msgs, "logprobs": True, "top_logprobs": 50}), 400)
+    assert err["param"] == "logprobs"
+    assert error(post(srv, chat, {"messages": msgs, "tool_choice": "x"}), 400)["param"] == (
+        "tool_choice"
+    )
+    bad_role = {"messages": [{"role": "robot", "content": "x"}]}
+    assert "robot" in error(post(srv, chat, bad_role), 400)["message"]
+    assert error(post(srv, chat, {"messages": msgs, "reasoning_effort": "max"}), 400)["param"] == (
+        "reasoning_effort"
+    )
+    cmpl = "/v1/completions"
+    assert error(post(srv, cmpl, {"prompt": "a", "suffix": "b"}), 400)["param"] == "suffix"
+    assert error(post(srv, cmpl, {"prompt": "a", "best_of": 3}), 400)["param"] == "best_of"
+    err = error(post(srv, cmpl, {"prompt": "a", "echo": True, "logprobs": 1}), 400)
+    assert err["param"] == "echo"
+    assert error(post(srv, cmpl, {"prompt": [[1], "a", 3]}), 400)["param"] == "prompt"
+    assert error(post(srv, cmpl, {"prompt": [300000]}), 400)["param"] == "prompt"
+    err = error(post(srv, cmpl, {"prompt": "a", "model": "gpt-5"}), 404)
+    assert err["code"] == "model_not_found" and "gpt-5" in err["message"]
+    assert error(post(srv, cmpl, {"prompt": "a"}, key=None), 401)["code"] == "invalid_api_key"
+    assert error(post(srv, cmpl, {"prompt": "a"}, key="wrong"), 401)["code"] == "invalid_api_key"
+    assert error(httpx.get(srv.url + "/v1/nothing"), 404)["message"].startswith("/v1/nothing")
+    ok = post(srv, cmpl, {"prompt": "a", "max_tokens": 2, "user": "u", "whatever": [1]})
+    assert ok.status_code == 200  # unknown fields are ignored
+
+
+def test_context_length_errors(srv, client):
+    long_prompt = list(range(1000, 1000 + MAX_LEN))
+    err = error(post(srv, "/v1/completions", {"prompt": long_prompt}), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert f"maximum context length is {MAX_LEN} tokens" in err["message"]
+    assert f"resulted in {MAX_LEN} tokens" in err["message"]
+    prompt = harmony.render_prompt(user("hi"), srv.engine.tokenizer.encode)
+    body = {"messages": user("hi"), "max_tokens": MAX_LEN}
+    err = error(post(srv, "/v1/chat/completions", body), 400)
+    total = len(prompt) + MAX_LEN
+    assert f"maximum context length is {MAX_LEN} tokens" in err["message"]
+    assert (
+        f"you requested {total} tokens ({len(prompt)} in the messages, {MAX_LEN} in the "
+        in (err["message"])
+    )
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=MAX_LEN)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="no", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi")
+
+
+# ---------------------------------------------------------------- disconnects and load
+
+
+def wait_idle(srv) -> None:
+    deadline = time.monotonic() + 10
+    while srv.engine.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # the engine thread may be finishing the step that saw the abort
+    assert not srv.engine.requests
+    assert srv.engine.kv.num_free == srv.engine.kv.num_blocks
+
+
+def metric(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+
+def test_disconnect_mid_stream_frees_blocks(srv):
+    aborted = metric(srv, "tinyoss_requests_aborted_total")
+    body = {"prompt": SLOW, "max_tokens": 400, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert srv.engine.requests and srv.engine.kv.num_free < srv.engine.kv.num_blocks
+    wait_idle(srv)
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(srv.url + "/v1/completions", json=body, headers=headers, timeout=0.5)
+    wait_idle(srv)
+    assert metric(srv, "tinyoss_requests_aborted_total") == aborted + 2
+    assert metric(srv, "tinyoss_kv_cache_usage_ratio") == 0.0
+    assert metric(srv, "tinyoss_num_requests_running") == 0
+
+
+def test_event_stream_closes_its_generator_when_the_client_leaves_during_a_send():
+    """Starlette cancels a stream whose client left; if that lands while a chunk is being sent,
+    the event generator sits at a `yield` and only an explicit close aborts the request."""
+    closed, gone = [], asyncio.Event()
+
+    async def events():
+        try:
+            while True:
+                yield "data: x\n\n"
+        finally:
+            closed.append(True)
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            gone.set()
+            await asyncio.Event().wait()  # a send that never completes
+
+    async def serve() -> list[bool]:
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await EventStream(events())(scope, receive, send)
+        return list(closed)  # before the loop's shutdown would finalize a forgotten generator
+
+    assert asyncio.run(serve()) == [True]
+
+
+def test_metrics_text(srv, client):
+    client.completions.create(model="tiny", prompt="count me", max_tokens=3)
+    text = httpx.get(srv.url + "/metrics").text
+    for name in (
+        "tinyoss_num_requests_waiting",
+        "tinyoss_prompt_tokens_total",
+        "tinyoss_generation_tokens_total",
+        "tinyoss_prefix_cache_hit_tokens_total",
+        "tinyoss_num_preemptions_total",
+        "tinyoss_requests_finished_total",
+    ):
+        assert f"# TYPE {name} " in text
+    assert 'tinyoss_time_to_first_token_seconds_bucket{le="+Inf"}' in text
+    assert metric(srv, "tinyoss_inter_token_latency_seconds_count") > 0
+    assert metric(srv, "tinyoss_generation_tokens_total") > 0
+
+
+def test_50_concurrent_streams(srv):
+    prompts = [f"request number {i}" for i in range(50)]
+    common = {"model": "tiny", "max_tokens": 5, "temperature": 0}
+    sync = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+    expected = [c.text for c in sync.completions.create(prompt=prompts, **common).choices]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **common
+        )
+        chunks = [c async for c in stream]
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 5 and chunks[-2].choices[0].finish_reason == "length"
+        return "".join(c.choices[0].text for c in chunks[:-1])
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+        async with aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+    wait_idle(srv)
+
+
+def test_health_503_while_loading_and_after_a_failed_load():
+    gate = threading.Event()
+
+    def load():
+        gate.wait(10)
+        raise RuntimeError("no weights here")
+
+    served = Served(create_app(load, model_name="tiny"))
+    try:
+        r = httpx.get(served.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        err = error(httpx.post(served.url + "/v1/completions", json={"prompt": "a"}), 503)
+        assert "loading" in err["message"]
+        gate.set()
+        for _ in range(200):
+            if httpx.get(served.url + "/health").json()["status"] != "loading":
+                break
+            time.sleep(0.01)
+        r = httpx.get(served.url + "/health")
+        assert r.status_code == 503 and "no weights here" in r.json()["message"]
+    finally:
+        served.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_engine_failure_is_a_500_and_health_turns_503():
+    engine = tiny_engine()
+    run, calls = engine.runner.run, []
+
+    def failing(scheduled):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected engine failure")
+        return run(scheduled)
+
+    engine.runner.run = failing
+    served = Served(create_app(lambda: engine, model_name="tiny"))
+    try:
+        for _ in range(500):
+            if httpx.get(served.url + "/health").status_code == 200:
+                break
+            time.sleep(0.01)
+        body = {"prompt": "a", "max_tokens": 50, "stream": True}
+        stream = httpx.post(served.url + "/v1/completions", json=body)
+        events = [json.loads(e[6:]) for e in stream.text.split("\n\n")[:-2]]
+        assert [len(e.get("choices", [])) for e in events] == [1, 1, 0]
+        assert "injected engine failure" in events[-1]["error"]["message"]
+        assert stream.text.endswith("data: [DONE]\n\n")
+        err = error(httpx.post(served.url + "/v1/completions", json={"prompt": "a"}), 500)
+        assert "injected engine failure" in err["message"]
+        assert httpx.get(served.url + "/health").status_code == 503
+        assert httpx.get(served.url + "/version").status_code == 200
+    finally:
+        served.close()

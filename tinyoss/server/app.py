@@ -1,0 +1,328 @@
+"""The OpenAI-compatible HTTP app: routes, API key, errors, streaming, background loading.
+
+The model loads in a worker thread after the socket is listening, so /health can say 503
+until it is ready. A request's engine generators are always closed explicitly (client gone,
+stream closed, answer complete), which aborts what is unfinished and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tinyoss import __version__
+from tinyoss.engine.async_engine import AsyncEngine
+from tinyoss.engine.llm_engine import LLMEngine, RequestOutput
+from tinyoss.server.metrics import Metrics
+from tinyoss.server.protocol import APIError, Prepared, parse_chat, parse_completion
+from tinyoss.server.responses import ChatChoice, TextChoice
+
+log = logging.getLogger("tinyoss.server")
+Choice = ChatChoice | TextChoice
+
+
+class ServerState:
+    def __init__(self, load: Callable[[], LLMEngine], model_name: str, api_key: str | None) -> None:
+        self.load, self.model_name, self.api_key = load, model_name, api_key
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        try:
+            self.engine = AsyncEngine(await asyncio.to_thread(self.load))
+            log.info("ready: serving %r", self.model_name)
+        except Exception as e:  # the server stays up and /health says why
+            self.load_error = e
+            log.exception("loading the model failed")
+
+    def ready(self) -> AsyncEngine:
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+        if self.engine is None:
+            raise APIError(503, "the model is still loading, retry shortly", code="loading")
+        return self.engine
+
+
+class EventStream(StreamingResponse):
+    """SSE that closes its event generator however the stream ends: a client that left must
+    abort its request now, not whenever the suspended generator is garbage-collected."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class Run:
+    """One API request: its engine requests feeding its choices."""
+
+    def __init__(
+        self, state: ServerState, prep: Prepared, kind: str, choices: list[Choice]
+    ) -> None:
+        self.state, self.prep, self.kind, self.choices = state, prep, kind, choices
+        self.rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex
+        self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
+        self.head["model"] = state.model_name
+        self.cached = [0] * len(prep.prompts)
+
+    async def updates(self) -> AsyncIterator[list[dict]]:
+        """The changed chunk choices after each engine output."""
+        engine, metrics, n = self.state.ready(), self.state.metrics, self.prep.params.n
+        gens = [
+            engine.generate(p, self.prep.params, f"{self.rid}-{i}")
+            for i, p in enumerate(self.prep.prompts)
+        ]
+        start, last = time.monotonic(), {}
+        try:
+            async with contextlib.aclosing(_merge(gens)) as outputs:
+                async for i, out in outputs:
+                    now = time.monotonic()
+                    hist = metrics.itl if i in last else metrics.ttft
+                    hist.observe(now - last.get(i, start))
+                    last[i], self.cached[i] = now, out.num_cached_tokens
+                    choices = [self.choices[i * n + c.index] for c in out.outputs]
+                    changed = [ch for c, o in zip(choices, out.outputs) if (ch := c.update(o))]
+                    if changed:
+                        yield changed
+                    if self.done:
+                        break
+        finally:
+            if self.done:
+                metrics.finished += 1
+            else:
+                metrics.aborted += 1
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prep.prompts)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached)},
+        }
+
+    def answer(self) -> dict:
+        return {**self.head, "choices": [c.final() for c in self.choices], "usage": self.usage()}
+
+    async def events(self) -> AsyncIterator[str]:
+        head = {**self.head, "object": self.kind + ".chunk" if "chat" in self.kind else self.kind}
+        try:
+            for c in self.choices:
+                if (opening := c.opening()) is not None:
+                    yield _sse({**head, "choices": [opening]})
+            async with contextlib.aclosing(self.updates()) as updates:
+                async for changed in updates:
+                    yield _sse({**head, "choices": changed})
+            if self.prep.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage()})
+        except Exception as e:  # the status line is sent: report in the stream
+            log.exception("stream %s failed", self.rid)
+            yield _sse(_error(e).body())
+        yield "data: [DONE]\n\n"
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleaves engine streams, tagged with their index; closing it cancels the pumps, and a
+    cancelled `AsyncEngine.generate` aborts its request."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error(e: Exception) -> APIError:
+    return e if isinstance(e, APIError) else APIError(500, f"the engine failed: {e}")
+
+
+async def _drain_unless_gone(request: Request, run: Run) -> bool:
+    """Runs `run` to its end; False if the client left first (its requests are aborted)."""
+
+    async def drain() -> None:
+        async with contextlib.aclosing(run.updates()) as updates:
+            async for _ in updates:
+                pass
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watch, work):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        return False
+    work.result()  # re-raises an engine failure
+    return True
+
+
+def create_app(
+    load: Callable[[], LLMEngine], *, model_name: str, api_key: str | None = None
+) -> Starlette:
+    """The server app; `load` builds the engine (in a worker thread, once the app starts)."""
+    state = ServerState(load, model_name, api_key)
+
+    def endpoint(handler: Callable, *, auth: bool = True) -> Callable:
+        async def wrapped(request: Request) -> Response:
+            try:
+                if auth and state.api_key:
+                    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+                    if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+                        raise APIError(
+                            401,
+                            "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                            code="invalid_api_key",
+                        )
+                return await handler(request)
+            except Exception as e:  # a bad request must never take the server down
+                err = _error(e)
+                if err.status >= 500:
+                    log.exception("request failed")
+                return JSONResponse(err.body(), status_code=err.status)
+
+        return wrapped
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}") from e
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        name = body.get("model")
+        if name is not None and name != state.model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist (this server serves `{state.model_name}`).",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    async def respond(request: Request, run: Run) -> Response:
+        if run.prep.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return EventStream(run.events(), headers=headers)
+        if not await _drain_unless_gone(request, run):
+            return Response(status_code=499)
+        return JSONResponse(run.answer())
+
+    async def chat(request: Request) -> Response:
+        prep = parse_chat(await body_of(request), state.ready().engine)
+        tok, seed, lp = state.engine.engine.tokenizer, prep.params.seed, prep.params.logprobs
+        choices: list[Choice] = [
+            ChatChoice(
+                i, tok, prep.content_stop, seed if seed is None else seed + i, lp is not None
+            )
+            for i in range(prep.params.n)
+        ]
+        return await respond(request, Run(state, prep, "chat.completion", choices))
+
+    async def completions(request: Request) -> Response:
+        prep = parse_completion(await body_of(request), state.ready().engine)
+        tok, n, lp = state.engine.engine.tokenizer, prep.params.n, prep.params.logprobs
+        choices: list[Choice] = [
+            TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None)
+            for p in range(len(prep.prompts))
+            for i in range(n)
+        ]
+        return await respond(request, Run(state, prep, "text_completion", choices))
+
+    async def models(request: Request) -> Response:
+        card = {"id": state.model_name, "object": "model", "created": state.created}
+        card["owned_by"] = "tinyoss"
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.engine.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        engine, error = state.engine, state.load_error
+        if engine is not None and engine.healthy:
+            return JSONResponse({"status": "ok"})
+        if engine is None and error is None:
+            return JSONResponse({"status": "loading"}, 503)
+        return JSONResponse({"status": "error", "message": str(error or "the engine failed")}, 503)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def metrics(request: Request) -> Response:
+        text = state.metrics.render(state.engine.engine if state.engine is not None else None)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        err = APIError(exc.status_code, f"{request.url.path}: {exc.detail}")
+        return JSONResponse(err.body(), exc.status_code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loading = asyncio.create_task(state.start())
+        yield
+        loading.cancel()
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/version", endpoint(version, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}
+    )
+    app.state.server = state
+    return app
