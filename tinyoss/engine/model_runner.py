@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyoss.engine.cuda_graphs import CudaGraphRunner
 from tinyoss.engine.kv_cache import CacheLayout
 from tinyoss.engine.sampler import Sampler, SamplingBatch, compute_logprobs
 from tinyoss.engine.scheduler import Scheduled
@@ -76,43 +77,57 @@ class ModelRunner:
         layout: CacheLayout,
         block_size: int,
         device: torch.device,
+        graphs: CudaGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
         self.layout = layout
         self.block_size = block_size
         self.device = device
+        self.graphs = graphs
         self.sampler = Sampler()
 
     @torch.inference_mode()
     def run(self, scheduled: list[Scheduled]) -> StepResult:
         batch = build_batch(scheduled, self.layout, self.block_size, self.device)
+        result = StepResult({}, {})
+        if self._graphable(scheduled):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            return self._sample(scheduled, list(range(len(scheduled))), logits, result)
         self.attention.plan(batch.meta)
         hidden = self.model(batch.input_ids, batch.positions, self.attention)
-        return self._sample(scheduled, hidden)
-
-    def _sample(self, scheduled: list[Scheduled], hidden: torch.Tensor) -> StepResult:
-        result = StepResult({}, {})
-        sample_rows, sample_items = [], []
+        rows, items = [], []
         start = 0
         for i, item in enumerate(scheduled):
             seq, n = item.seq, item.num_tokens
             if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt:
                 result.prompt_logprobs[i] = self._prompt_logprobs(item, hidden[start : start + n])
             if item.samples:
-                sample_rows.append(start + n - 1)
-                sample_items.append(i)
+                rows.append(start + n - 1)
+                items.append(i)
             start += n
-        if not sample_rows:
+        if not rows:
             return result
-        logits = self.model.compute_logits(hidden[sample_rows])
-        seqs = [scheduled[i].seq for i in sample_items]
+        return self._sample(scheduled, items, self.model.compute_logits(hidden[rows]), result)
+
+    def _graphable(self, scheduled: list[Scheduled]) -> bool:
+        """Pure decode steps (one token per sequence, each sampling) replay a CUDA graph."""
+        return (
+            self.graphs is not None
+            and self.graphs.bucket(len(scheduled)) is not None
+            and all(s.num_tokens == 1 and s.samples for s in scheduled)
+        )
+
+    def _sample(
+        self, scheduled: list[Scheduled], items: list[int], logits: torch.Tensor, result: StepResult
+    ) -> StepResult:
+        seqs = [scheduled[i].seq for i in items]
         out = self.sampler(logits, SamplingBatch.build(seqs, logits.shape[-1], logits.device))
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for row, i in enumerate(sample_items):
+        for row, i in enumerate(items):
             k = scheduled[i].seq.params.logprobs
             entry = None
             if k is not None:

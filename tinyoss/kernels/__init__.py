@@ -12,11 +12,13 @@ from typing import Callable
 import torch
 
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
+from tinyoss.model.rope import apply_rope
 
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights], torch.Tensor]
-NormFn = Callable[
-    [torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"
-]
+Pair = tuple[torch.Tensor, torch.Tensor]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], Pair]
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Pair]
+RouterFn = Callable[[torch.Tensor, int], Pair]
 
 
 def rms_norm_torch(
@@ -30,8 +32,17 @@ def rms_norm_torch(
     return (weight.float() * y).to(x.dtype), x
 
 
+def router_topk_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest router logits (sorted) and a softmax over just those: (weights fp32, ids)."""
+    top_logits, top_ids = torch.topk(logits, k, dim=-1, sorted=True)
+    return torch.softmax(top_logits.float(), dim=-1), top_ids
+
+
 @dataclass
 class Kernels:
     moe: MoEFn = moe_torch
     rms_norm: NormFn = rms_norm_torch
-    names: dict[str, str] = field(default_factory=lambda: {"moe": "torch", "norm": "torch"})
+    rope: RopeFn = apply_rope
+    router_topk: RouterFn = router_topk_torch
+    names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
+        ("moe", "norm", "rope", "router"), "torch"))

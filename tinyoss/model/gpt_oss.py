@@ -15,7 +15,7 @@ from torch import nn
 from tinyoss.config import ModelConfig
 from tinyoss.kernels import Kernels
 from tinyoss.kernels.moe_torch import ExpertWeights
-from tinyoss.model.rope import apply_rope, cos_sin_cache
+from tinyoss.model.rope import cos_sin_cache
 
 
 class AttentionBackend(Protocol):
@@ -42,9 +42,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, kernels: Kernels) -> None:
         super().__init__()
         self.layer = layer
+        self.kernels = kernels
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, positions, rope_cache)
+        q, k = self.kernels.rope(q, k, positions, rope_cache)
         return self.o_proj(attn(self.layer, q, k, v, self.sinks))
 
 
@@ -104,8 +105,7 @@ class MoE(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_logits, top_ids = torch.topk(self.router(x), self.top_k, dim=-1, sorted=True)
-        top_weights = torch.softmax(top_logits.float(), dim=-1)
+        top_weights, top_ids = self.kernels.router_topk(self.router(x), self.top_k)
         return self.kernels.moe(x, top_weights, top_ids, self.experts.weights())
 
 
@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: Kernels) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MoE(config, kernels)
 

@@ -1,0 +1,214 @@
+"""Single-stream (and small-batch) decode latency of tinyoss, against the memory-bandwidth roofline.
+
+    python bench/decode_latency.py --model gpt-oss-20b --load-format dummy \\
+        --batch-size 1 --input-len 1024 --output-len 256
+
+Each iteration submits `batch-size` prompts of `input-len` random tokens, times the prefill
+(TTFT) and then every decode step through the engine (scheduler, runner, CUDA graph, sampler:
+what a user waits for). The roofline is the bytes a step must read (weights of the active
+experts, dense layers, lm_head, and the KV cache) over the device-to-device copy bandwidth
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tinyoss import LLM, SamplingParams  # noqa: E402
+from tinyoss.config import ModelConfig  # noqa: E402
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Bytes read plus bytes written per second by a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def bytes_per_step(c: ModelConfig, batch: int, context: int, kv_dtype_bytes: int = 2) -> dict:
+    """What one decode step must read from memory, by part (bf16 dense weights, MXFP4 experts).
+
+    Experts: each layer reads the distinct experts its `batch` tokens picked; with uniform
+    routing that is E * (1 - (1 - k/E)**batch) on average (exactly k at batch 1).
+    """
+    h, L = c.hidden_size, c.num_hidden_layers
+    attn = (h * (c.q_size + 2 * c.kv_size) + c.q_size * h) * 2 + (c.q_size + 2 * c.kv_size + h) * 2
+    router = c.num_local_experts * h * 2
+    i = c.intermediate_size
+    expert = (2 * i * h // 2 + 2 * i * h // 32) + (h * i // 2 + h * i // 32) + (2 * i + h) * 2
+    e, k = c.num_local_experts, c.num_experts_per_tok
+    active = e * (1 - (1 - k / e) ** batch)
+    kv_row = 2 * c.kv_size * kv_dtype_bytes  # K and V of one token in one layer
+    kv = sum(min(context, c.window(layer) or context) for layer in range(L)) * kv_row * batch
+    parts = {
+        "attention_weights": L * (attn + router + 2 * h * 2),
+        "experts": L * active * expert,
+        "lm_head": c.vocab_size * h * 2,
+        "kv_cache": kv,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda")
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        max_num_seqs=args.batch_size,
+        max_model_len=args.input_len + args.output_len + 32,
+        max_num_batched_tokens=max(8192, args.input_len),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+        moe_backend=args.moe_backend,
+    )
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    ttfts, steps = [], []
+    for it in range(args.warmup + args.iters):
+        for b in range(args.batch_size):
+            ids = [rng.randrange(199998) for _ in range(args.input_len)]
+            engine.add_request(f"it{it}-{b}", ids, params)
+        t0 = time.perf_counter()
+        started: set[str] = set()
+        while len(started) < args.batch_size:  # prefill until every sequence has a first token
+            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        ttft = time.perf_counter() - t0
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        if it >= args.warmup:
+            ttfts.append(ttft)
+            steps.extend(times)
+    if args.profile:
+        profile(engine, args)
+    bandwidth = copy_bandwidth(device)
+    context = args.input_len + args.output_len // 2
+    need = bytes_per_step(engine.model_config, args.batch_size, context)
+    median = statistics.median(steps)
+    record = {
+        "gpu": torch.cuda.get_device_name(device),
+        "commit": args.commit or _git_commit(),
+        "command": " ".join(sys.argv),
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "iterations": args.iters,
+        "backends": engine.backends.describe(),
+        "cuda_graphs": not args.enforce_eager,
+        "ttft_ms": 1e3 * statistics.median(ttfts),
+        "ms_per_step_median": 1e3 * median,
+        "ms_per_step_p90": 1e3 * percentile(steps, 0.9),
+        "tok_per_s": args.batch_size / median,
+        "bytes_per_step": need,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "achieved_gb_s": need["total"] / median / 1e9,
+        "roofline_fraction": need["total"] / median / bandwidth,
+        "roofline_tok_per_s": args.batch_size * bandwidth / need["total"],
+    }
+    return record
+
+
+def profile(engine, args: argparse.Namespace) -> None:
+    """Per-kernel GPU time over a few decode steps (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for b in range(args.batch_size):
+        engine.add_request(f"prof-{b}", [1] * args.input_len, params)
+    while any(s.num_computed < s.num_prompt for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    )
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="gpt-oss-20b", help="preset (with --load-format dummy) or folder"
+    )
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--moe-backend", default="auto")
+    p.add_argument("--profile", action="store_true", help="print a per-kernel time table")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    p.add_argument("--json", default=None, help="write the record to this file")
+    args = p.parse_args()
+    record = run(args)
+    need = record["bytes_per_step"]
+    print(
+        f"{record['gpu']} | {record['model']} | batch {args.batch_size} | in {args.input_len} "
+        f"out {args.output_len} | {record['backends']} | graphs {record['cuda_graphs']}"
+    )
+    print(
+        f"TTFT {record['ttft_ms']:.1f} ms | decode {record['ms_per_step_median']:.3f} ms/step "
+        f"(p90 {record['ms_per_step_p90']:.3f}) | {record['tok_per_s']:.1f} tok/s"
+    )
+    print(
+        f"bytes/step {need['total'] / 1e9:.3f} GB (attn {need['attention_weights'] / 1e9:.2f}, "
+        f"experts {need['experts'] / 1e9:.2f}, lm_head {need['lm_head'] / 1e9:.2f}, "
+        f"kv {need['kv_cache'] / 1e9:.3f}) | copy bw {record['copy_bandwidth_gb_s']:.0f} GB/s | "
+        f"achieved {record['achieved_gb_s']:.0f} GB/s = {100 * record['roofline_fraction']:.1f}% "
+        f"of roofline ({record['roofline_tok_per_s']:.0f} tok/s ceiling)"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The small fused Triton kernels against their torch twins (interpreter on CPU, real on GPU)."""
+
+import pytest
+import torch
+
+from tinyoss.config import RopeConfig
+from tinyoss.kernels import rms_norm_torch, router_topk_torch
+from tinyoss.kernels.attention import write_kv
+from tinyoss.kernels.layer_ops_triton import (
+    rms_norm_triton,
+    rope_triton,
+    router_topk_triton,
+    store_kv_triton,
+)
+from tinyoss.model.rope import apply_rope, cos_sin_cache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}  # ||out - ref|| / ||ref||
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 2880), (5, 128)])
+def test_rms_norm(dtype, rows, cols):
+    x = torch.randn(rows, cols, device=DEVICE).to(dtype)
+    res = torch.randn(rows, cols, device=DEVICE).to(dtype)
+    w = 1 + 0.1 * torch.randn(cols, device=DEVICE)
+    ref_out, ref_res = rms_norm_torch(x, w, 1e-5, res.clone())
+    out, new_res = rms_norm_triton(x, w, 1e-5, res)
+    assert torch.equal(new_res, ref_res) and new_res.data_ptr() == res.data_ptr()
+    assert rel(out, ref_out) < TOL[dtype]
+    out, same = rms_norm_triton(x, w, 1e-5)
+    assert same is x and rel(out, rms_norm_torch(x, w, 1e-5)[0]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_qkv_views(dtype):
+    hq, hk, d, t = 16, 2, 64, 7
+    cache = cos_sin_cache(RopeConfig(), d, 200000, torch.device(DEVICE))
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    positions = torch.tensor([0, 1, 5, 127, 4096, 65536, 131071], device=DEVICE)
+    ref_q, ref_k = apply_rope(q.clone(), k.clone(), positions, cache)
+    rope_triton(q, k, positions, cache)
+    assert rel(q, ref_q) < TOL[dtype] and rel(k, ref_k) < TOL[dtype]
+
+
+def test_store_kv_skips_padding():
+    kc, vc = torch.zeros(4, 16, 2, 64, device=DEVICE), torch.zeros(4, 16, 2, 64, device=DEVICE)
+    k, v = torch.randn(5, 2, 64, device=DEVICE), torch.randn(5, 2, 64, device=DEVICE)
+    slots = torch.tensor([3, 17, -1, 63, 0], device=DEVICE)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    write_kv(ref_k, ref_v, k, v, slots)
+    store_kv_triton(kc, vc, k, v, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+@pytest.mark.parametrize("experts", [8, 32, 128])
+def test_router_topk(experts):
+    logits = torch.randn(9, experts, device=DEVICE)
+    w, ids = router_topk_triton(logits, 4)
+    ref_w, ref_ids = router_topk_torch(logits, 4)
+    assert torch.equal(ids.long(), ref_ids) and torch.allclose(w, ref_w, atol=1e-6)

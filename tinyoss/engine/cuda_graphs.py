@@ -1,0 +1,87 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with padding.
+
+A decode step at small batch is hundreds of short kernels; replaying them as one graph removes
+the launch gaps. Graphs are captured largest first and share one memory pool. Each takes the
+token ids and positions from static buffers; attention reads its plan (made outside the graph,
+before every replay) from its own fixed buffers. Padded rows attend to a dummy cache block, and
+their logits are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tinyoss.kernels.attention import AttentionMetadata, GroupMetadata
+from tinyoss.model.gpt_oss import GptOssForCausalLM
+
+log = logging.getLogger("tinyoss")
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (at most 256)."""
+    limit = min(max_num_seqs, 256)
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit]
+    sizes += list(range(16, limit + 1, 8))
+    if sizes[-1] < limit:
+        sizes.append(limit)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: GptOssForCausalLM,
+        attention,
+        sizes: list[int],
+        num_groups: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.sizes = sizes
+        self.num_groups = num_groups
+        top = max(sizes)
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top, dtype=torch.long, device=device)
+        self.logits = torch.zeros(top, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.device = device
+
+    def bucket(self, batch_size: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch_size), None)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        for size in sorted(self.sizes, reverse=True):
+            meta = AttentionMetadata([], [], [GroupMetadata([], [], empty)] * self.num_groups)
+            self.attention.plan(meta, graph_size=size)
+            self._forward(size)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def _forward(self, size: int) -> None:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.attention)
+        self.logits[:size] = self.model.compute_logits(hidden)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Logits [B, V] of a decode batch of B sequences (one new token each)."""
+        b = input_ids.shape[0]
+        size = self.bucket(b)
+        assert size is not None
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.attention.plan(meta, graph_size=size)
+        self.graphs[size].replay()
+        return self.logits[:b]
