@@ -1,0 +1,291 @@
+"""Triton MoE (decode and prefill paths, every MODE) against the `moe_torch` reference.
+
+On CPU the kernels run in the Triton interpreter with fp32 operands: "fma" and "dot" agree with
+the reference to fp32 rounding (~3e-7 measured; TOL 1e-5). "scaled" (`tl.dot_scaled`) rounds its
+activations to bf16, which the interpreter does toward zero (3.1e-3 relative on one rounding,
+against 1.7e-3 for round-to-nearest; 6-7e-3 on the whole MoE), hence TOL_SCALED_CPU. On a GPU
+the activations are bf16 and TOL is 1e-2. Every workspace and output starts as NaN, so a row nobody
+wrote shows; inputs are fresh random draws for every case, sized so that some gate/up
+pre-activations pass the clamp limit 7.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tinyoss.kernels import moe_triton as mt
+from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
+from tinyoss.model import mxfp4
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 1e-2 if CUDA else 1e-5  # ||out - ref|| / ||ref||
+TOL_SCALED_CPU = 2e-2
+E, H, I, TOPK = 8, 96, 64, 4  # H != I catches swapped dimensions; K tiles of 64 leave H ragged
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# Tiles small enough for several row blocks and K tiles at these shapes. On a GPU the
+# tensor-core modes need K tiles >= 128 (eight dots of K/8 >= 16): one ragged tile here.
+K1, K2 = (128, 128) if CUDA else (64, 32)
+DECODE = {
+    "fma": mt.DecodeConfig(
+        mode="fma", block_t=1, block_n1=32, block_k1=64, block_n2=32, block_k2=64
+    ),
+    "dot": mt.DecodeConfig(mode="dot", block_n1=64, block_k1=K1, block_n2=32, block_k2=K2),
+    "scaled": mt.DecodeConfig(mode="scaled", block_n1=64, block_k1=K1, block_n2=32, block_k2=K2),
+}
+PREFILL = {
+    "dot": mt.PrefillConfig(
+        mode="dot", block_m=16, block_n1=64, block_n2=32, block_k=K1, num_warps=4
+    ),
+    "scaled": mt.PrefillConfig(
+        mode="scaled", block_m=16, block_n1=64, block_n2=32, block_k=K1, num_warps=4
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Workspaces and outputs start as NaN: an unwritten row cannot pass."""
+    monkeypatch.setattr(
+        mt,
+        "_empty",
+        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
+    )
+
+
+def small_weights(gen: torch.Generator, e: int = E, h: int = H, i: int = I) -> ExpertWeights:
+    """Float experts quantized to MXFP4 (real code statistics), biases of the same spread."""
+    gate_up = torch.randn(e, 2 * i, h, generator=gen) * 0.4
+    down = torch.randn(e, h, i, generator=gen) * 0.2
+    gb, gs = mxfp4.quantize(gate_up)
+    db, ds = mxfp4.quantize(down)
+    w = ExpertWeights(
+        gb, gs, torch.randn(e, 2 * i, generator=gen), db, ds, torch.randn(e, h, generator=gen)
+    )
+    return ExpertWeights(
+        *(
+            t.to(DEVICE)
+            for t in (
+                w.gate_up_blocks,
+                w.gate_up_scales,
+                w.gate_up_bias,
+                w.down_blocks,
+                w.down_scales,
+                w.down_bias,
+            )
+        )
+    )
+
+
+def routing(
+    gen: torch.Generator, t: int, e: int = E, allowed: int | None = None, always: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, ids [T, K] int64): distinct experts per token, drawn from the first
+    `allowed` experts; `always` is in every token's top-k (at a random position)."""
+    pool = allowed or e
+    rows = []
+    for _ in range(t):
+        ids = torch.randperm(pool, generator=gen)[:TOPK]
+        if always is not None and always not in ids:
+            ids[torch.randint(TOPK, (1,), generator=gen)] = always
+        rows.append(ids)
+    ids = torch.stack(rows)
+    weights = torch.softmax(torch.randn(t, TOPK, generator=gen), dim=-1)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def inputs(
+    seed: int, t: int, **route
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights]:
+    gen = torch.Generator().manual_seed(seed)
+    w = small_weights(gen)
+    x = (torch.randn(t, H, generator=gen) * 2).to(DEVICE, DTYPE)
+    weights, ids = routing(gen, t, **route)
+    return x, weights, ids, w
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def tol(mode: str) -> float:
+    return TOL_SCALED_CPU if mode == "scaled" and not CUDA else TOL
+
+
+def preactivation_max(x: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> float:
+    """Largest |gate/up| pre-activation the case produces (to prove the clamp is exercised)."""
+    out = 0.0
+    for e in ids.unique().tolist():
+        w1 = mxfp4.dequantize(w.gate_up_blocks[e], w.gate_up_scales[e])
+        out = max(out, (x.float() @ w1.T + w.gate_up_bias[e].float()).abs().max().item())
+    return out
+
+
+@pytest.mark.parametrize(
+    "mode,t", [("fma", 1), ("fma", 3), ("dot", 1), ("dot", 3), ("dot", 17), ("scaled", 3)]
+)
+def test_decode(mode, t):
+    x, weights, ids, w = inputs(100 + t, t)
+    out = torch.full((t, H), float("nan"), dtype=DTYPE, device=DEVICE)
+    got = mt.moe_decode(x, weights, ids, w, DECODE[mode], out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < tol(mode)
+    assert preactivation_max(x, ids, w) > 7.0
+
+
+@pytest.mark.parametrize("mode,t", [("fma", 1), ("dot", 3)])
+def test_decode_bf16_activations(mode, t):
+    """bf16 activations take the GPU's load path (32-bit words split into even/odd columns);
+    act and out are then bf16 too, hence a bf16 tolerance (on CPU as well)."""
+    x, weights, ids, w = inputs(60 + t, t)
+    x = x.to(torch.bfloat16)
+    out = mt.moe_decode(x, weights, ids, w, DECODE[mode])
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["dot", "scaled"])
+def test_prefill(mode):
+    x, weights, ids, w = inputs(7, 40)
+    assert rel_err(
+        mt.moe_prefill(x, weights, ids, w, PREFILL[mode]), moe_torch(x, weights, ids, w)
+    ) < tol(mode)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_decode_expert_split(split):
+    """Fewer gate_up programs than distinct experts: each takes every split-th expert."""
+    x, weights, ids, w = inputs(11, 5)
+    cfg = mt.DecodeConfig(mode="dot", block_n1=64, block_k1=K1, block_k2=K2, split1=split)
+    assert rel_err(mt.moe_decode(x, weights, ids, w, cfg), moe_torch(x, weights, ids, w)) < TOL
+
+
+@pytest.mark.parametrize("mode,t", [("dot", 17), ("fma", 3)])
+def test_decode_all_tokens_share_one_expert(mode, t):
+    """Expert 3 in every token's top-k: its tokens come in several chunks (t > block_t)."""
+    x, weights, ids, w = inputs(20 + t, t, always=3)
+    assert (ids == 3).any(dim=1).all()
+    cfg = DECODE[mode]
+    assert t > cfg.block_t
+    assert rel_err(mt.moe_decode(x, weights, ids, w, cfg), moe_torch(x, weights, ids, w)) < TOL
+
+
+def test_prefill_all_tokens_share_one_expert():
+    """Expert 3 in all 40 tokens' top-k: its rows span several 16-row tiles."""
+    x, weights, ids, w = inputs(22, 40, always=3)
+    assert (
+        rel_err(mt.moe_prefill(x, weights, ids, w, PREFILL["dot"]), moe_torch(x, weights, ids, w))
+        < TOL
+    )
+
+
+def test_some_experts_unused():
+    """Only experts 0-3 picked (all four by every token): the others have no rows or tiles."""
+    x, weights, ids, w = inputs(31, 40, allowed=TOPK)
+    assert ids.unique().numel() == TOPK
+    assert (
+        rel_err(mt.moe_prefill(x, weights, ids, w, PREFILL["dot"]), moe_torch(x, weights, ids, w))
+        < TOL
+    )
+    x, weights, ids, w = inputs(32, 6, allowed=TOPK)
+    assert (
+        rel_err(mt.moe_decode(x, weights, ids, w, DECODE["dot"]), moe_torch(x, weights, ids, w))
+        < TOL
+    )
+
+
+@pytest.mark.parametrize("t", [1, 2, mt.DECODE_MAX_TOKENS + 1])
+def test_moe_triton_default_configs(t):
+    x, weights, ids, w = inputs(41 + t, t)
+    assert rel_err(mt.moe_triton(x, weights, ids, w), moe_torch(x, weights, ids, w)) < TOL
+
+
+def test_rejects_bad_tiles():
+    x, weights, ids, w = inputs(51, 1)
+    with pytest.raises(ValueError):
+        mt.moe_decode(x, weights, ids, w, mt.DecodeConfig(mode="nope"))
+    with pytest.raises(ValueError):
+        mt.moe_decode(x, weights, ids, w, mt.DecodeConfig(block_n1=15))
+    with pytest.raises(ValueError):
+        mt.moe_decode(x, weights, ids, w, out=torch.empty(2, H, dtype=DTYPE, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only: gpt-oss-20b shapes (H = I = 2880, E = 32, top-4), bf16 activations
+
+
+def big_case(seed: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights]:
+    """20b-shaped random experts made on the GPU: uniform E2M1 codes, scales giving weights of
+    ~0.1 (gate_up: pre-activations of std ~5, past the clamp) and ~0.03 (down)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    e, h, i = 32, 2880, 2880
+
+    def codes(shape: tuple[int, ...], exponent: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, shape, generator=gen, device=DEVICE, dtype=torch.uint8)
+        scales = torch.randint(
+            exponent - 1, exponent + 2, shape[:-1], generator=gen, device=DEVICE, dtype=torch.int32
+        ).to(torch.uint8)
+        return blocks, scales
+
+    gb, gs = codes((e, 2 * i, h // 32, 16), 127 + round(math.log2(0.1 / 2.93)))
+    db, ds = codes((e, h, i // 32, 16), 127 + round(math.log2(0.03 / 2.93)))
+    gate_up_bias = torch.randn(e, 2 * i, generator=gen, device=DEVICE).to(DTYPE)
+    down_bias = torch.randn(e, h, generator=gen, device=DEVICE).to(DTYPE)
+    w = ExpertWeights(gb, gs, gate_up_bias, db, ds, down_bias)
+    x = torch.randn(t, h, generator=gen, device=DEVICE).to(DTYPE)
+    logits = torch.randn(t, e, generator=gen, device=DEVICE)
+    top, ids = logits.topk(TOPK, dim=-1)
+    return x, torch.softmax(top, dim=-1), ids, w
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [1, 2, 8, 32, 512])
+def test_gpt_oss_20b_shapes(t):
+    x, weights, ids, w = big_case(t, t)
+    assert rel_err(mt.moe_triton(x, weights, ids, w), moe_torch(x, weights, ids, w)) < TOL
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fma", "dot", "scaled"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_gpt_oss_20b_decode_modes(mode, t):
+    x, weights, ids, w = big_case(60 + t, t)
+    cfg = mt.DecodeConfig(mode=mode, block_t=1 if mode == "fma" else 16)
+    assert rel_err(mt.moe_decode(x, weights, ids, w, cfg), moe_torch(x, weights, ids, w)) < TOL
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dot", "scaled"])
+def test_gpt_oss_20b_prefill_modes(mode):
+    x, weights, ids, w = big_case(70, 512)
+    cfg = mt.PrefillConfig(mode=mode)
+    assert rel_err(mt.moe_prefill(x, weights, ids, w, cfg), moe_torch(x, weights, ids, w)) < TOL
+
+
+@gpu
+def test_decode_captures_in_cuda_graph():
+    """The decode path has no host sync: it captures, and replays on new inputs."""
+    x, weights, ids, w = inputs(81, 4)
+    mt.moe_triton(x, weights, ids, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mt.moe_triton(x, weights, ids, w)
+    x2, weights2, ids2, _ = inputs(82, 4)
+    x.copy_(x2)
+    weights.copy_(weights2)
+    ids.copy_(ids2)
+    graph.replay()
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL

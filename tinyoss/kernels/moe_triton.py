@@ -1,0 +1,807 @@
+"""Mixture-of-experts on packed MXFP4 experts in Triton: a drop-in for `moe_torch`.
+
+The experts stay exactly as the checkpoint stores them (`ExpertWeights`); every kernel reads the
+packed bytes and scales and dequantizes tiles in registers, so no bf16 copy of an expert exists.
+
+Two paths, chosen by the static token count T (never by data): nothing syncs with the host and
+every grid has a static size, so both can be captured in CUDA graphs.
+
+* decode (T <= DECODE_MAX_TOKENS), memory-bound, two launches:
+  1. `_decode_gate_up`: grid (2I / BLOCK_N1 row blocks, SPLIT). Each program counts the pairs
+     per expert (T*K ids against E), deals the hit experts round-robin over the SPLIT programs
+     of its row block, and for each streams its BLOCK_N1 rows of gate_up once for all tokens
+     that picked it (chunks of BLOCK_T), then adds the bias, applies the clamped SwiGLU and
+     writes act [pairs, I].
+  2. `_decode_down`: grid (H / BLOCK_N2,). Each program streams its rows of every hit expert's
+     down projection once, writes the routing-weighted rows y [pairs, H] (fp32), then, after a
+     CTA barrier, sums each token's top-k rows in a fixed order into out [T, H]: a deterministic
+     combine with no atomics and no extra launch.
+* prefill: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a static
+  grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at once),
+  grouped GEMMs `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias,
+  routing weight), then `_combine` sums the top-k rows of each token.
+
+How a weight tile meets the activations is a compile-time MODE, so the benchmark can pick it:
+"fma" (one token: multiply-adds on the CUDA cores in fp32, a scale per 32-value group),
+"dot" (dequantized to bf16, `tl.dot` on the tensor cores; tokens of a tile share the
+dequantization) and "scaled" (`tl.dot_scaled`, Triton's own MXFP4 path). Both own modes
+dequantize without a table: three integer ops a value on 32-bit words of eight codes, see
+`_mx_gemm`. Limits this buys: "fma" needs activations below 2**64 in magnitude, "dot" scale
+bytes up to 240 (weights up to 6 * 2**113); real checkpoints are far inside both.
+
+On CPU the kernels run in the Triton interpreter with fp32 operands (bf16 `tl.dot` is wrong
+there), so "fma" and "dot" match `moe_torch` to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyoss.kernels.moe_torch import ExpertWeights
+
+MODES = {"fma": 0, "dot": 1, "scaled": 2}
+DECODE_MAX_TOKENS = 16  # above this many tokens the grouped GEMMs (prefill path) run
+DECODE_MAX_PAIRS = 1024  # the decode kernels hold every (token, expert) id in registers
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the decode path. Few rows per program, so that at batch 1 the work spreads over
+    the 132 SMs: with the T=1 defaults, gate_up runs 5760/32 x 4 = 720 programs of ~46 KB and
+    down 2880/8 = 360 programs of ~23 KB. BLOCK_K = 256 is 128 contiguous bytes of a row, eight
+    scale groups, per load."""
+
+    mode: str = "dot"
+    block_t: int = 16  # tokens of one expert per chunk: >= 16 on tensor cores, 1 for "fma"
+    block_n1: int = 32  # gate_up rows per program (even: a gate row and its up row)
+    block_k1: int = 256
+    split1: int = 0  # programs sharing the hit experts of a gate_up row block; 0: min(T*K, E)
+    block_n2: int = 16  # down rows per program
+    block_k2: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiles of the grouped GEMMs: a 64-row token tile keeps the padding per expert small;
+    K tiles of 128 are the least the eight per-phase dots of 16 allow."""
+
+    mode: str = "dot"
+    block_m: int = 64
+    block_n1: int = 128
+    block_n2: int = 128
+    block_k: int = 128
+    num_warps: int = 8  # 4 spill registers at 64 x 128 tiles (the next tile is prefetched)
+    num_stages: int = 3
+
+
+def decode_config(num_tokens: int) -> DecodeConfig:
+    """Default decode tiles for T tokens: one token shares no weight tile, so it multiplies on
+    the CUDA cores; more tokens amortize each dequantized tile on the tensor cores."""
+    if num_tokens == 1:
+        return DecodeConfig(mode="fma", block_t=1, block_n1=32, block_n2=8)
+    return DecodeConfig()
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output and workspace comes from here, so tests can poison them."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile helpers (the K loop lives in `_mx_gemm`: the interpreter pays ~1 ms per helper call)
+
+
+@triton.jit
+def _mx_load(
+    a_ptr,
+    a_off,
+    a_ok,
+    K,
+    q_ptr,
+    s_ptr,
+    stride_q,
+    stride_s,
+    rows,
+    row_ok,
+    k0,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    """One K tile: activations a [M, BLOCK_K] ("fma": one row, 1-D, a_off a scalar offset),
+    weights q and scales s [N, BLOCK_K/32]. q is the bytes [N, BLOCK_K/2] for "scaled", else
+    32-bit words [N, BLOCK_K/8] of eight E2M1 codes each.
+
+    A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
+    thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    r = rows.to(tl.int64)[:, None]
+    if MODE == 2:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        q = tl.load(
+            q_ptr + r * stride_q + kb[None, :],
+            other=0,
+            mask=row_ok[:, None] & (kb // 16 < K // 32)[None, :],
+        )
+    else:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        q = tl.load(
+            q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
+            mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
+            other=0,
+        )
+    s = tl.load(
+        s_ptr + r * stride_s + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0
+    )
+    if MODE == 0:
+        a = tl.load(a_ptr + a_off + kk, mask=kk < K, other=0.0)
+    else:
+        a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
+    return a, q, s
+
+
+@triton.jit
+def _phases(a, BLOCK_K: tl.constexpr):
+    """a [M, BLOCK_K] -> its eight column phases a[:, 8w + j], j = 0..7, each [M, BLOCK_K/8]."""
+    a_even, a_odd = tl.split(a.reshape(a.shape[0], BLOCK_K // 8, 2, 2, 2))  # k = 8w + 4u + 2v + t
+    e0, e1 = tl.split(a_even)
+    o0, o1 = tl.split(a_odd)
+    a0, a4 = tl.split(e0)
+    a2, a6 = tl.split(e1)
+    a1, a5 = tl.split(o0)
+    a3, a7 = tl.split(o1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _mx_gemm(
+    acc,
+    a_ptr,
+    a_rows,
+    a_ok,
+    K,
+    q_ptr,
+    s_ptr,
+    stride_q,
+    stride_s,
+    rows,
+    row_ok,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T.
+
+    A is row-major [*, K], rows a_rows masked by a_ok. W is one expert's MXFP4 rows: bytes at
+    q_ptr (row stride stride_q = K/2), scales at s_ptr (row stride stride_s = K/32). The next
+    tile's loads are issued before this tile's arithmetic (a register double buffer), so each
+    thread keeps two tiles of loads in flight.
+
+    Dequantization, no table: the j-th code of a 32-bit word of codes is shifted to the top,
+    then arithmetic-shifted down so that its sign lands on the float's sign bit (the shift
+    copies it) and its exponent(2)/mantissa(1) bits on the bottom of the float's exponent
+    field, then masked: three integer ops a value, with no byte unpacking. The codes of a word
+    are k = 8w + j, so they meet the activations' eight column phases (`_phases`).
+    """
+    if MODE == 0:
+        tl.static_assert(a_rows.shape[0] == 1, "fma mode takes one token at a time")
+        a_off = tl.sum(a_rows.to(tl.int64), 0) * K
+    else:
+        a_off = a_rows.to(tl.int64)[:, None] * K
+    nxt = _mx_load(
+        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K, MODE
+    )
+    for k0 in range(0, K, BLOCK_K):
+        a, q, s = nxt
+        nxt = _mx_load(
+            a_ptr,
+            a_off,
+            a_ok,
+            K,
+            q_ptr,
+            s_ptr,
+            stride_q,
+            stride_s,
+            rows,
+            row_ok,
+            k0 + BLOCK_K,
+            BLOCK_K,
+            MODE,
+        )
+        if MODE == 2:
+            acc = tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", tl.trans(q), s, "e2m1", acc)
+        elif MODE == 0:
+            # fp32 bits (mask 0x81C00000): the value times 2**-126, exactly (the code 0.5 is an
+            # fp32 subnormal: Triton's fp32 arithmetic keeps subnormals, no .ftz in its PTX).
+            # The activations are scaled by 2**64 first, so every product is a normal number
+            # (for |a| in [2**-64, 2**64]); a group's sum then gets 2**62 * 2**(s - 127), in
+            # two steps so that no factor leaves the fp32 range (s = 0, 2**-127, reads as 0).
+            phase = _phases((a.to(tl.float32) * 2.0**64)[None, :], BLOCK_K)
+            p = tl.zeros(q.shape, tl.float32)  # [N, W]
+            for j in tl.static_range(8):
+                w = (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
+                p += w * phase[j]
+            g = tl.sum(p.reshape(rows.shape[0], BLOCK_K // 32, 4), 2) * 2.0**62  # [N, G]
+            acc += tl.sum(g * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True), 1)[None, :]
+        else:
+            # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
+            # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
+            # s <= 240 (weights up to 6 * 2**113; checkpoints stay far below). Eight dots of
+            # K = BLOCK_K/8, one per phase, share the accumulator.
+            phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
+            sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
+            sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
+            sc = sc.reshape(q.shape)  # each word's scale
+            for j in tl.static_range(8):
+                w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
+                w = w.to(tl.float16, bitcast=True).to(tl.float32) * sc
+                if DOT_DTYPE == tl.float32:
+                    acc = tl.dot(phase[j], tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(phase[j], tl.trans(w.to(DOT_DTYPE)), acc)
+    return acc
+
+
+@triton.jit
+def _swiglu(h, alpha, limit, BM: tl.constexpr, BN: tl.constexpr):
+    """gpt-oss's clamped SwiGLU on interleaved gate/up columns: [BM, BN] -> [BM, BN/2]."""
+    gate, up = tl.split(h.reshape(BM, BN // 2, 2))
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1) * gate * tl.sigmoid(alpha * gate)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode: few tokens, each hit expert's rows streamed once per call
+
+
+@triton.jit
+def _hit_experts(ids_ptr, P, E_PAD: tl.constexpr):
+    """(pairs per expert [E_PAD], rank of each hit expert among the hit ones, number hit)."""
+    ex = tl.arange(0, E_PAD)
+    chunk = tl.arange(0, 64)
+    counts = tl.zeros((E_PAD,), tl.int32)
+    for p0 in range(0, P, 64):  # a [E_PAD, 64] comparison a step keeps registers bounded
+        ids = tl.load(ids_ptr + p0 + chunk, mask=p0 + chunk < P, other=-1)
+        counts += tl.sum((ids[None, :] == ex[:, None]).to(tl.int32), 1)
+    hit = (counts > 0).to(tl.int32)
+    return counts, tl.cumsum(hit, 0) - hit, tl.sum(hit, 0)
+
+
+@triton.jit
+def _members(ids, slots, e, c, BLOCK_T: tl.constexpr):
+    """Slots (and validity) of the c-th .. (c+BLOCK_T-1)-th pairs that picked expert e."""
+    members = ids == e
+    rank = tl.cumsum(members.to(tl.int32), 0) - 1
+    want = c + tl.arange(0, BLOCK_T)
+    match = members[None, :] & (rank[None, :] == want[:, None])  # [BLOCK_T, P_PAD]
+    slot = tl.sum(tl.where(match, slots[None, :], 0), 1)
+    return slot, want < tl.sum(members.to(tl.int32), 0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _decode_gate_up(
+    x_ptr,
+    ids_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    act_ptr,
+    T,
+    H,
+    N,
+    stride_qe,
+    stride_q,
+    stride_se,
+    stride_s,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """x [T, H] -> act [T*TOPK, N/2] = swiglu(x @ gate_up_e.T + b_e), this program's columns.
+
+    The hit experts, in expert order, are dealt round-robin to the programs of grid axis 1."""
+    pid_n = tl.program_id(0)
+    P = T * TOPK
+    slots = tl.arange(0, P_PAD)
+    ids = tl.load(ids_ptr + slots, mask=slots < P, other=-1).to(tl.int32)
+    counts, rank, n_hit = _hit_experts(ids_ptr, P, E_PAD)
+    ex = tl.arange(0, E_PAD)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    half_ok = half < N // 2
+    for d in range(tl.program_id(1), n_hit, tl.num_programs(1)):
+        sel = (counts > 0) & (rank == d)
+        e = tl.sum(tl.where(sel, ex, 0), 0)  # the expert, int32 like ids
+        eo = e.to(tl.int64)
+        bias = tl.load(b_ptr + eo * N + rows, mask=row_ok, other=0.0).to(tl.float32)
+        for c in range(0, tl.sum(tl.where(sel, counts, 0), 0), BLOCK_T):
+            slot, ok = _members(ids, slots, e, c, BLOCK_T)
+            acc = _mx_gemm(
+                tl.zeros((BLOCK_T, BLOCK_N), tl.float32),
+                x_ptr,
+                slot // TOPK,
+                ok,
+                H,
+                q_ptr + eo * stride_qe,
+                s_ptr + eo * stride_se,
+                stride_q,
+                stride_s,
+                rows,
+                row_ok,
+                BLOCK_K,
+                MODE,
+                DOT_DTYPE,
+            )
+            y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_T, BLOCK_N)
+            tl.store(
+                act_ptr + slot.to(tl.int64)[:, None] * (N // 2) + half[None, :],
+                y.to(act_ptr.dtype.element_ty),
+                mask=ok[:, None] & half_ok[None, :],
+            )
+
+
+@triton.jit(do_not_specialize=["T"])
+def _decode_down(
+    act_ptr,
+    ids_ptr,
+    wts_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    out_ptr,
+    T,
+    I,
+    H,
+    stride_qe,
+    stride_q,
+    stride_se,
+    stride_s,
+    TOPK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """act [T*TOPK, I] -> out [T, H] = sum_k w_k * (act_k @ down_e.T + b_e), this program's columns.
+
+    Each routing-weighted pair row goes to y [T*TOPK, H] (fp32); once every hit expert is done,
+    the same program sums each token's TOPK rows in slot order: deterministic, no atomics."""
+    pid_n = tl.program_id(0)
+    P = T * TOPK
+    slots = tl.arange(0, P_PAD)
+    ids = tl.load(ids_ptr + slots, mask=slots < P, other=-1).to(tl.int32)
+    counts, rank, n_hit = _hit_experts(ids_ptr, P, E_PAD)
+    ex = tl.arange(0, E_PAD)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < H
+    for d in range(n_hit):
+        sel = (counts > 0) & (rank == d)
+        e = tl.sum(tl.where(sel, ex, 0), 0)  # the expert, int32 like ids
+        eo = e.to(tl.int64)
+        bias = tl.load(b_ptr + eo * H + rows, mask=row_ok, other=0.0).to(tl.float32)
+        for c in range(0, tl.sum(tl.where(sel, counts, 0), 0), BLOCK_T):
+            slot, ok = _members(ids, slots, e, c, BLOCK_T)
+            acc = _mx_gemm(
+                tl.zeros((BLOCK_T, BLOCK_N), tl.float32),
+                act_ptr,
+                slot,
+                ok,
+                I,
+                q_ptr + eo * stride_qe,
+                s_ptr + eo * stride_se,
+                stride_q,
+                stride_s,
+                rows,
+                row_ok,
+                BLOCK_K,
+                MODE,
+                DOT_DTYPE,
+            )
+            wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+            tl.store(
+                y_ptr + slot.to(tl.int64)[:, None] * H + rows[None, :],
+                (acc + bias[None, :]) * wt[:, None],
+                mask=ok[:, None] & row_ok[None, :],
+            )
+    tl.debug_barrier()  # y rows written by other threads of this program are read below
+    toks = tl.arange(0, 16)
+    for t0 in range(0, T, 16):
+        t = (t0 + toks).to(tl.int64)
+        m = (t < T)[:, None] & row_ok[None, :]
+        tot = tl.zeros((16, BLOCK_N), tl.float32)
+        for k in tl.static_range(TOPK):
+            tot += tl.load(y_ptr + (t * TOPK + k)[:, None] * H + rows[None, :], mask=m, other=0.0)
+        tl.store(out_ptr + t[:, None] * H + rows[None, :], tot.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill: pairs grouped by expert, grouped GEMMs over row tiles
+
+
+@triton.jit
+def _tile_rows(off_ptr, tile, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first sorted row, end of the expert's rows) of row tile `tile`.
+
+    off [E+1] holds each expert's first row among the expert-sorted pairs; expert e owns
+    ceil(count_e / BLOCK_M) consecutive tiles. A tile past the last gives an empty range."""
+    ex = tl.arange(0, E_PAD)
+    lo = tl.load(off_ptr + ex, mask=ex < E, other=0)
+    hi = tl.load(off_ptr + ex + 1, mask=ex < E, other=0)
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    end = tl.cumsum(n_tiles, 0)
+    e = tl.sum((end <= tile).to(tl.int32), 0)
+    sel = ex == e
+    row0 = tl.sum(tl.where(sel, lo + (tile - end + n_tiles) * BLOCK_M, 0), 0)
+    return e.to(tl.int64), row0, tl.sum(tl.where(sel, hi, 0), 0)
+
+
+@triton.jit
+def _prefill_gate_up(
+    x_ptr,
+    order_ptr,
+    off_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    act_ptr,
+    E,
+    H,
+    N,
+    stride_qe,
+    stride_q,
+    stride_se,
+    stride_s,
+    alpha,
+    limit,
+    TOPK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile."""
+    e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
+    if row0 >= row_end:
+        return
+    r = row0 + tl.arange(0, BLOCK_M)
+    ok = r < row_end
+    tok = tl.load(order_ptr + r, mask=ok, other=0) // TOPK
+    pid_n = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = _mx_gemm(
+        tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+        x_ptr,
+        tok,
+        ok,
+        H,
+        q_ptr + e * stride_qe,
+        s_ptr + e * stride_se,
+        stride_q,
+        stride_s,
+        rows,
+        row_ok,
+        BLOCK_K,
+        MODE,
+        DOT_DTYPE,
+    )
+    bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
+    half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(
+        act_ptr + r.to(tl.int64)[:, None] * (N // 2) + half[None, :],
+        y.to(act_ptr.dtype.element_ty),
+        mask=ok[:, None] & (half < N // 2)[None, :],
+    )
+
+
+@triton.jit
+def _prefill_down(
+    act_ptr,
+    order_ptr,
+    off_ptr,
+    wts_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    E,
+    I,
+    H,
+    stride_qe,
+    stride_q,
+    stride_se,
+    stride_s,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32."""
+    e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
+    if row0 >= row_end:
+        return
+    r = row0 + tl.arange(0, BLOCK_M)
+    ok = r < row_end
+    slot = tl.load(order_ptr + r, mask=ok, other=0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < H
+    acc = _mx_gemm(
+        tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+        act_ptr,
+        r,
+        ok,
+        I,
+        q_ptr + e * stride_qe,
+        s_ptr + e * stride_se,
+        stride_q,
+        stride_s,
+        rows,
+        row_ok,
+        BLOCK_K,
+        MODE,
+        DOT_DTYPE,
+    )
+    bias = tl.load(b_ptr + e * H + rows, mask=row_ok, other=0.0).to(tl.float32)
+    wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+    tl.store(
+        y_ptr + slot.to(tl.int64)[:, None] * H + rows[None, :],
+        (acc + bias[None, :]) * wt[:, None],
+        mask=ok[:, None] & row_ok[None, :],
+    )
+
+
+@triton.jit
+def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum over k of y[t*TOPK + k], in slot order (deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < H
+    tot = tl.zeros((BLOCK_N,), tl.float32)
+    for k in tl.static_range(TOPK):
+        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + cols, tot.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side: checks and launches (no host synchronisation anywhere)
+
+
+def _shapes(x: torch.Tensor, topk_ids: torch.Tensor, w: ExpertWeights) -> tuple[int, ...]:
+    """(T, H, K, E, I) after checking that the experts are the checkpoint's contiguous layout."""
+    t, h = x.shape
+    e, n1 = w.gate_up_blocks.shape[:2]
+    i = n1 // 2
+    if h % 32 or i % 32:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of 32")
+    want = {
+        "gate_up_blocks": (e, n1, h // 32, 16),
+        "gate_up_scales": (e, n1, h // 32),
+        "down_blocks": (e, h, i // 32, 16),
+        "down_scales": (e, h, i // 32),
+        "gate_up_bias": (e, n1),
+        "down_bias": (e, h),
+    }
+    for name, shape in want.items():
+        tensor = getattr(w, name)
+        if tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {shape}, got {tuple(tensor.shape)}")
+    return t, h, topk_ids.shape[1], e, i
+
+
+def _strides(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int, int]:
+    """Expert and row strides of blocks and scales. Passed as ints, so Triton sees that a row's
+    K/2 bytes start 16-byte aligned (K/2 = 1440 is a multiple of 16) and vectorizes."""
+    return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+
+
+def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A new [T, H] tensor of x's dtype, or the caller's (checked: kernels write it densely)."""
+    if out is None:
+        return _empty(tuple(x.shape), x.dtype, x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(x.shape)} {x.dtype}, got {out.shape}")
+    return out
+
+
+def _dot_dtype(x: torch.Tensor) -> tl.dtype:
+    """bf16 tensor-core operands on the GPU; fp32 in the interpreter, where bf16 dots are wrong."""
+    return tl.bfloat16 if x.is_cuda else tl.float32
+
+
+def _check_tiles(
+    x: torch.Tensor, mode: str, block_t: int, rows: tuple[int, ...], ks: tuple[int, ...]
+) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if any(n % 2 for n in rows) or any(k % 32 for k in ks):
+        raise ValueError(f"row tiles must be even and K tiles multiples of 32: {rows}, {ks}")
+    if mode == "fma" and block_t != 1:
+        raise ValueError(f"mode 'fma' takes one token at a time (block_t=1), got {block_t}")
+    if x.is_cuda and mode != "fma" and (min(block_t, *rows) < 16 or min(ks) < 128):
+        raise ValueError(
+            f"tensor-core mode {mode!r} needs row tiles >= 16 and K tiles >= 128 "
+            f"(8 dots of K/8 >= 16), got {block_t}, {rows}, {ks}"
+        )
+
+
+def moe_decode(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: ExpertWeights,
+    config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decode path: x [T, H] -> [T, H] in x.dtype, each hit expert's rows read once."""
+    t, h, k, e, i = _shapes(x, topk_ids, w)
+    cfg = config or decode_config(t)
+    _check_tiles(
+        x, cfg.mode, cfg.block_t, (cfg.block_n1, cfg.block_n2), (cfg.block_k1, cfg.block_k2)
+    )
+    if t * k > DECODE_MAX_PAIRS:
+        raise ValueError(f"{t} tokens x top-{k} is too many pairs for decode: use moe_prefill")
+    out = _output(x, out)
+    if t == 0:
+        return out
+    pairs = t * k
+    x = x.contiguous()
+    ids = topk_ids.contiguous().view(-1)
+    act = _empty((pairs, i), x.dtype, x.device)
+    y = _empty((pairs, h), torch.float32, x.device)
+    common = {
+        "TOPK": k,
+        "E_PAD": triton.next_power_of_2(e),
+        "P_PAD": max(64, triton.next_power_of_2(pairs)),
+        "BLOCK_T": cfg.block_t,
+        "MODE": MODES[cfg.mode],
+        "DOT_DTYPE": _dot_dtype(x),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+    grid1 = (triton.cdiv(2 * i, cfg.block_n1), cfg.split1 or min(pairs, e))
+    _decode_gate_up[grid1](
+        x,
+        ids,
+        w.gate_up_blocks,
+        w.gate_up_scales,
+        w.gate_up_bias,
+        act,
+        t,
+        h,
+        2 * i,
+        *_strides(w.gate_up_blocks, w.gate_up_scales),
+        float(w.alpha),
+        float(w.limit),
+        BLOCK_N=cfg.block_n1,
+        BLOCK_K=cfg.block_k1,
+        **common,
+    )
+    _decode_down[(triton.cdiv(h, cfg.block_n2),)](
+        act,
+        ids,
+        topk_weights.contiguous().view(-1),
+        w.down_blocks,
+        w.down_scales,
+        w.down_bias,
+        y,
+        out,
+        t,
+        i,
+        h,
+        *_strides(w.down_blocks, w.down_scales),
+        BLOCK_N=cfg.block_n2,
+        BLOCK_K=cfg.block_k2,
+        **common,
+    )
+    return out
+
+
+def moe_prefill(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: ExpertWeights,
+    config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The prefill path: pairs sorted by expert on the device, grouped GEMMs, top-k combine."""
+    t, h, k, e, i = _shapes(x, topk_ids, w)
+    cfg = config or PrefillConfig()
+    if cfg.mode == "fma":
+        raise ValueError("the prefill path multiplies on tensor cores: mode 'dot' or 'scaled'")
+    _check_tiles(x, cfg.mode, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
+    out = _output(x, out)
+    if t == 0:
+        return out
+    pairs = t * k
+    x = x.contiguous()
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    bounds = torch.arange(e + 1, device=x.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds)  # [E+1]: first sorted row of each expert
+    act = _empty((pairs, i), x.dtype, x.device)
+    y = _empty((pairs, h), torch.float32, x.device)
+    n_tiles = triton.cdiv(pairs, cfg.block_m) + e  # static bound on sum_e ceil(count_e / BLOCK_M)
+    common = {
+        "E_PAD": triton.next_power_of_2(e),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_K": cfg.block_k,
+        "MODE": MODES[cfg.mode],
+        "DOT_DTYPE": _dot_dtype(x),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+    _prefill_gate_up[(n_tiles, triton.cdiv(2 * i, cfg.block_n1))](
+        x,
+        order,
+        offsets,
+        w.gate_up_blocks,
+        w.gate_up_scales,
+        w.gate_up_bias,
+        act,
+        e,
+        h,
+        2 * i,
+        *_strides(w.gate_up_blocks, w.gate_up_scales),
+        float(w.alpha),
+        float(w.limit),
+        TOPK=k,
+        BLOCK_N=cfg.block_n1,
+        **common,
+    )
+    _prefill_down[(n_tiles, triton.cdiv(h, cfg.block_n2))](
+        act,
+        order,
+        offsets,
+        topk_weights.contiguous().view(-1),
+        w.down_blocks,
+        w.down_scales,
+        w.down_bias,
+        y,
+        e,
+        i,
+        h,
+        *_strides(w.down_blocks, w.down_scales),
+        BLOCK_N=cfg.block_n2,
+        **common,
+    )
+    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
+    return out
+
+
+def moe_triton(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: ExpertWeights,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for `moe_torch`: x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H].
+
+    The path depends only on the static T, so a captured decode graph never changes path."""
+    if x.shape[0] <= DECODE_MAX_TOKENS:
+        return moe_decode(x, topk_weights, topk_ids, w, out=out)
+    return moe_prefill(x, topk_weights, topk_ids, w, out=out)
