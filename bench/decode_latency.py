@@ -143,22 +143,42 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def profile(engine, args: argparse.Namespace) -> None:
-    """Per-kernel GPU time over a few decode steps (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    """Where a decode step's time goes: GPU time of the decode graph alone, per-kernel GPU time
+    (torch profiler), and the host's Python time by function (cProfile)."""
+    import cProfile
+    import pstats
 
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for b in range(args.batch_size):
         engine.add_request(f"prof-{b}", [1] * args.input_len, params)
     while any(s.num_computed < s.num_prompt for r in engine.requests.values() for s in r.seqs):
         engine.step()
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        graph = graphs.graphs[graphs.bucket(args.batch_size)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        print(f"decode graph alone: {start.elapsed_time(end) / 20:.3f} ms GPU time per step")
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
             engine.step()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                    max_name_column_width=60))
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(20):
+        engine.step()
+    host.disable()
+    pstats.Stats(host).sort_stats("tottime").print_stats(18)
     while engine.has_unfinished():
         engine.step()
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    )
 
 
 def _git_commit() -> str:

@@ -42,8 +42,8 @@ def attention_setup():
         bs,
         dummy_block=blocks,
         max_num_tokens=4096,
-        max_blocks_per_seq=64,
-        graph_sizes=[4],
+        max_num_seqs=8,
+        max_model_len=2048,
     )
     ref = TorchAttention([(k.clone(), v.clone()) for k, v in caches], groups, windows, d**-0.5)
     return fi, ref, (hq, hk, d, bs, blocks)
@@ -90,10 +90,10 @@ def test_flashinfer_sink_attention_matches_reference(attention_setup, query_lens
         expected = ref(layer, q, k, v, sinks)
         assert _rel(out, expected) < ATTN_TOL, (layer, _rel(out, expected))
         no_sink = ref(layer, q, k, v, torch.full_like(sinks, -1e4))
-        assert _rel(no_sink, expected) > 5 * ATTN_TOL  # sinks matter at these values
+        assert _rel(out, no_sink) > 3 * _rel(out, expected)  # the sinks were not ignored
 
 
-def test_graph_mode_plan_pads_and_matches_eager(attention_setup):
+def test_graph_mode_plan_pads_and_matches_unpadded(attention_setup):
     fi, ref, (hq, hk, d, bs, blocks) = attention_setup
     meta = _meta([1, 1, 1], [5, 300, 140], bs, blocks, [128, 0], random.Random(9))
     q = torch.randn(4, hq, d, device="cuda", dtype=torch.bfloat16)

@@ -154,6 +154,26 @@ def test_decode_bf16_activations(mode, t):
     assert rel_err(out, moe_torch(x, weights, ids, w)) < 1e-2
 
 
+GEMV = mt.GemvConfig(block_n1=16, block_n2=16, block_k=64 if not CUDA else 512)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_pair_gemv(t):
+    """Each (token, expert) pair on its own programs; H = 96 leaves a ragged K tile."""
+    x, weights, ids, w = inputs(200 + t, t)
+    out = torch.full((t, H), float("nan"), dtype=DTYPE, device=DEVICE)
+    got = mt.moe_gemv(x, weights, ids, w, GEMV, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
+    assert preactivation_max(x, ids, w) > 7.0
+
+
+def test_pair_gemv_bf16_activations():
+    x, weights, ids, w = inputs(210, 2)
+    x = x.to(torch.bfloat16)
+    assert rel_err(mt.moe_gemv(x, weights, ids, w, GEMV), moe_torch(x, weights, ids, w)) < 1e-2
+
+
 @pytest.mark.parametrize("mode", ["dot", "scaled"])
 def test_prefill(mode):
     x, weights, ids, w = inputs(7, 40)

@@ -231,8 +231,8 @@ class LLMEngine:
             c.block_size,
             dummy_block=num_blocks,
             max_num_tokens=max(c.max_num_batched_tokens, max(sizes, default=1)),
-            max_blocks_per_seq=-(-self.max_model_len // c.block_size) + 1,
-            graph_sizes=sizes,
+            max_num_seqs=max(c.max_num_seqs, max(sizes, default=1)),
+            max_model_len=self.max_model_len,
         )
 
     def _checkpoint_folder(self):

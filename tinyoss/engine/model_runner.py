@@ -124,7 +124,7 @@ class ModelRunner:
         seqs = [scheduled[i].seq for i in items]
         out = self.sampler(logits, SamplingBatch.build(seqs, logits.shape[-1], logits.device))
         tokens = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         for row, i in enumerate(items):

@@ -79,6 +79,7 @@ class SamplingBatch:
     generators: list[tuple[int, torch.Generator]]  # seeded random rows
     any_unseeded: bool  # some random row draws from the default generator
     max_logprobs: int  # k of the top logprobs: the largest any row asked for
+    needs_logprobs: bool  # some row asked for logprobs (else none are computed)
 
     @classmethod
     def build(
@@ -128,13 +129,14 @@ class SamplingBatch:
             generators=gens,
             any_unseeded=len(gens) < len(rand),
             max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            needs_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [B] int64
-    logprobs: Tensor  # [B] log-probability of the sampled token under the raw model distribution
+    logprobs: Tensor | None  # [B] log-probability of the sampled token (raw model distribution)
     top_ids: Tensor | None = None  # [B, k], k = the most any row asked for; rows use their first n
     top_logprobs: Tensor | None = None  # [B, k], sorted descending
 
@@ -146,7 +148,10 @@ class Sampler:
                 f"logits shape {tuple(logits.shape)} does not match the batch "
                 f"({batch.size}, {batch.vocab_size})"
             )
-        x = logits.to(torch.float32, copy=True)
+        if batch.all_greedy and batch.banned is None and batch.penalties is None:
+            x = logits  # plain greedy: argmax needs no working copy
+        else:
+            x = logits.to(torch.float32, copy=True)
         if batch.banned is not None:
             x.index_put_(batch.banned, x.new_full((), _NEG_INF))  # a Python scalar would sync
         if batch.penalties is not None:
@@ -155,6 +160,8 @@ class Sampler:
         if not batch.all_greedy:
             sampled = _race(_filter(x, batch), batch)
             tokens = sampled if tokens is None else torch.where(batch.greedy, tokens, sampled)
+        if not batch.needs_logprobs:
+            return SamplerOutput(tokens, None)
         lp, top_ids, top_lp = compute_logprobs(logits, tokens, batch.max_logprobs)
         if batch.max_logprobs == 0:
             return SamplerOutput(tokens, lp)

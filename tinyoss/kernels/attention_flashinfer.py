@@ -1,11 +1,11 @@
-"""Multi-group sink attention through FlashInfer, on the engine's paged KV cache (NVIDIA GPUs).
+"""GPU sink attention on the engine's paged KV cache: FlashInfer for prefill, Triton for decode.
 
 gpt-oss needs a sink logit per head in the softmax. FlashInfer's plain prefill and decode
-wrappers silently ignore `sinks` on Hopper, so every call goes through
-`BatchAttentionWithAttentionSinkWrapper`. Its sliding window is compiled into the kernel, so
-layers are grouped by window and each cache group has its own wrappers: one for eager steps
-(prefill, mixed batches) and one per CUDA-graph batch size (FlashInfer fixes the batch size of
-a graph-mode wrapper). `plan()` runs once per step per group, always outside graph capture.
+wrappers silently ignore `sinks` on Hopper, so prefill and mixed steps go through
+`BatchAttentionWithAttentionSinkWrapper`, one per cache group (its sliding window is compiled
+into the kernel), planned once per step. Pure decode steps (one query per sequence, the steps
+CUDA graphs replay) use `DecodeAttention`, which needs no host-side plan at all: planning only
+copies block tables and key ranges into fixed buffers.
 """
 
 from __future__ import annotations
@@ -13,127 +13,96 @@ from __future__ import annotations
 import torch
 
 from tinyoss.kernels.attention import AttentionMetadata
+from tinyoss.kernels.attention_decode_triton import DecodeAttention
 from tinyoss.kernels.layer_ops_triton import store_kv_triton
 
 WORKSPACE_BYTES = 256 * 2**20
 
 
 class FlashInferAttention:
-    def __init__(
-        self,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        layer_groups: list[int],
-        group_windows: list[int],
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        dummy_block: int,
-        max_num_tokens: int,
-        max_blocks_per_seq: int,
-        graph_sizes: list[int],
-        backend: str = "fa2",
-    ) -> None:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
+                 group_windows: list[int], num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dummy_block: int, max_num_tokens: int, max_num_seqs: int,
+                 max_model_len: int, backend: str = "fa2") -> None:
         import flashinfer
 
-        self._flashinfer = flashinfer
         self.kv_caches = kv_caches
         self.layer_groups = layer_groups
         self.group_windows = group_windows
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.dummy_slot = dummy_block * block_size
         self.dummy_block = dummy_block
-        self.scale = head_dim**-0.5
-        self.backend = backend
+        self.scale = head_dim ** -0.5
         k0 = kv_caches[0][0]
         self.device, self.dtype = k0.device, k0.dtype
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.slots = [
-            torch.full((max_num_tokens,), self.dummy_slot, dtype=torch.long, device=self.device)
-            for _ in group_windows
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill = [
+            flashinfer.BatchAttentionWithAttentionSinkWrapper(
+                workspace, kv_layout="NHD", backend=backend, q_data_type=self.dtype,
+                kv_data_type=self.dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
+                window_left=w - 1 if w else -1)
+            for w in group_windows
         ]
-        self.eager = [self._wrapper(g) for g in range(len(group_windows))]
-        self.graph = {
-            size: [self._wrapper(g, size, max_blocks_per_seq) for g in range(len(group_windows))]
-            for size in graph_sizes
-        }
-        self.active = self.eager
-        self.num_tokens = 0
-
-    def _wrapper(self, group: int, graph_size: int | None = None, max_blocks: int = 0):
-        window = self.group_windows[group]
-        kwargs = {}
-        if graph_size is not None:
-            kwargs = dict(
-                use_cuda_graph=True,
-                qo_indptr_buf=torch.empty(graph_size + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indptr_buf=torch.empty(
-                    graph_size + 1, dtype=torch.int32, device=self.device
-                ),
-                paged_kv_indices_buf=torch.empty(
-                    graph_size * max_blocks, dtype=torch.int32, device=self.device
-                ),
-                paged_kv_last_page_len_buf=torch.empty(
-                    graph_size, dtype=torch.int32, device=self.device
-                ),
-            )
-        return self._flashinfer.BatchAttentionWithAttentionSinkWrapper(
-            self.workspace,
-            kv_layout="NHD",
-            backend=self.backend,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            head_dim_qk=self.heads[2],
-            head_dim_vo=self.heads[2],
-            window_left=window - 1 if window else -1,
-            **kwargs,
-        )
+        self.slots = [torch.full((max_num_tokens,), dummy_block * block_size, dtype=torch.long,
+                                 device=self.device) for _ in group_windows]
+        max_blocks = -(-max_model_len // block_size) + 1
+        self.tables = [torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=self.device)
+                       for _ in group_windows]
+        self.ranges = [torch.zeros(max_num_seqs, 2, dtype=torch.int32, device=self.device)
+                       for _ in group_windows]
+        self.decode_attention = DecodeAttention(max_num_seqs, max_model_len, num_qo_heads,
+                                                num_kv_heads, head_dim, self.device)
+        self.decoding = False
 
     def plan(self, meta: AttentionMetadata, graph_size: int | None = None) -> None:
-        """Plans every group for this step; with `graph_size`, pads the batch to that size."""
-        query_lens, seq_lens = list(meta.query_lens), list(meta.seq_lens)
-        pad = 0 if graph_size is None else graph_size - len(query_lens)
-        query_lens += [1] * pad
-        seq_lens += [1] * pad
-        self.num_tokens = sum(query_lens)
-        self.active = self.eager if graph_size is None else self.graph[graph_size]
-        qo_indptr = _indptr(query_lens)
-        hq, hk, d = self.heads
+        """Prepares every group for this step; `graph_size` pads a decode batch to that size."""
+        num_seqs = graph_size or meta.num_seqs
+        pad = num_seqs - meta.num_seqs
+        self.decoding = graph_size is not None or all(q == 1 for q in meta.query_lens)
         for g, group in enumerate(meta.groups):
-            tables = group.block_tables + [[self.dummy_block]] * pad
-            starts = group.kv_starts + [0] * pad
-            kv_lens = [s - k for s, k in zip(seq_lens, starts)]
-            indices = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
-            last = [n - (len(t) - 1) * self.block_size for n, t in zip(kv_lens, tables)]
-            window = self.group_windows[g]
-            self.active[g].plan(
-                qo_indptr,
-                _indptr([len(t) for t in tables]),
-                indices,
-                torch.tensor(last, dtype=torch.int32),
-                hq,
-                hk,
-                d,
-                self.block_size,
-                causal=True,
-                window_left=window - 1 if window else -1,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                sm_scale=self.scale,
-            )
             n = group.slot_mapping.shape[0]
             self.slots[g][:n].copy_(group.slot_mapping, non_blocking=True)
-            self.slots[g][n : self.num_tokens].fill_(self.dummy_slot)
+            self.slots[g][n:n + pad].fill_(self.dummy_block * self.block_size)
+            kv_lens = [s - k for s, k in zip(meta.seq_lens, group.kv_starts)] + [1] * pad
+            tables = group.block_tables + [[self.dummy_block]] * pad
+            if self.decoding:
+                self._plan_decode(g, kv_lens, tables)
+            else:
+                self._plan_prefill(g, meta.query_lens, kv_lens, tables)
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
-    ) -> torch.Tensor:
+    def _plan_decode(self, g: int, kv_lens: list[int], tables: list[list[int]]) -> None:
+        window = self.group_windows[g]
+        width = max(len(t) for t in tables)
+        flat = [b for t in tables for b in t + [0] * (width - len(t))]
+        rows = len(tables)
+        self.tables[g][:rows, :width].copy_(
+            torch.tensor(flat, dtype=torch.int32).view(rows, width), non_blocking=True)
+        ranges = [(max(0, n - window) if window else 0, n) for n in kv_lens]
+        self.ranges[g][:rows].copy_(torch.tensor(ranges, dtype=torch.int32), non_blocking=True)
+
+    def _plan_prefill(self, g: int, query_lens: list[int], kv_lens: list[int],
+                      tables: list[list[int]]) -> None:
+        hq, hk, d = self.heads
+        window = self.group_windows[g]
+        indices = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
+        last = [n - (len(t) - 1) * self.block_size for n, t in zip(kv_lens, tables)]
+        self.prefill[g].plan(
+            _indptr(query_lens), _indptr([len(t) for t in tables]), indices,
+            torch.tensor(last, dtype=torch.int32), hq, hk, d, self.block_size, causal=True,
+            window_left=window - 1 if window else -1, q_data_type=self.dtype,
+            kv_data_type=self.dtype, sm_scale=self.scale)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor) -> torch.Tensor:
         g = self.layer_groups[layer]
         k_cache, v_cache = self.kv_caches[layer]
-        store_kv_triton(k_cache, v_cache, k, v, self.slots[g][: q.shape[0]])
-        out = self.active[g].run(q.contiguous(), (k_cache, v_cache), sinks, self.scale)
-        return out.view(q.shape[0], -1)
+        t = q.shape[0]
+        store_kv_triton(k_cache, v_cache, k, v, self.slots[g][:t])
+        if self.decoding:
+            return self.decode_attention(q, k_cache, v_cache, self.tables[g][:t],
+                                         self.ranges[g][:t], sinks, self.scale)
+        out = self.prefill[g].run(q.contiguous(), (k_cache, v_cache), sinks, self.scale)
+        return out.view(t, -1)
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:

@@ -792,6 +792,113 @@ def moe_prefill(
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# Pair GEMV: one or two tokens. Every (token, expert) pair gets its own programs, so even one
+# token fills the GPU: gate_up has pairs x 2I/BLOCK_N programs, down pairs x H/BLOCK_N.
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
+    row per step: 16 rows x 512 values is 4 KB in flight a step, 16 bytes a thread."""
+
+    block_n1: int = 16
+    block_n2: int = 16
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+GEMV_MAX_TOKENS = 2  # up to this many tokens the pair GEMV runs (shared experts are re-read)
+
+
+@triton.jit
+def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
+               stride_qe, stride_q, stride_se, stride_s, alpha, limit,
+               SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
+    clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
+
+    Dequantization as in `_mx_gemm`'s "fma" mode: three integer ops put a code's sign, exponent
+    and mantissa bits into an fp32 (the value times 2**-126); activations are pre-scaled by
+    2**64 so every product is normal. Each word's scale multiplies elementwise, and the one
+    reduction over K happens after the loop."""
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // x_div).to(tl.int64) * K
+    words = tl.arange(0, BLOCK_K // 8)
+    r64 = rows.to(tl.int64)[:, None]
+    qp = (q_ptr + e * stride_qe).to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
+    sp = s_ptr + e * stride_se + r64 * stride_s
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kw = k0 // 8 + words
+        ok = row_ok[:, None] & (kw < K // 8)[None, :]
+        q = tl.load(qp + kw[None, :], mask=ok, other=0)
+        sc = tl.load(sp + (kw // 4)[None, :], mask=ok, other=0)
+        p = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_row + kw * 8 + j, mask=kw < K // 8, other=0.0).to(tl.float32)
+            w = (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
+            p += w * (xj * 2.0**64)[None, :]
+        acc += p * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    h = tl.sum(acc, 1) * 2.0**62 + tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(
+        tl.float32
+    )
+    if SWIGLU:
+        gate, up = tl.split(h.reshape(BLOCK_N // 2, 2))
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        half = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + pair.to(tl.int64) * (N // 2) + half,
+                 ((up + 1) * gate * tl.sigmoid(alpha * gate)).to(out_ptr.dtype.element_ty),
+                 mask=half < N // 2)
+    else:
+        wt = tl.load(wts_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
+
+
+@triton.jit
+def _sum_topk(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum_k y[t * TOPK + k], in k order (deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = cols < H
+    tot = tl.zeros((BLOCK_N,), tl.float32)
+    for k in tl.static_range(TOPK):
+        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=m, other=0.0)
+    tl.store(out_ptr + t * H + cols, tot.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             w: ExpertWeights, config: GemvConfig | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The pair-GEMV path: x [T, H] -> [T, H]; three launches, no host synchronisation."""
+    t, h, k, e, i = _shapes(x, topk_ids, w)
+    cfg = config or GemvConfig()
+    out = _output(x, out)
+    if t == 0:
+        return out
+    pairs = t * k
+    x = x.contiguous()
+    ids = topk_ids.contiguous().view(-1)
+    act = _empty((pairs, i), torch.float32, x.device)
+    y = _empty((pairs, h), torch.float32, x.device)
+    launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    gu = (w.gate_up_blocks, w.gate_up_scales)
+    _pair_gemv[(pairs, triton.cdiv(2 * i, cfg.block_n1))](
+        x, k, ids, *gu, w.gate_up_bias, topk_weights, act, 2 * i, h, *_strides(*gu), w.alpha,
+        w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
+    dn = (w.down_blocks, w.down_scales)
+    _pair_gemv[(pairs, triton.cdiv(h, cfg.block_n2))](
+        act, 1, ids, *dn, w.down_bias, topk_weights.contiguous().view(-1), y, h, i,
+        *_strides(*dn), w.alpha, w.limit, SWIGLU=False, BLOCK_N=cfg.block_n2, **launch)
+    _sum_topk[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
+    return out
+
+
 def moe_triton(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -802,6 +909,8 @@ def moe_triton(
     """Drop-in for `moe_torch`: x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H].
 
     The path depends only on the static T, so a captured decode graph never changes path."""
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        return moe_gemv(x, topk_weights, topk_ids, w, out=out)
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return moe_decode(x, topk_weights, topk_ids, w, out=out)
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
