@@ -126,13 +126,8 @@ def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager):
     rng = random.Random(0)
     prompts = [[rng.randrange(199998) for _ in range(n)] for n in PROMPT_LENS]
     cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
-    gpu = LLM(
-        str(tiny_dir),
-        device="cuda",
-        max_num_seqs=8,
-        enforce_eager=enforce_eager,
-        gpu_memory_utilization=0.3,
-    )
+    gpu = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, enforce_eager=enforce_eager,
+              kv_cache_tokens=8192)
     assert gpu.engine.backends.attention == "flashinfer"
     want, got = _greedy(cpu, prompts), _greedy(gpu, prompts)
     for prompt, w, g in zip(prompts, want, got):
