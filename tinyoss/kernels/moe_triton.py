@@ -800,9 +800,9 @@ def moe_prefill(
 @dataclass(frozen=True)
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
-    row per step: 16 rows x 512 values is 4 KB a step, 32 bytes a thread, in 56 registers."""
+    row per step: 32 rows x 512 values is 8 KB in flight a step, 64 bytes a thread."""
 
-    block_n1: int = 16
+    block_n1: int = 32
     block_n2: int = 16
     block_k: int = 512
     num_warps: int = 4
@@ -815,36 +815,20 @@ GEMV_MAX_TOKENS = 8
 
 
 @triton.jit
-def _phase_major(x_ptr, out_ptr, K, BLOCK_W: tl.constexpr):
-    """out[t, j * K/8 + w] = x[t, 8w + j] * 2**64, as fp32: the activation order `_pair_gemv`
-    reads with contiguous loads (code j of weight word w multiplies x[8w + j])."""
-    t = tl.program_id(0).to(tl.int64)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    j = tl.arange(0, 8)
-    ok = (w < K // 8)[:, None]
-    x = tl.load(x_ptr + t * K + w[:, None] * 8 + j[None, :], mask=ok, other=0.0)
-    tl.store(out_ptr + t * K + j[None, :] * (K // 8) + w[:, None], x.to(tl.float32) * 2.0**64,
-             mask=ok)
-
-
-@triton.jit
 def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                stride_qe, stride_q, stride_se, stride_s, alpha, limit,
                SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
-    x is phase-major and pre-scaled by 2**64 (`_phase_major`), so the activations of code j of
-    every weight word in the tile are one contiguous load. Dequantization as in `_mx_gemm`'s
-    "fma" mode: three integer ops put a code's sign, exponent and mantissa bits into an fp32
-    (the value times 2**-126), and every product is normal. Each word's scale multiplies
-    elementwise; the one reduction over K happens after the loop. The gate_up SwiGLU output is
-    written phase-major and pre-scaled too, ready for the down projection."""
+    Dequantization as in `_mx_gemm`'s "fma" mode: three integer ops put a code's sign, exponent
+    and mantissa bits into an fp32 (the value times 2**-126); activations are pre-scaled by
+    2**64 so every product is normal. Each word's scale multiplies elementwise, and the one
+    reduction over K happens after the loop."""
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    kw_all = K // 8
     x_row = x_ptr + (pair // x_div).to(tl.int64) * K
     words = tl.arange(0, BLOCK_K // 8)
     r64 = rows.to(tl.int64)[:, None]
@@ -853,14 +837,16 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kw = k0 // 8 + words
-        ok = kw < kw_all
-        q = tl.load(qp + kw[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
-        sc = tl.load(sp + (kw // 4)[None, :], mask=row_ok[:, None] & ok[None, :], other=0)
+        ok = row_ok[:, None] & (kw < K // 8)[None, :]
+        q = tl.load(qp + kw[None, :], mask=ok, other=0)
+        sc = tl.load(sp + (kw // 4)[None, :], mask=ok, other=0)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xa = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32) * 2.0**64
+        phase = _phases(xa[None, :], BLOCK_K)
         p = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x_row + j * kw_all + kw, mask=ok, other=0.0)
             w = (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
-            p += w * xj[None, :]
+            p += w * phase[j]
         acc += p * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     h = tl.sum(acc, 1) * 2.0**62 + tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(
         tl.float32
@@ -869,10 +855,10 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
         gate, up = tl.split(h.reshape(BLOCK_N // 2, 2))
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        k = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # act column
-        half = N // 2
-        tl.store(out_ptr + pair.to(tl.int64) * half + (k % 8) * (half // 8) + k // 8,
-                 (up + 1) * gate * tl.sigmoid(alpha * gate) * 2.0**64, mask=k < half)
+        half = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + pair.to(tl.int64) * (N // 2) + half,
+                 ((up + 1) * gate * tl.sigmoid(alpha * gate)).to(out_ptr.dtype.element_ty),
+                 mask=half < N // 2)
     else:
         wt = tl.load(wts_ptr + pair).to(tl.float32)
         tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
@@ -900,17 +886,14 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     if t == 0:
         return out
     pairs = t * k
-    if h % 8 or i % 8:
-        raise ValueError(f"the pair GEMV needs hidden ({h}) and intermediate ({i}) sizes % 8 == 0")
+    x = x.contiguous()
     ids = topk_ids.contiguous().view(-1)
-    xp = _empty((t, h), torch.float32, x.device)
-    _phase_major[(t, triton.cdiv(h // 8, 64))](x.contiguous(), xp, h, BLOCK_W=64)
     act = _empty((pairs, i), torch.float32, x.device)
     y = _empty((pairs, h), torch.float32, x.device)
     launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     gu = (w.gate_up_blocks, w.gate_up_scales)
     _pair_gemv[(pairs, triton.cdiv(2 * i, cfg.block_n1))](
-        xp, k, ids, *gu, w.gate_up_bias, topk_weights, act, 2 * i, h, *_strides(*gu), w.alpha,
+        x, k, ids, *gu, w.gate_up_bias, topk_weights, act, 2 * i, h, *_strides(*gu), w.alpha,
         w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
     dn = (w.down_blocks, w.down_scales)
     _pair_gemv[(pairs, triton.cdiv(h, cfg.block_n2))](
