@@ -800,17 +800,18 @@ def moe_prefill(
 @dataclass(frozen=True)
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
-    row per step: 32 rows x 512 values is 8 KB in flight a step, 64 bytes a thread."""
+    row per step: 16 rows x 512 values is 4 KB a step, 64 bytes a thread. The best of a small
+    sweep on the H100 at 20b shapes (bench/moe_gemv_sweep.py): 45.7 us at T=1."""
 
-    block_n1: int = 32
+    block_n1: int = 16
     block_n2: int = 16
     block_k: int = 512
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 2
+    num_stages: int = 4
 
 
 # Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
-# 20b shapes: 48 us at T=1 and 80 us at T=2, against 63 and 195 us for `moe_decode`).
+# 20b shapes: 46 us at T=1, 80 at T=2, 247 at T=8, against 63, 192 and 518 for `moe_decode`).
 GEMV_MAX_TOKENS = 8
 
 
