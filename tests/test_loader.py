@@ -171,3 +171,20 @@ def test_full_size_inventory(tmp_path, preset, total, shard_counts):
     assert set(_targets(model)) == {s.name for s in specs}
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj_blocks.shape == (config.num_local_experts, 5760, 90, 16)
+
+
+def test_hub_download_takes_only_what_tinyoss_reads():
+    import fnmatch
+
+    from tinyoss.model.loader import HUB_FILES
+
+    def wanted(path):
+        return any(fnmatch.fnmatch(path, pattern) for pattern in HUB_FILES)
+
+    for path in ("config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                 "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        assert wanted(path), path
+    for path in ("original/model.safetensors", "original/config.json", "metal/model.bin",
+                 "README.md"):
+        assert not wanted(path), path

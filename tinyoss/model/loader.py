@@ -25,7 +25,9 @@ log = logging.getLogger("tinyoss")
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-HUB_IGNORE = ["original/*", "metal/*", "*.bin", "*.pth"]
+# Only what tinyoss reads: not original/ (OpenAI's own format) or metal/ (a second 13 GB copy).
+HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", INDEX,
+             "tokenizer*", "special_tokens_map.json", "chat_template.jinja"]
 
 
 class CheckpointError(ValueError):
@@ -54,7 +56,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, ignore_patterns=HUB_IGNORE))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
     except LocalEntryNotFoundError as e:
         raise CheckpointError(
             f"{repo_id} is not in the local Hugging Face cache and the hub cannot be reached "
