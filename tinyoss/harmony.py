@@ -17,19 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-STARTOFTEXT, ENDOFTEXT, RETURN, CONSTRAIN = 199998, 199999, 200002, 200003
-CHANNEL, START, END, MESSAGE, CALL = 200005, 200006, 200007, 200008, 200012
-SPECIAL_NAMES = {
-    STARTOFTEXT: "<|startoftext|>",
-    ENDOFTEXT: "<|endoftext|>",
-    RETURN: "<|return|>",
-    CONSTRAIN: "<|constrain|>",
-    CHANNEL: "<|channel|>",
-    START: "<|start|>",
-    END: "<|end|>",
-    MESSAGE: "<|message|>",
-    CALL: "<|call|>",
-}
+from tinyoss.tokenizer import (CALL, CHANNEL, CONSTRAIN, END, ENDOFTEXT, MESSAGE, RETURN,
+                               SPECIAL_NAMES, START)
 FIRST_SPECIAL = 199998  # every id from here up is a special token in o200k_harmony
 STOP_TOKENS = (RETURN, CALL)  # generation ends on these (they close the last message)
 DEFAULT_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."

@@ -29,6 +29,19 @@ MESSAGE = 200_008
 CALL = 200_012
 ENDOFPROMPT = 200_018
 
+SPECIAL_NAMES = {
+    STARTOFTEXT: "<|startoftext|>",
+    ENDOFTEXT: "<|endoftext|>",
+    RETURN: "<|return|>",
+    CONSTRAIN: "<|constrain|>",
+    CHANNEL: "<|channel|>",
+    START: "<|start|>",
+    END: "<|end|>",
+    MESSAGE: "<|message|>",
+    CALL: "<|call|>",
+    ENDOFPROMPT: "<|endofprompt|>",
+}
+
 
 def byte_to_unicode() -> list[str]:
     """GPT-2's printable stand-in for each byte, so byte-level tokens are valid JSON strings."""

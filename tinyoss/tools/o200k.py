@@ -29,20 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from tinyoss.tokenizer import (
-    CALL,
-    CHANNEL,
-    CONSTRAIN,
-    END,
-    ENDOFPROMPT,
-    ENDOFTEXT,
-    MESSAGE,
-    RETURN,
-    START,
-    STARTOFTEXT,
-    VOCAB_SIZE,
-    byte_to_unicode,
-)
+from tinyoss.tokenizer import SPECIAL_NAMES, VOCAB_SIZE, byte_to_unicode
 
 RANKS_FILE = Path(__file__).resolve().parent.parent / "data" / "o200k_base.tiktoken.gz"
 RANKS_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -65,18 +52,6 @@ PAT_STR = "|".join(
     ]
 )
 
-NAMED_SPECIALS = {
-    STARTOFTEXT: "<|startoftext|>",
-    ENDOFTEXT: "<|endoftext|>",
-    RETURN: "<|return|>",
-    CONSTRAIN: "<|constrain|>",
-    CHANNEL: "<|channel|>",
-    START: "<|start|>",
-    END: "<|end|>",
-    MESSAGE: "<|message|>",
-    CALL: "<|call|>",
-    ENDOFPROMPT: "<|endofprompt|>",
-}
 FIRST_UNLISTED_ID = 200_019  # the published tokenizer.json stops here
 
 SPECIAL_TOKENS_MAP = {
@@ -90,7 +65,7 @@ def special_token_name(token_id: int) -> str:
     """The harmony name of a special id (199998..201087)."""
     if not NUM_BPE_TOKENS <= token_id < VOCAB_SIZE:
         raise ValueError(f"{token_id} is not a special id of o200k_harmony")
-    return NAMED_SPECIALS.get(token_id, f"<|reserved_{token_id}|>")
+    return SPECIAL_NAMES.get(token_id, f"<|reserved_{token_id}|>")
 
 
 def load_ranks(path: Path = RANKS_FILE) -> dict[bytes, int]:
