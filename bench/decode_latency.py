@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tinyoss import LLM, SamplingParams  # noqa: E402
 from tinyoss.config import ModelConfig  # noqa: E402
+from tinyoss.model.quant_linear import parse_mxfp4_layers  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, reps: int = 20) -> float:
@@ -48,14 +49,31 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, reps: int = 20
     return 2 * nbytes / statistics.median(times)
 
 
-def bytes_per_step(c: ModelConfig, batch: int, context: int, kv_dtype_bytes: int = 2) -> dict:
-    """What one decode step must read from memory, by part (bf16 dense weights, MXFP4 experts).
+def dense_bytes(n: int, k: int, mxfp4: bool) -> int:
+    """A dense [n, k] weight: bf16, or MXFP4 (k/2 bytes of codes and k/32 scale bytes a row)."""
+    return n * (k // 2 + k // 32) if mxfp4 else n * k * 2
+
+
+def bytes_per_step(
+    c: ModelConfig,
+    batch: int,
+    context: int,
+    kv_dtype_bytes: int = 2,
+    mxfp4_layers: tuple[str, ...] = (),
+) -> dict:
+    """What one decode step must read from memory, by part (dense weights in bf16 except the
+    `mxfp4_layers` quantized at load, from `parse_mxfp4_layers`; MXFP4 experts).
 
     Experts: each layer reads the distinct experts its `batch` tokens picked; with uniform
     routing that is E * (1 - (1 - k/E)**batch) on average (exactly k at batch 1).
     """
     h, L = c.hidden_size, c.num_hidden_layers
-    attn = (h * (c.q_size + 2 * c.kv_size) + c.q_size * h) * 2 + (c.q_size + 2 * c.kv_size + h) * 2
+    qkv = c.q_size + 2 * c.kv_size
+    attn = (
+        dense_bytes(qkv, h, "qkv" in mxfp4_layers)
+        + dense_bytes(h, c.q_size, "o" in mxfp4_layers)
+        + (qkv + h) * 2
+    )
     router = c.num_local_experts * h * 2
     i = c.intermediate_size
     expert = (2 * i * h // 2 + 2 * i * h // 32) + (h * i // 2 + h * i // 32) + (2 * i + h) * 2
@@ -66,7 +84,7 @@ def bytes_per_step(c: ModelConfig, batch: int, context: int, kv_dtype_bytes: int
     parts = {
         "attention_weights": L * (attn + router + 2 * h * 2),
         "experts": L * active * expert,
-        "lm_head": c.vocab_size * h * 2,
+        "lm_head": dense_bytes(c.vocab_size, h, "lm_head" in mxfp4_layers),
         "kv_cache": kv,
     }
     parts["total"] = sum(parts.values())
@@ -89,7 +107,8 @@ def run(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
-        moe_backend=args.moe_backend,
+        mxfp4_backend=args.mxfp4_backend,
+        mxfp4_layers=args.mxfp4_layers,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -116,7 +135,8 @@ def run(args: argparse.Namespace) -> dict:
         profile(engine, args)
     bandwidth = copy_bandwidth(device)
     context = args.input_len + args.output_len // 2
-    need = bytes_per_step(engine.model_config, args.batch_size, context)
+    layers = parse_mxfp4_layers(args.mxfp4_layers)
+    need = bytes_per_step(engine.model_config, args.batch_size, context, mxfp4_layers=layers)
     median = statistics.median(steps)
     record = {
         "gpu": torch.cuda.get_device_name(device),
@@ -128,6 +148,7 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "iterations": args.iters,
         "backends": engine.backends.describe(),
+        "mxfp4_layers": ",".join(("moe", *layers)),
         "cuda_graphs": not args.enforce_eager,
         "ttft_ms": 1e3 * statistics.median(ttfts),
         "ms_per_step_median": 1e3 * median,
@@ -203,7 +224,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--moe-backend", default="auto")
+    p.add_argument(
+        "--mxfp4-backend",
+        default=None,
+        choices=("auto", "triton", "cutlass", "trtllm", "torch"),
+        help="MoE kernel (default: env TINYOSS_MXFP4_BACKEND, else auto)",
+    )
+    p.add_argument(
+        "--mxfp4-layers", default="moe", help="moe, or a comma list adding qkv, o, lm_head; all"
+    )
     p.add_argument("--profile", action="store_true", help="print a per-kernel time table")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write the record to this file")

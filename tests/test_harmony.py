@@ -97,7 +97,9 @@ WEATHER_TOOLS = [
                 "locations": {
                     "type": "array",
                     "items": {"type": "string"},
-                    "description": 'List of city and state, e.g. ["San Francisco, CA", "New York, NY"]',
+                    "description": (
+                        'List of city and state, e.g. ["San Francisco, CA", "New York, NY"]'
+                    ),
                 },
                 "format": FORMAT,
             },

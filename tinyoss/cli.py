@@ -22,7 +22,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (debugging)")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "flashinfer", "torch"))
-    p.add_argument("--moe-backend", default="auto", choices=("auto", "triton", "torch"))
+    p.add_argument(
+        "--mxfp4-backend",
+        default=None,
+        choices=("auto", "triton", "cutlass", "trtllm", "torch"),
+        help="MoE kernel (default: env TINYOSS_MXFP4_BACKEND, else auto: picked for the GPU)",
+    )
+    p.add_argument(
+        "--attention-sinks",
+        default=None,
+        choices=("auto", "false"),
+        help="auto: the checkpoint's sinks; false: none, debugging only: output degrades "
+        "(default: env TINYOSS_ATTENTION_SINKS, else auto)",
+    )
+    p.add_argument(
+        "--mxfp4-layers",
+        default="moe",
+        help="layers in MXFP4: moe (the experts, as shipped), or a comma list adding qkv, o, "
+        "lm_head (quantized at load: fewer bytes per token, some accuracy lost); all = every one",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,7 +58,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
         "attention_backend": args.attention_backend,
-        "moe_backend": args.moe_backend,
+        "mxfp4_backend": args.mxfp4_backend,
+        "attention_sinks": args.attention_sinks,
+        "mxfp4_layers": args.mxfp4_layers,
     }
 
 

@@ -27,9 +27,12 @@ from tinyoss.engine.scheduler import Scheduler
 from tinyoss.engine.sequence import CompletionOutput, Sequence, TokenLogprob
 from tinyoss.kernels.attention import TorchAttention
 from tinyoss.kernels.backends import select_backends
-from tinyoss.model.loader import load_model, resolve_model
+from tinyoss.kernels.moe_backends import MXFP4_BACKENDS
+from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
 from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
+from tinyoss.model.quant_linear import parse_mxfp4_layers, quantize_layers
 from tinyoss.sampling_params import SamplingParams
+from tinyoss.settings import resolve
 from tinyoss.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyoss")
@@ -52,7 +55,13 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs (debugging)
     attention_backend: str = "auto"  # auto | flashinfer | torch
-    moe_backend: str = "auto"  # auto | triton | torch
+    # MoE kernel: auto | triton | cutlass | trtllm | torch (None: env TINYOSS_MXFP4_BACKEND,
+    # else auto)
+    mxfp4_backend: str | None = None
+    # auto: the checkpoint's sink logits; false: none (debugging; gpt-oss degrades without them).
+    attention_sinks: str | None = None  # None: env TINYOSS_ATTENTION_SINKS, else auto
+    # Layers in MXFP4: moe (as shipped), or a comma list adding qkv, o, lm_head; all = every one
+    mxfp4_layers: str = "moe"
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,7 +77,15 @@ class EngineConfig:
                 raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"invalid dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
+        for name, choices in (("mxfp4_backend", MXFP4_BACKENDS), ("attention_sinks", SINKS)):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"invalid {name} {value!r}: choose one of {', '.join(choices)}")
+        parse_mxfp4_layers(self.mxfp4_layers)
 
+
+SINKS = ("auto", "false")
+SINKS_ENV = "TINYOSS_ATTENTION_SINKS"
 
 _DTYPES = {
     "auto": None,
@@ -155,7 +172,12 @@ class LLMEngine:
         self.tokenizer = (
             Tokenizer.from_folder(folder) if folder is not None else _default_tokenizer()
         )
-        self.backends = select_backends(self.device, config.attention_backend, config.moe_backend)
+        self.max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.backends = select_backends(
+            self.device, config.attention_backend, config.mxfp4_backend, dtype=self.dtype,
+            max_num_tokens=self.max_step_tokens,
+        )
+        sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, SINKS)
         t0 = time.perf_counter()
         self.model = load_model(
             folder,
@@ -173,6 +195,15 @@ class LLMEngine:
             self.device,
             str(self.dtype).removeprefix("torch."),
         )
+        if sinks.value == "false":
+            disable_attention_sinks(self.model)
+            log.warning(
+                "attention sinks DISABLED (attention_sinks=false, from %s): the softmax runs "
+                "without the sink column; gpt-oss was trained with sinks and its output "
+                "degrades without them (debugging only)",
+                sinks.source,
+            )
+        quantize_layers(self.model, parse_mxfp4_layers(config.mxfp4_layers))
         self.layout = CacheLayout.for_model(self.model_config)
         num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(num_blocks)
@@ -185,6 +216,8 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, self.layout.windows, config.enable_prefix_caching
         )
+        if self.device.type == "cuda":  # nothing to tune or compile on the CPU
+            self.warm_up_moe()
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
         attention = self._attention(num_blocks, sizes)
@@ -234,6 +267,26 @@ class LLMEngine:
             max_num_seqs=max(c.max_num_seqs, max(sizes, default=1)),
             max_model_len=self.max_model_len,
         )
+
+    @torch.inference_mode()
+    def warm_up_moe(self) -> None:
+        """Runs every layer's experts once on the most tokens a step can hold, routed so that
+        every expert gets tokens: autotuners (inside `Kernels.moe_warmup`, sized for this many
+        tokens) and lazy JIT builds see every expert and the largest shape before serving and
+        before CUDA-graph capture."""
+        m = self.model_config
+        t = self.max_step_tokens
+        ids = uniform_routing(t, m.num_experts_per_tok, m.num_local_experts, self.device)
+        weights = torch.full(ids.shape, 1 / ids.shape[1], dtype=torch.float32, device=self.device)
+        gen = torch.Generator(self.device).manual_seed(0)
+        x = torch.randn(t, m.hidden_size, generator=gen, device=self.device).to(self.dtype)
+        t0 = time.perf_counter()
+        with self.backends.kernels.moe_warmup():
+            for layer in self.model.model.layers:
+                layer.mlp.experts(x, weights, ids)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("MoE warm-up: %d tokens over all experts in %.1f s", t, time.perf_counter() - t0)
 
     def _checkpoint_folder(self):
         c = self.config
@@ -391,6 +444,14 @@ class LLMEngine:
                 self.stats.finished_requests += 1
                 self.stats.cached_prompt_tokens += outputs[-1].num_cached_tokens
         return outputs
+
+
+def uniform_routing(
+    num_tokens: int, top_k: int, num_experts: int, device: torch.device
+) -> torch.Tensor:
+    """topk_ids [T, K] dealing experts round-robin: K distinct experts per token (K <= E), and
+    every expert picked once T * K >= E."""
+    return torch.arange(num_tokens * top_k, device=device).remainder(num_experts).view(-1, top_k)
 
 
 def _default_tokenizer() -> Tokenizer:

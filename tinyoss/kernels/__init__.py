@@ -6,19 +6,26 @@ torch functions for GPU kernels happens here, in one place, and is logged.
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
 from tinyoss.model.rope import apply_rope
 
-MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights], torch.Tensor]
+# (x, topk_weights, topk_ids, experts): experts is what `prepare_experts` made (else ExpertWeights)
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+PrepareFn = Callable[[ExpertWeights], Any]
 Pair = tuple[torch.Tensor, torch.Tensor]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], Pair]
 RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Pair]
 RouterFn = Callable[[torch.Tensor, int], Pair]
+# (x [M, K], blocks [N, K/32, 16], scales [N, K/32], bias [N] | None) -> [M, N]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def rms_norm_torch(
@@ -41,8 +48,14 @@ def router_topk_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 @dataclass
 class Kernels:
     moe: MoEFn = moe_torch
+    # Runs once per layer after loading: the checkpoint's experts -> the layout `moe` reads
+    # (None: `moe` reads `ExpertWeights` as they are).
+    prepare_experts: PrepareFn | None = None
+    # The context the MoE warm-up runs in (FlashInfer's autotuner profiles tactics inside it).
+    moe_warmup: Callable[[], AbstractContextManager] = contextlib.nullcontext
     rms_norm: NormFn = rms_norm_torch
     rope: RopeFn = apply_rope
     router_topk: RouterFn = router_topk_torch
+    mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
-        ("moe", "norm", "rope", "router"), "torch"))
+        ("moe", "norm", "rope", "router", "mxfp4_linear"), "torch"))

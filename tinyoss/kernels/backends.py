@@ -1,8 +1,9 @@
 """Chooses the kernels and the attention backend for the device at hand, once, and logs why.
 
 CPU: the torch reference everywhere. NVIDIA GPU: fused Triton kernels for the per-layer ops,
-Triton MXFP4 MoE, FlashInfer sink attention. Any choice can be forced (tests, debugging); a
-forced choice the machine cannot run fails at start-up with the reason.
+the MXFP4 MoE kernel `moe_backends` picks for the GPU, FlashInfer sink attention. Any choice can
+be forced (tests, debugging); a forced choice the machine cannot run fails at start-up with the
+reason.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from tinyoss.kernels import Kernels
+from tinyoss.kernels.moe_backends import Platform, choose, install
 
 log = logging.getLogger("tinyoss")
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
-MOE_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -31,15 +32,22 @@ class BackendChoice:
 
 
 def select_backends(
-    device: torch.device, attention: str = "auto", moe: str = "auto"
+    device: torch.device,
+    attention: str = "auto",
+    mxfp4: str | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_num_tokens: int = 8192,
+    platform: Platform | None = None,
 ) -> BackendChoice:
+    """`mxfp4` None: env TINYOSS_MXFP4_BACKEND, else auto; `max_num_tokens`: the most tokens one
+    forward pass can hold (MoE autotuners must cover it); `platform`: detected when None."""
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {attention!r} is not one of {ATTENTION_BACKENDS}")
-    if moe not in MOE_BACKENDS:
-        raise ValueError(f"MoE backend {moe!r} is not one of {MOE_BACKENDS}")
+    platform = platform or Platform.detect(device, dtype)
+    moe = choose(mxfp4, platform)
+    (log.warning if moe.degraded else log.info)("MXFP4 MoE backend: %s", moe.reason)
     on_gpu = device.type == "cuda"
-    if not on_gpu and moe == "triton":
-        raise ValueError(f"MoE backend 'triton' needs a CUDA GPU; this engine runs on {device}")
     if not on_gpu and attention == "flashinfer":
         raise ValueError(
             f"attention backend 'flashinfer' needs a CUDA GPU; this engine runs on {device}"
@@ -51,18 +59,16 @@ def select_backends(
             rope_triton,
             router_topk_triton,
         )
+        from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
 
         kernels.rms_norm, kernels.rope, kernels.router_topk = (
             rms_norm_triton,
             rope_triton,
             router_topk_triton,
         )
-        kernels.names.update(norm="triton", rope="triton", router="triton")
-    if moe == "triton" or (moe == "auto" and on_gpu):
-        from tinyoss.kernels.moe_triton import moe_triton
-
-        kernels.moe = moe_triton
-        kernels.names["moe"] = "triton"
+        kernels.mxfp4_linear = mxfp4_linear
+        kernels.names.update(norm="triton", rope="triton", router="triton", mxfp4_linear="triton")
+    install(kernels, moe.backend, platform, max_num_tokens)
     if attention == "auto":
         attention = "flashinfer" if on_gpu and _has_flashinfer() else "torch"
         if on_gpu and attention == "torch":

@@ -70,9 +70,14 @@ class Attention(nn.Module):
 
 
 class Experts(nn.Module):
-    """Packed MXFP4 experts, named as in the checkpoint."""
+    """Packed MXFP4 experts, named as in the checkpoint.
 
-    def __init__(self, config: ModelConfig) -> None:
+    A MoE kernel that reads its own layout (`Kernels.prepare_experts`, e.g. CUTLASS) gets it
+    built once by `prepare()` after loading; the checkpoint tensors are then released, so the
+    experts never sit in memory twice.
+    """
+
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj_blocks = _param(e, 2 * i, h // 32, 16, dtype=torch.uint8)
@@ -82,8 +87,11 @@ class Experts(nn.Module):
         self.down_proj_scales = _param(e, h, i // 32, dtype=torch.uint8)
         self.down_proj_bias = _param(e, h)
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.kernels = kernels
+        self.prepared: object | None = None
 
     def weights(self) -> ExpertWeights:
+        assert self.prepared is None, "the checkpoint tensors were released by prepare()"
         return ExpertWeights(
             self.gate_up_proj_blocks,
             self.gate_up_proj_scales,
@@ -95,18 +103,33 @@ class Experts(nn.Module):
             self.limit,
         )
 
+    def prepare(self) -> None:
+        """Builds the MoE kernel's own layout from the loaded weights (no-op for kernels that
+        read the checkpoint layout) and frees the checkpoint tensors."""
+        if self.kernels.prepare_experts is None or self.prepared is not None:
+            return
+        self.prepared = self.kernels.prepare_experts(self.weights())
+        for p in self.parameters():
+            p.data = p.data.new_empty(0)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        w = self.weights() if self.prepared is None else self.prepared
+        return self.kernels.moe(x, topk_weights, topk_ids, w)
+
 
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
-        self.experts = Experts(config)
+        self.experts = Experts(config, kernels)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_weights, top_ids = self.kernels.router_topk(self.router(x), self.top_k)
-        return self.kernels.moe(x, top_weights, top_ids, self.experts.weights())
+        return self.experts(x, top_weights, top_ids)
 
 
 class DecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from tinyoss.config import ModelConfig
 from tinyoss.kernels import Kernels
-from tinyoss.model.gpt_oss import GptOssForCausalLM
+from tinyoss.model.gpt_oss import Attention, Experts, GptOssForCausalLM
 from tinyoss.model.layout import TensorSpec, checkpoint_tensors
 from tinyoss.model.synthetic import synthetic_tensors
 
@@ -179,6 +179,27 @@ def load_weights(
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+def prepare_experts(model: GptOssForCausalLM) -> None:
+    """Lets the MoE kernel re-lay out each layer's loaded experts once (see `Experts.prepare`).
+
+    The released checkpoint tensors go back to the driver, so that sizing the KV cache from the
+    free GPU memory counts them as free."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.prepare()
+    if model.kernels.prepare_experts is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def disable_attention_sinks(model: GptOssForCausalLM) -> None:
+    """Every layer's sink logits -> -inf: exp(-inf) = 0 drops the sink column from the softmax,
+    in the torch reference, FlashInfer's sink variants (FA2 itself uses -inf for "no sink") and
+    the Triton decode kernel alike (every real query row has at least its own key)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sinks.data.fill_(float("-inf"))
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -232,6 +253,7 @@ def load_model(
         raise ValueError(
             f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
         )
+    prepare_experts(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return model

@@ -1,0 +1,105 @@
+"""Engine start-up options on CPU: the MoE warm-up (largest step, every expert) and
+`attention_sinks` (auto keeps the checkpoint's sinks, false removes them; argument > env > auto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import pytest
+import torch
+
+from tests.test_model_reference import run_paged
+from tinyoss import LLM
+from tinyoss.cli import add_engine_args, engine_kwargs
+from tinyoss.engine.llm_engine import SINKS_ENV, EngineConfig, uniform_routing
+from tinyoss.kernels import attention
+from tinyoss.kernels.moe_torch import moe_torch
+from tinyoss.settings import resolve
+
+
+def test_uniform_routing_gives_every_expert_tokens():
+    ids = uniform_routing(10, 4, 8, torch.device("cpu"))
+    assert ids.shape == (10, 4)
+    assert all(len(set(row.tolist())) == 4 for row in ids)  # K distinct experts per token
+    assert torch.equal(torch.bincount(ids.flatten(), minlength=8), torch.full((8,), 5))
+
+
+def test_warm_up_runs_every_layer_on_the_largest_step_over_all_experts(tiny_llm, monkeypatch):
+    engine = tiny_llm.engine
+    kernels = engine.backends.kernels
+    calls, contexts = [], []
+
+    def spy(x, topk_weights, topk_ids, w):
+        calls.append((x.shape, topk_ids.unique().tolist(), contexts[-1]))
+        return moe_torch(x, topk_weights, topk_ids, w)
+
+    @contextlib.contextmanager
+    def tuning():
+        contexts.append("open")
+        yield
+        contexts[-1] = "closed"
+
+    monkeypatch.setattr(kernels, "moe", spy)
+    monkeypatch.setattr(kernels, "moe_warmup", tuning)
+    engine.warm_up_moe()
+    m = engine.model_config
+    assert engine.max_step_tokens == 2048  # the fixture's max_num_batched_tokens
+    assert calls == [
+        ((2048, m.hidden_size), list(range(m.num_local_experts)), "open")
+    ] * m.num_hidden_layers
+    assert contexts == ["closed"]
+
+
+def attend_without_sinks(q, k, v, sinks, q_pos, k_pos, window, scale):
+    """Plain causal (windowed) attention: the reference for "no sinks"."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k, v, attn_mask=allowed, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def test_attention_sinks_false_means_no_sinks(tiny_llm, tiny_dir, monkeypatch):
+    monkeypatch.setenv(SINKS_ENV, "false")  # the env alone turns them off
+    off = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=1024)
+    layers = off.engine.model.model.layers
+    assert all(torch.isneginf(layer.self_attn.sinks).all() for layer in layers)
+    auto = tiny_llm.engine.model  # attention_sinks left at auto: the checkpoint's sinks
+    assert all(torch.isfinite(layer.self_attn.sinks).all() for layer in auto.model.layers)
+
+    config = tiny_llm.engine.model_config
+    ids = torch.randint(0, 199998, (48,), generator=torch.Generator().manual_seed(5))
+    with_sinks = run_paged(auto, config, ids)
+    without = run_paged(off.engine.model, config, ids)
+    assert ((without - with_sinks).norm() / with_sinks.norm()).item() > 1e-2
+    monkeypatch.setattr(attention, "attend", attend_without_sinks)
+    reference = run_paged(auto, config, ids)  # the checkpoint's model, sinks removed by hand
+    torch.testing.assert_close(without, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_sinks_precedence_and_bad_values(monkeypatch):
+    monkeypatch.setenv(SINKS_ENV, "false")
+    assert resolve("attention_sinks", None, SINKS_ENV, ("auto", "false")).value == "false"
+    assert resolve("attention_sinks", "auto", SINKS_ENV, ("auto", "false")).value == "auto"
+    monkeypatch.delenv(SINKS_ENV)
+    assert resolve("attention_sinks", None, SINKS_ENV, ("auto", "false")).source == "default"
+    for bad in ("off", "true", "False"):
+        with pytest.raises(ValueError, match=f"invalid attention_sinks '{bad}': choose one of "
+                                             "auto, false"):
+            EngineConfig(attention_sinks=bad)
+    monkeypatch.setenv(SINKS_ENV, "off")
+    with pytest.raises(ValueError, match=f"attention_sinks 'off' \\(from env {SINKS_ENV}=off\\) "
+                                         "is not one of: auto, false"):
+        LLM("tiny", load_format="dummy", device="cpu")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args([]))["attention_sinks"] is None
+    assert engine_kwargs(p.parse_args(["--attention-sinks", "false"]))["attention_sinks"] == "false"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--attention-sinks", "off"])
