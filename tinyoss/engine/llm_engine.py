@@ -332,7 +332,7 @@ class LLMEngine:
                     f"({num_blocks} blocks hold one sequence of at most {lo} tokens); "
                     "lower it or give the cache more memory"
                 )
-            log.warning("max_model_len lowered to %d tokens to fit the KV cache", lo)
+            log.info("max_model_len lowered to %d tokens to fit the KV cache", lo)
         return lo
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
