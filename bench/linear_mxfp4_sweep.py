@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.moe_gemv_sweep import timed  # noqa: E402
 from tinyoss.kernels import linear_mxfp4_triton as lt  # noqa: E402
 from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch  # noqa: E402
 from tinyoss.model.quant_linear import quantize_weight  # noqa: E402
@@ -32,17 +32,6 @@ def sets_for(nbytes: int) -> int:
 
 def random_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, k, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16)
-
-
-def timed(fn, sets: list[tuple]) -> float:
-    """Median microseconds of one call, replayed from a CUDA graph over rotating sets."""
-    fn(*sets[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in sets:
-            fn(*args)
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200) * 1e3 / len(sets)
 
 
 def main() -> None:

@@ -190,17 +190,7 @@ def _validate(c: ModelConfig) -> None:
     def bad(msg: str) -> None:
         raise ConfigError(f"config.json: {msg}")
 
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "num_local_experts",
-        "num_experts_per_tok",
-    ):
+    for name in (*_REQUIRED, "head_dim", "num_experts_per_tok"):
         if getattr(c, name) <= 0:
             bad(f"{name} must be positive, got {getattr(c, name)}")
     if c.num_attention_heads % c.num_key_value_heads:
