@@ -224,7 +224,7 @@ def test_some_experts_unused():
     )
 
 
-@pytest.mark.parametrize("t", [1, 2, mt.DECODE_MAX_TOKENS + 1])
+@pytest.mark.parametrize("t", [1, mt.GEMV_MAX_TOKENS, mt.GEMV_MAX_TOKENS + 1, 40])
 def test_moe_triton_default_configs(t):
     x, weights, ids, w = inputs(41 + t, t)
     assert rel_err(mt.moe_triton(x, weights, ids, w), moe_torch(x, weights, ids, w)) < TOL

@@ -80,6 +80,15 @@ class PrefillConfig:
     num_stages: int = 3
 
 
+def prefill_config(num_tokens: int, num_experts: int, top_k: int) -> PrefillConfig:
+    """Token tiles sized to the rows an expert gets on average (T * K / E): a 64-row tile over
+    8 rows is mostly padding. Measured on the H100 at 20b shapes: 16-row tiles take 358 us at
+    T=32 against 1172 us with 64-row ones; 128-row tiles win at T=2048 (2702 against 5235 us)."""
+    rows = max(1, num_tokens * top_k // num_experts)
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    return PrefillConfig(block_m=block_m, num_warps=4 if block_m <= 16 else 8)
+
+
 def decode_config(num_tokens: int) -> DecodeConfig:
     """Default decode tiles for T tokens: one token shares no weight tile, so it multiplies on
     the CUDA cores; more tokens amortize each dequantized tile on the tensor cores."""
@@ -730,7 +739,7 @@ def moe_prefill(
 ) -> torch.Tensor:
     """The prefill path: pairs sorted by expert on the device, grouped GEMMs, top-k combine."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
-    cfg = config or PrefillConfig()
+    cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
     if cfg.mode == "fma":
         raise ValueError("the prefill path multiplies on tensor cores: mode 'dot' or 'scaled'")
     _check_tiles(x, cfg.mode, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
@@ -916,6 +925,4 @@ def moe_triton(
     The path depends only on the static T, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_TOKENS:
         return moe_gemv(x, topk_weights, topk_ids, w, out=out)
-    if x.shape[0] <= DECODE_MAX_TOKENS:
-        return moe_decode(x, topk_weights, topk_ids, w, out=out)
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
