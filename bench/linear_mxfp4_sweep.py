@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.moe_gemv_sweep import timed  # noqa: E402
+from bench.moe_kernels import timed  # noqa: E402
 from tinyoss.kernels import linear_mxfp4_triton as lt  # noqa: E402
 from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch  # noqa: E402
 from tinyoss.model.quant_linear import quantize_weight  # noqa: E402

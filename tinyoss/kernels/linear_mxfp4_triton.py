@@ -2,8 +2,8 @@
 
 W [N, K] is `blocks` [N, K/32, 16] uint8 (two E2M1 codes a byte) and `scales` [N, K/32] uint8
 (UE8M0), the layout `mxfp4.quantize` writes; no dequantized copy of W ever exists. The
-dequantization tricks are `moe_triton`'s: the GEMV uses its "fma" arithmetic and `_phases`, the
-GEMM calls its `_mx_gemm` in "dot" mode.
+dequantization tricks are `moe_triton`'s: the GEMV uses its pair GEMV's arithmetic and `_phases`,
+the GEMM calls its `_mx_gemm` in "dot" mode.
 
 Two paths, chosen by the static row count M (never by data). Nothing syncs with the host and
 every grid has a static size, so decode steps that call them can be captured in CUDA graphs.

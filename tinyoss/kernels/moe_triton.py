@@ -6,31 +6,22 @@ packed bytes and scales and dequantizes tiles in registers, so no bf16 copy of a
 Two paths, chosen by the static token count T (never by data): nothing syncs with the host and
 every grid has a static size, so both can be captured in CUDA graphs.
 
-* decode (T <= DECODE_MAX_TOKENS), memory-bound, two launches:
-  1. `_decode_gate_up`: grid (2I / BLOCK_N1 row blocks, SPLIT). Each program counts the pairs
-     per expert (T*K ids against E), deals the hit experts round-robin over the SPLIT programs
-     of its row block, and for each streams its BLOCK_N1 rows of gate_up once for all tokens
-     that picked it (chunks of BLOCK_T), then adds the bias, applies the clamped SwiGLU and
-     writes act [pairs, I].
-  2. `_decode_down`: grid (H / BLOCK_N2,). Each program streams its rows of every hit expert's
-     down projection once, writes the routing-weighted rows y [pairs, H] (fp32), then, after a
-     CTA barrier, sums each token's top-k rows in a fixed order into out [T, H]: a deterministic
-     combine with no atomics and no extra launch.
-* prefill: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a static
-  grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at once),
-  grouped GEMMs `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias,
-  routing weight), then `_combine` sums the top-k rows of each token.
+* pair GEMV (T <= GEMV_MAX_TOKENS): every (token, expert) pair gets its own programs, so one
+  token fills the GPU; `_pair_gemv` streams gate_up rows (bias + clamped SwiGLU fused), then
+  down rows (bias, routing weight), and `_combine` sums each token's top-k rows.
+* grouped GEMMs: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a
+  static grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at
+  once), `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias, routing
+  weight), then `_combine`. Token tiles are sized to the rows an expert gets.
 
-How a weight tile meets the activations is a compile-time MODE, so the benchmark can pick it:
-"fma" (one token: multiply-adds on the CUDA cores in fp32, a scale per 32-value group),
-"dot" (dequantized to bf16, `tl.dot` on the tensor cores; tokens of a tile share the
-dequantization) and "scaled" (`tl.dot_scaled`, Triton's own MXFP4 path). Both own modes
-dequantize without a table: three integer ops a value on 32-bit words of eight codes, see
-`_mx_gemm`. Limits this buys: "fma" needs activations below 2**64 in magnitude, "dot" scale
-bytes up to 240 (weights up to 6 * 2**113); real checkpoints are far inside both.
+Both dequantize without a table: three integer ops a value on 32-bit words of eight codes put
+the code's bits into a float (see `_mx_gemm` and `_pair_gemv`). The GEMV multiplies on the CUDA
+cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs' MODE picks "dot"
+(dequantized to bf16, `tl.dot` on the tensor cores, scale bytes up to 240) or "scaled"
+(`tl.dot_scaled`, Triton's own MXFP4 path). Real checkpoints are far inside these limits.
 
 On CPU the kernels run in the Triton interpreter with fp32 operands (bf16 `tl.dot` is wrong
-there), so "fma" and "dot" match `moe_torch` to fp32 rounding.
+there), so the GEMV and "dot" match `moe_torch` to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -43,27 +34,7 @@ import triton.language as tl
 
 from tinyoss.kernels.moe_torch import ExpertWeights
 
-MODES = {"fma": 0, "dot": 1, "scaled": 2}
-DECODE_MAX_TOKENS = 16  # above this many tokens the grouped GEMMs (prefill path) run
-DECODE_MAX_PAIRS = 1024  # the decode kernels hold every (token, expert) id in registers
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Tiles of the decode path. Few rows per program, so that at batch 1 the work spreads over
-    the 132 SMs: with the T=1 defaults, gate_up runs 5760/32 x 4 = 720 programs of ~46 KB and
-    down 2880/8 = 360 programs of ~23 KB. BLOCK_K = 256 is 128 contiguous bytes of a row, eight
-    scale groups, per load."""
-
-    mode: str = "dot"
-    block_t: int = 16  # tokens of one expert per chunk: >= 16 on tensor cores, 1 for "fma"
-    block_n1: int = 32  # gate_up rows per program (even: a gate row and its up row)
-    block_k1: int = 256
-    split1: int = 0  # programs sharing the hit experts of a gate_up row block; 0: min(T*K, E)
-    block_n2: int = 16  # down rows per program
-    block_k2: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
+MODES = {"dot": 1, "scaled": 2}
 
 
 @dataclass(frozen=True)
@@ -87,14 +58,6 @@ def prefill_config(num_tokens: int, num_experts: int, top_k: int) -> PrefillConf
     rows = max(1, num_tokens * top_k // num_experts)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     return PrefillConfig(block_m=block_m, num_warps=4 if block_m <= 16 else 8)
-
-
-def decode_config(num_tokens: int) -> DecodeConfig:
-    """Default decode tiles for T tokens: one token shares no weight tile, so it multiplies on
-    the CUDA cores; more tokens amortize each dequantized tile on the tensor cores."""
-    if num_tokens == 1:
-        return DecodeConfig(mode="fma", block_t=1, block_n1=32, block_n2=8)
-    return DecodeConfig()
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -122,9 +85,8 @@ def _mx_load(
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,
 ):
-    """One K tile: activations a [M, BLOCK_K] ("fma": one row, 1-D, a_off a scalar offset),
-    weights q and scales s [N, BLOCK_K/32]. q is the bytes [N, BLOCK_K/2] for "scaled", else
-    32-bit words [N, BLOCK_K/8] of eight E2M1 codes each.
+    """One K tile: activations a [M, BLOCK_K], weights q and scales s [N, BLOCK_K/32]. q is the
+    bytes [N, BLOCK_K/2] for "scaled", else 32-bit words [N, BLOCK_K/8] of eight E2M1 codes.
 
     A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
     thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
@@ -148,10 +110,7 @@ def _mx_load(
     s = tl.load(
         s_ptr + r * stride_s + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0
     )
-    if MODE == 0:
-        a = tl.load(a_ptr + a_off + kk, mask=kk < K, other=0.0)
-    else:
-        a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
+    a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
     return a, q, s
 
 
@@ -198,11 +157,7 @@ def _mx_gemm(
     field, then masked: three integer ops a value, with no byte unpacking. The codes of a word
     are k = 8w + j, so they meet the activations' eight column phases (`_phases`).
     """
-    if MODE == 0:
-        tl.static_assert(a_rows.shape[0] == 1, "fma mode takes one token at a time")
-        a_off = tl.sum(a_rows.to(tl.int64), 0) * K
-    else:
-        a_off = a_rows.to(tl.int64)[:, None] * K
+    a_off = a_rows.to(tl.int64)[:, None] * K
     nxt = _mx_load(
         a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K, MODE
     )
@@ -225,19 +180,6 @@ def _mx_gemm(
         )
         if MODE == 2:
             acc = tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", tl.trans(q), s, "e2m1", acc)
-        elif MODE == 0:
-            # fp32 bits (mask 0x81C00000): the value times 2**-126, exactly (the code 0.5 is an
-            # fp32 subnormal: Triton's fp32 arithmetic keeps subnormals, no .ftz in its PTX).
-            # The activations are scaled by 2**64 first, so every product is a normal number
-            # (for |a| in [2**-64, 2**64]); a group's sum then gets 2**62 * 2**(s - 127), in
-            # two steps so that no factor leaves the fp32 range (s = 0, 2**-127, reads as 0).
-            phase = _phases((a.to(tl.float32) * 2.0**64)[None, :], BLOCK_K)
-            p = tl.zeros(q.shape, tl.float32)  # [N, W]
-            for j in tl.static_range(8):
-                w = (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
-                p += w * phase[j]
-            g = tl.sum(p.reshape(rows.shape[0], BLOCK_K // 32, 4), 2) * 2.0**62  # [N, G]
-            acc += tl.sum(g * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True), 1)[None, :]
         else:
             # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
             # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
@@ -267,183 +209,7 @@ def _swiglu(h, alpha, limit, BM: tl.constexpr, BN: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------
-# Decode: few tokens, each hit expert's rows streamed once per call
-
-
-@triton.jit
-def _hit_experts(ids_ptr, P, E_PAD: tl.constexpr):
-    """(pairs per expert [E_PAD], rank of each hit expert among the hit ones, number hit)."""
-    ex = tl.arange(0, E_PAD)
-    chunk = tl.arange(0, 64)
-    counts = tl.zeros((E_PAD,), tl.int32)
-    for p0 in range(0, P, 64):  # a [E_PAD, 64] comparison a step keeps registers bounded
-        ids = tl.load(ids_ptr + p0 + chunk, mask=p0 + chunk < P, other=-1)
-        counts += tl.sum((ids[None, :] == ex[:, None]).to(tl.int32), 1)
-    hit = (counts > 0).to(tl.int32)
-    return counts, tl.cumsum(hit, 0) - hit, tl.sum(hit, 0)
-
-
-@triton.jit
-def _members(ids, slots, e, c, BLOCK_T: tl.constexpr):
-    """Slots (and validity) of the c-th .. (c+BLOCK_T-1)-th pairs that picked expert e."""
-    members = ids == e
-    rank = tl.cumsum(members.to(tl.int32), 0) - 1
-    want = c + tl.arange(0, BLOCK_T)
-    match = members[None, :] & (rank[None, :] == want[:, None])  # [BLOCK_T, P_PAD]
-    slot = tl.sum(tl.where(match, slots[None, :], 0), 1)
-    return slot, want < tl.sum(members.to(tl.int32), 0)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _decode_gate_up(
-    x_ptr,
-    ids_ptr,
-    q_ptr,
-    s_ptr,
-    b_ptr,
-    act_ptr,
-    T,
-    H,
-    N,
-    stride_qe,
-    stride_q,
-    stride_se,
-    stride_s,
-    alpha,
-    limit,
-    TOPK: tl.constexpr,
-    E_PAD: tl.constexpr,
-    P_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """x [T, H] -> act [T*TOPK, N/2] = swiglu(x @ gate_up_e.T + b_e), this program's columns.
-
-    The hit experts, in expert order, are dealt round-robin to the programs of grid axis 1."""
-    pid_n = tl.program_id(0)
-    P = T * TOPK
-    slots = tl.arange(0, P_PAD)
-    ids = tl.load(ids_ptr + slots, mask=slots < P, other=-1).to(tl.int32)
-    counts, rank, n_hit = _hit_experts(ids_ptr, P, E_PAD)
-    ex = tl.arange(0, E_PAD)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    half_ok = half < N // 2
-    for d in range(tl.program_id(1), n_hit, tl.num_programs(1)):
-        sel = (counts > 0) & (rank == d)
-        e = tl.sum(tl.where(sel, ex, 0), 0)  # the expert, int32 like ids
-        eo = e.to(tl.int64)
-        bias = tl.load(b_ptr + eo * N + rows, mask=row_ok, other=0.0).to(tl.float32)
-        for c in range(0, tl.sum(tl.where(sel, counts, 0), 0), BLOCK_T):
-            slot, ok = _members(ids, slots, e, c, BLOCK_T)
-            acc = _mx_gemm(
-                tl.zeros((BLOCK_T, BLOCK_N), tl.float32),
-                x_ptr,
-                slot // TOPK,
-                ok,
-                H,
-                q_ptr + eo * stride_qe,
-                s_ptr + eo * stride_se,
-                stride_q,
-                stride_s,
-                rows,
-                row_ok,
-                BLOCK_K,
-                MODE,
-                DOT_DTYPE,
-            )
-            y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_T, BLOCK_N)
-            tl.store(
-                act_ptr + slot.to(tl.int64)[:, None] * (N // 2) + half[None, :],
-                y.to(act_ptr.dtype.element_ty),
-                mask=ok[:, None] & half_ok[None, :],
-            )
-
-
-@triton.jit(do_not_specialize=["T"])
-def _decode_down(
-    act_ptr,
-    ids_ptr,
-    wts_ptr,
-    q_ptr,
-    s_ptr,
-    b_ptr,
-    y_ptr,
-    out_ptr,
-    T,
-    I,
-    H,
-    stride_qe,
-    stride_q,
-    stride_se,
-    stride_s,
-    TOPK: tl.constexpr,
-    E_PAD: tl.constexpr,
-    P_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """act [T*TOPK, I] -> out [T, H] = sum_k w_k * (act_k @ down_e.T + b_e), this program's columns.
-
-    Each routing-weighted pair row goes to y [T*TOPK, H] (fp32); once every hit expert is done,
-    the same program sums each token's TOPK rows in slot order: deterministic, no atomics."""
-    pid_n = tl.program_id(0)
-    P = T * TOPK
-    slots = tl.arange(0, P_PAD)
-    ids = tl.load(ids_ptr + slots, mask=slots < P, other=-1).to(tl.int32)
-    counts, rank, n_hit = _hit_experts(ids_ptr, P, E_PAD)
-    ex = tl.arange(0, E_PAD)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < H
-    for d in range(n_hit):
-        sel = (counts > 0) & (rank == d)
-        e = tl.sum(tl.where(sel, ex, 0), 0)  # the expert, int32 like ids
-        eo = e.to(tl.int64)
-        bias = tl.load(b_ptr + eo * H + rows, mask=row_ok, other=0.0).to(tl.float32)
-        for c in range(0, tl.sum(tl.where(sel, counts, 0), 0), BLOCK_T):
-            slot, ok = _members(ids, slots, e, c, BLOCK_T)
-            acc = _mx_gemm(
-                tl.zeros((BLOCK_T, BLOCK_N), tl.float32),
-                act_ptr,
-                slot,
-                ok,
-                I,
-                q_ptr + eo * stride_qe,
-                s_ptr + eo * stride_se,
-                stride_q,
-                stride_s,
-                rows,
-                row_ok,
-                BLOCK_K,
-                MODE,
-                DOT_DTYPE,
-            )
-            wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-            tl.store(
-                y_ptr + slot.to(tl.int64)[:, None] * H + rows[None, :],
-                (acc + bias[None, :]) * wt[:, None],
-                mask=ok[:, None] & row_ok[None, :],
-            )
-    tl.debug_barrier()  # y rows written by other threads of this program are read below
-    toks = tl.arange(0, 16)
-    for t0 in range(0, T, 16):
-        t = (t0 + toks).to(tl.int64)
-        m = (t < T)[:, None] & row_ok[None, :]
-        tot = tl.zeros((16, BLOCK_N), tl.float32)
-        for k in tl.static_range(TOPK):
-            tot += tl.load(y_ptr + (t * TOPK + k)[:, None] * H + rows[None, :], mask=m, other=0.0)
-        tl.store(out_ptr + t[:, None] * H + rows[None, :], tot.to(out_ptr.dtype.element_ty), mask=m)
-
-
-# ------------------------------------------------------------------------------------------------
-# Prefill: pairs grouped by expert, grouped GEMMs over row tiles
+# Grouped GEMMs: pairs sorted by expert, token tiles per expert
 
 
 @triton.jit
@@ -648,85 +414,11 @@ def _check_tiles(
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if any(n % 2 for n in rows) or any(k % 32 for k in ks):
         raise ValueError(f"row tiles must be even and K tiles multiples of 32: {rows}, {ks}")
-    if mode == "fma" and block_t != 1:
-        raise ValueError(f"mode 'fma' takes one token at a time (block_t=1), got {block_t}")
-    if x.is_cuda and mode != "fma" and (min(block_t, *rows) < 16 or min(ks) < 128):
+    if x.is_cuda and (min(block_t, *rows) < 16 or min(ks) < 128):
         raise ValueError(
             f"tensor-core mode {mode!r} needs row tiles >= 16 and K tiles >= 128 "
             f"(8 dots of K/8 >= 16), got {block_t}, {rows}, {ks}"
         )
-
-
-def moe_decode(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w: ExpertWeights,
-    config: DecodeConfig | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The decode path: x [T, H] -> [T, H] in x.dtype, each hit expert's rows read once."""
-    t, h, k, e, i = _shapes(x, topk_ids, w)
-    cfg = config or decode_config(t)
-    _check_tiles(
-        x, cfg.mode, cfg.block_t, (cfg.block_n1, cfg.block_n2), (cfg.block_k1, cfg.block_k2)
-    )
-    if t * k > DECODE_MAX_PAIRS:
-        raise ValueError(f"{t} tokens x top-{k} is too many pairs for decode: use moe_prefill")
-    out = _output(x, out)
-    if t == 0:
-        return out
-    pairs = t * k
-    x = x.contiguous()
-    ids = topk_ids.contiguous().view(-1)
-    act = _empty((pairs, i), x.dtype, x.device)
-    y = _empty((pairs, h), torch.float32, x.device)
-    common = {
-        "TOPK": k,
-        "E_PAD": triton.next_power_of_2(e),
-        "P_PAD": max(64, triton.next_power_of_2(pairs)),
-        "BLOCK_T": cfg.block_t,
-        "MODE": MODES[cfg.mode],
-        "DOT_DTYPE": _dot_dtype(x),
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-    }
-    grid1 = (triton.cdiv(2 * i, cfg.block_n1), cfg.split1 or min(pairs, e))
-    _decode_gate_up[grid1](
-        x,
-        ids,
-        w.gate_up_blocks,
-        w.gate_up_scales,
-        w.gate_up_bias,
-        act,
-        t,
-        h,
-        2 * i,
-        *_strides(w.gate_up_blocks, w.gate_up_scales),
-        float(w.alpha),
-        float(w.limit),
-        BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k1,
-        **common,
-    )
-    _decode_down[(triton.cdiv(h, cfg.block_n2),)](
-        act,
-        ids,
-        topk_weights.contiguous().view(-1),
-        w.down_blocks,
-        w.down_scales,
-        w.down_bias,
-        y,
-        out,
-        t,
-        i,
-        h,
-        *_strides(w.down_blocks, w.down_scales),
-        BLOCK_N=cfg.block_n2,
-        BLOCK_K=cfg.block_k2,
-        **common,
-    )
-    return out
 
 
 def moe_prefill(
@@ -740,8 +432,6 @@ def moe_prefill(
     """The prefill path: pairs sorted by expert on the device, grouped GEMMs, top-k combine."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
-    if cfg.mode == "fma":
-        raise ValueError("the prefill path multiplies on tensor cores: mode 'dot' or 'scaled'")
     _check_tiles(x, cfg.mode, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
     out = _output(x, out)
     if t == 0:
@@ -810,7 +500,7 @@ def moe_prefill(
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
     row per step: 16 rows x 512 values is 4 KB a step, 64 bytes a thread. The best of a small
-    sweep on the H100 at 20b shapes (bench/moe_gemv_sweep.py): 45.7 us at T=1."""
+    sweep on the H100 at 20b shapes (bench/moe_kernels.py): 45.7 us at T=1."""
 
     block_n1: int = 16
     block_n2: int = 16
@@ -820,7 +510,7 @@ class GemvConfig:
 
 
 # Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
-# 20b shapes: 46 us at T=1, 80 at T=2, 247 at T=8, against 63, 192 and 518 for `moe_decode`).
+# 20b shapes: 46 us at T=1, 80 at T=2, 247 at T=8; the grouped GEMMs take 328 us at T=16).
 GEMV_MAX_TOKENS = 8
 
 
@@ -831,10 +521,12 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
-    Dequantization as in `_mx_gemm`'s "fma" mode: three integer ops put a code's sign, exponent
-    and mantissa bits into an fp32 (the value times 2**-126); activations are pre-scaled by
-    2**64 so every product is normal. Each word's scale multiplies elementwise, and the one
-    reduction over K happens after the loop."""
+    Dequantization, no table: the j-th code of a 32-bit word is shifted to the top, then
+    arithmetic-shifted down so that its sign lands on the fp32 sign bit and its exponent and
+    mantissa bits on the bottom of the exponent field, then masked (0x81C00000): the value times
+    2**-126, exactly (the code 0.5 is an fp32 subnormal; Triton's fp32 arithmetic keeps
+    subnormals). Activations are pre-scaled by 2**64 so every product is normal; each word's
+    scale multiplies elementwise, and the one reduction over K happens after the loop."""
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -874,18 +566,6 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
         tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
 
 
-@triton.jit
-def _sum_topk(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t] = sum_k y[t * TOPK + k], in k order (deterministic)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = cols < H
-    tot = tl.zeros((BLOCK_N,), tl.float32)
-    for k in tl.static_range(TOPK):
-        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=m, other=0.0)
-    tl.store(out_ptr + t * H + cols, tot.to(out_ptr.dtype.element_ty), mask=m)
-
-
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w: ExpertWeights, config: GemvConfig | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -909,7 +589,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     _pair_gemv[(pairs, triton.cdiv(h, cfg.block_n2))](
         act, 1, ids, *dn, w.down_bias, topk_weights.contiguous().view(-1), y, h, i,
         *_strides(*dn), w.alpha, w.limit, SWIGLU=False, BLOCK_N=cfg.block_n2, **launch)
-    _sum_topk[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
+    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
     return out
 
 
