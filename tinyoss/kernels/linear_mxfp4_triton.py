@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.moe_triton import MODES, _dot_dtype, _mx_gemm, _phases
+from tinyoss.kernels.moe_triton import (MODES, _dot_dtype, _e2m1_fp32, _mx_gemm, _phases,
+                                         _ue8m0_fp32)
 
 GEMV_MAX_M = 4  # up to this many rows the CUDA-core GEMV runs, above it the tensor-core GEMM
 
@@ -86,10 +87,9 @@ def _gemv(
 ):
     """out[toks, rows] = x[toks] @ W[rows].T (+ b[rows]), for this program's tokens and rows.
 
-    As moe_triton's `_pair_gemv`: three integer ops put an E2M1 code's sign, exponent and
-    mantissa bits into an fp32 (the value times 2**-126), activations are pre-scaled by 2**64 so
-    every product is normal, each word's scale multiplies elementwise and the one reduction
-    over K comes after the loop. The dequantized tile serves all BLOCK_M tokens."""
+    As moe_triton's `_pair_gemv` (`_e2m1_fp32` dequantization, activations pre-scaled by 2**64,
+    each word's scale elementwise, one reduction over K after the loop); the dequantized tile
+    serves all BLOCK_M tokens."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -110,9 +110,8 @@ def _gemv(
         phase = _phases(xa.to(tl.float32) * 2.0**64, BLOCK_K)
         p = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), tl.float32)
         for j in tl.static_range(8):
-            w = (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
-            p += w[None, :, :] * phase[j][:, None, :]
-        acc += p * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)[None, :, :]
+            p += _e2m1_fp32(q, j)[None, :, :] * phase[j][:, None, :]
+        acc += p * _ue8m0_fp32(sc)[None, :, :]
     y = tl.sum(acc, 2) * 2.0**62
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]

@@ -515,18 +515,30 @@ GEMV_MAX_TOKENS = 8
 
 
 @triton.jit
+def _e2m1_fp32(q, j: tl.constexpr):
+    """Code j of each 32-bit word of eight E2M1 codes, as an fp32 equal to its value times
+    2**-126: shifted to the top, arithmetic-shifted down so the sign lands on the fp32 sign bit
+    and the exponent and mantissa bits at the bottom of the exponent field, then masked
+    (0x81C00000). Exact: the code 0.5 is an fp32 subnormal, which Triton's fp32 math keeps."""
+    return (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0_fp32(s):
+    """UE8M0 scale bytes as the fp32 powers of two 2**(s - 127) (s = 0 reads as 0)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                stride_qe, stride_q, stride_se, stride_s, alpha, limit,
                SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
-    Dequantization, no table: the j-th code of a 32-bit word is shifted to the top, then
-    arithmetic-shifted down so that its sign lands on the fp32 sign bit and its exponent and
-    mantissa bits on the bottom of the exponent field, then masked (0x81C00000): the value times
-    2**-126, exactly (the code 0.5 is an fp32 subnormal; Triton's fp32 arithmetic keeps
-    subnormals). Activations are pre-scaled by 2**64 so every product is normal; each word's
-    scale multiplies elementwise, and the one reduction over K happens after the loop."""
+    Dequantization without a table (`_e2m1_fp32`: three integer ops a value); activations are
+    pre-scaled by 2**64 so every product is normal; each word's scale multiplies elementwise,
+    and the one reduction over K happens after the loop."""
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -547,9 +559,8 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
         phase = _phases(xa[None, :], BLOCK_K)
         p = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
         for j in tl.static_range(8):
-            w = (((q << (28 - 4 * j)) >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
-            p += w * phase[j]
-        acc += p * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            p += _e2m1_fp32(q, j) * phase[j]
+        acc += p * _ue8m0_fp32(sc)
     h = tl.sum(acc, 1) * 2.0**62 + tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(
         tl.float32
     )
