@@ -25,7 +25,8 @@ from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch  # noqa: E402
 from tinyoss.model.layout import TensorSpec  # noqa: E402
 from tinyoss.model.synthetic import random_experts  # noqa: E402
 
-GEMV_CONFIGS = "16/16/512/2/4,16/16/512/4/3,32/16/512/4/3"  # block_n1/block_n2/block_k/warps/stages
+# block_n1/block_n2/block_k/warps/stages
+GEMV_CONFIGS = "16/16/512/2/4,16/16/256/2/4,32/32/512/4/3,16/16/1024/4/3,8/8/512/1/4,32/16/256/2/4"
 GEMM_CONFIGS = "16/4,32/8,64/8,128/8"  # block_m/warps
 
 

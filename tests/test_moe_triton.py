@@ -4,7 +4,8 @@ On CPU the kernels run in the Triton interpreter with fp32 operands: the GEMV an
 the reference to fp32 rounding (~3e-7 measured; TOL 1e-5). "scaled" (`tl.dot_scaled`) rounds its
 activations to bf16, which the interpreter does toward zero (3.1e-3 relative on one rounding,
 against 1.7e-3 for round-to-nearest; 6-7e-3 on the whole MoE), hence TOL_SCALED_CPU. On a GPU
-the activations are bf16 and TOL is 1e-2. Every workspace and output starts as NaN, so a row nobody
+the activations are bf16 and TOL is 1e-2. The f16x2 pair GEMV packs its activations and SwiGLU
+outputs as fp16 (TOL_F16X2 on CPU). Every workspace and output starts as NaN, so a row nobody
 wrote shows; inputs are fresh random draws for every case, sized so that some gate/up
 pre-activations pass the clamp limit 7.
 """
@@ -29,6 +30,7 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 TOL = 1e-2 if CUDA else 1e-5  # ||out - ref|| / ||ref||
 TOL_SCALED_CPU = 2e-2
+TOL_F16X2 = TOL if CUDA else 2e-3  # fp16 activations: 2**-11 relative rounding each
 E, H, I, TOPK = 8, 96, 64, 4  # H != I catches swapped dimensions; K tiles of 64 leave H ragged
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
@@ -45,14 +47,16 @@ PREFILL = {
 }
 
 
+def _poisoned(shape, dtype, device):
+    """NaN; integer workspaces hold packed fp16 pairs, so both halves get fp16 NaN (0x7E00)."""
+    fill = float("nan") if dtype.is_floating_point else 0x7E007E00
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Workspaces and outputs start as NaN: an unwritten row cannot pass."""
-    monkeypatch.setattr(
-        mt,
-        "_empty",
-        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
-    )
+    monkeypatch.setattr(mt, "_empty", _poisoned)
 
 
 def small_weights(gen: torch.Generator, e: int = E, h: int = H, i: int = I) -> ExpertWeights:
@@ -126,16 +130,18 @@ def preactivation_max(x: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> f
 
 
 GEMV = mt.GemvConfig(block_n1=16, block_n2=16, block_k=64 if not CUDA else 512)
+GEMV_F16X2 = mt.GemvConfig(block_n1=16, block_n2=16, block_k=64 if not CUDA else 512, f16x2=True)
 
 
+@pytest.mark.parametrize("f16x2", [False, True])
 @pytest.mark.parametrize("t", [1, 2, 3])
-def test_pair_gemv(t):
+def test_pair_gemv(t, f16x2):
     """Each (token, expert) pair on its own programs; H = 96 leaves a ragged K tile."""
     x, weights, ids, w = inputs(200 + t, t)
     out = torch.full((t, H), float("nan"), dtype=DTYPE, device=DEVICE)
-    got = mt.moe_gemv(x, weights, ids, w, GEMV, out=out)
+    got = mt.moe_gemv(x, weights, ids, w, GEMV_F16X2 if f16x2 else GEMV, out=out)
     assert got.data_ptr() == out.data_ptr()
-    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < (TOL_F16X2 if f16x2 else TOL)
     assert preactivation_max(x, ids, w) > 7.0
 
 
@@ -224,6 +230,15 @@ def big_case(seed: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def test_gpt_oss_20b_shapes(t):
     x, weights, ids, w = big_case(t, t)
     assert rel_err(mt.moe_triton(x, weights, ids, w), moe_torch(x, weights, ids, w)) < TOL
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_gpt_oss_20b_shapes_f16x2(t):
+    x, weights, ids, w = big_case(t, t)
+    out = mt.moe_gemv(x, weights, ids, w, mt.GemvConfig(f16x2=True))
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
 
 
 @gpu

@@ -2,8 +2,9 @@
 
 W [N, K] is `blocks` [N, K/32, 16] uint8 (two E2M1 codes a byte) and `scales` [N, K/32] uint8
 (UE8M0), the layout `mxfp4.quantize` writes; no dequantized copy of W ever exists. The
-dequantization tricks are `moe_triton`'s: the GEMV uses its pair GEMV's arithmetic and `_phases`,
-the GEMM calls its `_mx_gemm` in "dot" mode.
+dequantization tricks are `moe_triton`'s: the GEMV uses its pair GEMV's arithmetic (fp32, or
+with `GemvConfig(f16x2=True)` the packed fp16 products of `mxfp4_dot_triton`, not yet run on a
+GPU), the GEMM calls its `_mx_gemm` in "dot" mode.
 
 Two paths, chosen by the static row count M (never by data). Nothing syncs with the host and
 every grid has a static size, so decode steps that call them can be captured in CUDA graphs.
@@ -18,7 +19,8 @@ every grid has a static size, so decode steps that call them can be captured in 
 
 Limits inherited from the tricks: activations below 2**64 in magnitude (GEMV) and scale bytes
 up to 240 (GEMM); `mxfp4.quantize` of real weights stays far inside both. On CPU the kernels run
-in the Triton interpreter with fp32 operands and match `mxfp4_linear_torch` to fp32 rounding.
+in the Triton interpreter with fp32 operands and match `mxfp4_linear_torch` to fp32 rounding
+(the f16x2 GEMV to the fp16 rounding of its packed activations).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import triton.language as tl
 
 from tinyoss.kernels.moe_triton import (MODES, _dot_dtype, _e2m1_fp32, _mx_gemm, _phases,
                                          _ue8m0_fp32)
+from tinyoss.kernels.mxfp4_dot_triton import group_dot, group_scale, pack_pairs, use_asm
 
 GEMV_MAX_M = 4  # up to this many rows the CUDA-core GEMV runs, above it the tensor-core GEMM
 
@@ -45,6 +48,7 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 2
     num_stages: int = 4
+    f16x2: bool = False  # `_gemv_f16x2` (moe_triton's f16x2 pair GEMV arithmetic; no GPU run yet)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,48 @@ def _gemv(
 
 
 @triton.jit
+def _gemv_f16x2(
+    xp_ptr, xe_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """out[toks, rows] = x[toks] @ W[rows].T (+ b[rows]), for this program's tokens and rows.
+
+    x comes packed (`pack_pairs`); each weight tile is loaded once for the BLOCK_M tokens and
+    multiplied two products an instruction (`group_dot`), one reduction over K after the loop."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tok0 = tl.program_id(1) * BLOCK_M
+    r64 = rows.to(tl.int64)[:, None]
+    qp = q_ptr.to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
+    sp = s_ptr + r64 * stride_s
+    groups = tl.arange(0, BLOCK_K // 32)
+    words = tl.arange(0, 4)
+    ms = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + groups
+        g_ok = g < K // 32
+        ok = row_ok[:, None] & g_ok[None, :]
+        q = tl.load(qp[:, :, None] + (4 * g)[None, :, None] + words[None, None, :],
+                    mask=ok[:, :, None], other=0)
+        sc = tl.load(sp + g[None, :], mask=ok, other=0)
+        for m in tl.static_range(BLOCK_M):
+            tok = tl.minimum(tok0 + m, M - 1).to(tl.int64)  # past M: a valid row, not stored
+            ebits = tl.load(xe_ptr + tok * (K // 32) + g, mask=g_ok, other=0)[None, :]
+            part = group_dot(q, xp_ptr + tok * (K // 2), g, g_ok, ASM) * group_scale(sc, ebits)
+            acc += tl.where(ms[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    toks = tok0 + ms
+    tl.store(
+        out_ptr + toks.to(tl.int64)[:, None] * N + rows[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(toks < M)[:, None] & row_ok[None, :],
+    )
+
+
+@triton.jit
 def _gemm(
     x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -171,25 +217,6 @@ def _check(
     return x.shape[0], n
 
 
-def _launch(
-    kernel: triton.JITFunction,
-    grid: tuple[int, int],
-    x: torch.Tensor,
-    blocks: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    **meta: object,
-) -> None:
-    """Row strides go in as ints, in bytes: Triton sees that a row's K/2 bytes start 16-byte
-    aligned (K/2 is a multiple of 16) and vectorizes. A missing bias passes a dummy pointer."""
-    m, n = out.shape
-    kernel[grid](
-        x, blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
-        blocks.stride(0), scales.stride(0), HAS_BIAS=bias is not None, **meta,
-    )
-
-
 def linear_gemv(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -200,26 +227,22 @@ def linear_gemv(
     """The CUDA-core path for any M (fastest for a few rows): x [M, K] -> [M, N] in x.dtype."""
     m, n = _check(x, blocks, scales, bias)
     cfg = config or gemv_config(m, n)
-    if cfg.block_k % 32 or cfg.block_m & (cfg.block_m - 1):
-        raise ValueError(f"block_k must be a multiple of 32 and block_m a power of two: {cfg}")
+    if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"block_k must be a power of two >= 32 and block_m one: {cfg}")
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    _launch(
-        _gemv,
-        grid,
-        x.contiguous(),
-        blocks,
-        scales,
-        bias,
-        out,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    # Row strides go in as ints, in bytes: Triton sees that a row's K/2 bytes start 16-byte
+    # aligned (K/2 is a multiple of 16) and vectorizes. A missing bias passes a dummy pointer.
+    args = (blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
+            blocks.stride(0), scales.stride(0))
+    meta = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.f16x2:
+        _gemv_f16x2[grid](*pack_pairs(x), *args, ASM=use_asm(x), **meta)
+    else:
+        _gemv[grid](x.contiguous(), *args, **meta)
     return out
 
 
@@ -240,22 +263,11 @@ def linear_gemm(
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _launch(
-        _gemm,
-        grid,
-        x.contiguous(),
-        blocks,
-        scales,
-        bias,
-        out,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        MODE=MODES["dot"],
-        DOT_DTYPE=_dot_dtype(x),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    _gemm[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
+        x.contiguous(), blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
+        blocks.stride(0), scales.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=MODES["dot"], DOT_DTYPE=_dot_dtype(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

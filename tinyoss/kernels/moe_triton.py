@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_torch import ExpertWeights
+from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
+                                              pack_pairs, pair_position, use_asm)
 
 MODES = {"dot": 1, "scaled": 2}
 
@@ -492,8 +494,12 @@ def moe_prefill(
 
 
 # ------------------------------------------------------------------------------------------------
-# Pair GEMV: one or two tokens. Every (token, expert) pair gets its own programs, so even one
-# token fills the GPU: gate_up has pairs x 2I/BLOCK_N programs, down pairs x H/BLOCK_N.
+# Pair GEMV: a few tokens. Every (token, expert) pair gets its own programs, so even one token
+# fills the GPU: gate_up has pairs x 2I/BLOCK_N programs, down pairs x H/BLOCK_N. Two kernels:
+# `_pair_gemv` multiplies in fp32 (verified and timed on the H100); `_pair_gemv_f16x2` two
+# products an instruction in fp16 on packed activations (`mxfp4_dot_triton`): 3.25 SASS
+# instructions a weight against 5.1 (bench/offline_sass.py), but not yet run on a GPU, so it is
+# chosen only by `GemvConfig(f16x2=True)` until it is.
 
 
 @dataclass(frozen=True)
@@ -507,6 +513,7 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 2
     num_stages: int = 4
+    f16x2: bool = False  # `_pair_gemv_f16x2` instead of `_pair_gemv`
 
 
 # Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
@@ -577,29 +584,94 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
         tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
 
 
+@triton.jit
+def _pair_gemv_f16x2(xp_ptr, xe_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N,
+                     K, stride_qe, stride_q, stride_se, stride_s, alpha, limit,
+                     SWIGLU: tl.constexpr, X_EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
+    clamped SwiGLU into out [pairs, N/2] as packed fp16 pairs (scaled by 2**(EXP_BIAS -
+    ACT_EBITS), what the down projection reads), or the routing weight into out [pairs, N] fp32.
+
+    x comes packed (`pack_pairs`): pairs [*, K/2] int32 and per-group ebits [*, K/32] from
+    xe_ptr, or the constant X_EBITS when nonzero."""
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = (pair // x_div).to(tl.int64)
+    xp_row = xp_ptr + x_row * (K // 2)
+    r64 = rows.to(tl.int64)[:, None]
+    qp = (q_ptr + e * stride_qe).to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
+    sp = s_ptr + e * stride_se + r64 * stride_s
+    groups = tl.arange(0, BLOCK_K // 32)
+    words = tl.arange(0, 4)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + groups
+        g_ok = g < K // 32
+        ok = row_ok[:, None] & g_ok[None, :]
+        q = tl.load(qp[:, :, None] + (4 * g)[None, :, None] + words[None, None, :],
+                    mask=ok[:, :, None], other=0)
+        sc = tl.load(sp + g[None, :], mask=ok, other=0)
+        if X_EBITS:
+            ebits = X_EBITS
+        else:
+            ebits = tl.load(xe_ptr + x_row * (K // 32) + g, mask=g_ok, other=0)[None, :]
+        acc += group_dot(q, xp_row, g, g_ok, ASM) * group_scale(sc, ebits)
+    h = tl.sum(acc, 1) + tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if SWIGLU:
+        gate, up = tl.split(h.reshape(BLOCK_N // 2, 2))
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1) * gate * tl.sigmoid(alpha * gate) * 2.0 ** (EXP_BIAS - ACT_EBITS)
+        half = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out16 = out_ptr.to(tl.pointer_type(tl.float16)) + pair.to(tl.int64) * (N // 2)
+        tl.store(out16 + pair_position(half), act.to(tl.float16), mask=half < N // 2)
+    else:
+        wt = tl.load(wts_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
+
+
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w: ExpertWeights, config: GemvConfig | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """The pair-GEMV path: x [T, H] -> [T, H]; three launches, no host synchronisation."""
+    """The pair-GEMV path: x [T, H] -> [T, H]; three launches (four with f16x2, which packs
+    x first), no host synchronisation."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
+    if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
+        raise ValueError(f"block_k must be a power of two >= 32 and block_n1 even: {cfg}")
     out = _output(x, out)
     if t == 0:
         return out
     pairs = t * k
-    x = x.contiguous()
     ids = topk_ids.contiguous().view(-1)
-    act = _empty((pairs, i), torch.float32, x.device)
+    wts = topk_weights.contiguous().view(-1)
     y = _empty((pairs, h), torch.float32, x.device)
     launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    gu = (w.gate_up_blocks, w.gate_up_scales)
-    _pair_gemv[(pairs, triton.cdiv(2 * i, cfg.block_n1))](
-        x, k, ids, *gu, w.gate_up_bias, topk_weights, act, 2 * i, h, *_strides(*gu), w.alpha,
-        w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
-    dn = (w.down_blocks, w.down_scales)
-    _pair_gemv[(pairs, triton.cdiv(h, cfg.block_n2))](
-        act, 1, ids, *dn, w.down_bias, topk_weights.contiguous().view(-1), y, h, i,
-        *_strides(*dn), w.alpha, w.limit, SWIGLU=False, BLOCK_N=cfg.block_n2, **launch)
+    gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
+    dn = (w.down_blocks, w.down_scales, w.down_bias)
+    grid_gu = (pairs, triton.cdiv(2 * i, cfg.block_n1))
+    grid_dn = (pairs, triton.cdiv(h, cfg.block_n2))
+    if cfg.f16x2:
+        xp, xe = pack_pairs(x)
+        act = _empty((pairs, i // 2), torch.int32, x.device)  # fp16 pairs
+        launch["ASM"] = use_asm(x)
+        _pair_gemv_f16x2[grid_gu](
+            xp, xe, k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha, w.limit,
+            SWIGLU=True, X_EBITS=0, BLOCK_N=cfg.block_n1, **launch)
+        _pair_gemv_f16x2[grid_dn](
+            act, act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit,
+            SWIGLU=False, X_EBITS=ACT_EBITS.value, BLOCK_N=cfg.block_n2, **launch)
+    else:
+        act = _empty((pairs, i), torch.float32, x.device)
+        _pair_gemv[grid_gu](
+            x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha,
+            w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
+        _pair_gemv[grid_dn](
+            act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit, SWIGLU=False,
+            BLOCK_N=cfg.block_n2, **launch)
     _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
     return out
 
