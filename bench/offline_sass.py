@@ -6,7 +6,7 @@ Triton compiles ahead of time for a named target with its bundled ptxas, so PTX 
 register pressure and unvectorized loads show up before any GPU time is spent. Arguments are
 specialized as a launch on real tensors would be (pointers and ints divisible by 16).
 
-    python bench/offline_sass.py [--kernel pair_gemv|linear_mxfp4|linear_bf16] [--dump FILE]
+    python bench/offline_sass.py [--kernel NAME] [--dump FILE]
 """
 
 from __future__ import annotations
@@ -51,27 +51,32 @@ def spec(fn, args: dict, constexprs: dict) -> ASTSource:
 
 def kernels() -> dict:
     """name -> (jit function, example args, constexprs, launch options, weights per K step)."""
-    pair = dict(xp_ptr="*i32", xe_ptr="*i32", x_div=4, ids_ptr="*i32", q_ptr="*u8",
-                s_ptr="*u8", b_ptr="*bf16", wts_ptr="*fp32", out_ptr="*i32", N=5760, K=2880,
-                stride_qe=5760 * 1440, stride_q=1440, stride_se=5760 * 90, stride_s=90,
-                alpha=F32, limit=F32)
+    experts = dict(ids_ptr="*i32", q_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", wts_ptr="*fp32",
+                   N=5760, K=2880, stride_qe=5760 * 1440, stride_q=1440, stride_se=5760 * 90,
+                   stride_s=90, alpha=F32, limit=F32, x_div=4)
+    pair = dict(experts, x_ptr="*bf16", out_ptr="*fp32")
+    pair16 = dict(experts, xp_ptr="*i32", xe_ptr="*i32", out_ptr="*i32")
     gv = moe_triton.GemvConfig()
-    lin = dict(xp_ptr="*i32", xe_ptr="*i32", q_ptr="*u8", s_ptr="*u8", b_ptr="*bf16",
-               out_ptr="*bf16", M=1, N=201088, K=2880, stride_q=1440, stride_s=90)
+    lin = dict(x_ptr="*bf16", xp_ptr="*i32", xe_ptr="*i32", q_ptr="*u8", s_ptr="*u8",
+               b_ptr="*bf16", out_ptr="*bf16", M=1, N=201088, K=2880, stride_q=1440, stride_s=90)
     lv = linear_mxfp4_triton.gemv_config(1, 201088)
     bf = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M=1, N=5120, K=2880)
     bv = linear_triton.gemv_config(1, 5120)
+    pair_opts = dict(num_warps=gv.num_warps, num_stages=gv.num_stages)
+    lin_cx = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k)
+    lin_opts = dict(num_warps=lv.num_warps, num_stages=lv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
-                      dict(SWIGLU=True, X_EBITS=0, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k,
-                           ASM=True),
-                      dict(num_warps=gv.num_warps, num_stages=gv.num_stages),
+                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k), pair_opts,
                       gv.block_n1 * gv.block_k),
-        "linear_mxfp4": (linear_mxfp4_triton._gemv, lin,
-                         dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k,
-                              ASM=True),
-                         dict(num_warps=lv.num_warps, num_stages=lv.num_stages),
+        "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,
+                            dict(SWIGLU=True, X_EBITS=0, BLOCK_N=gv.block_n1,
+                                 BLOCK_K=gv.block_k, ASM=True), pair_opts,
+                            gv.block_n1 * gv.block_k),
+        "linear_mxfp4": (linear_mxfp4_triton._gemv, lin, lin_cx, lin_opts,
                          lv.block_n * lv.block_k),
+        "linear_mxfp4_f16x2": (linear_mxfp4_triton._gemv_f16x2, lin, dict(lin_cx, ASM=True),
+                               lin_opts, lv.block_n * lv.block_k),
         "linear_bf16": (linear_triton._gemv, bf,
                         dict(HAS_BIAS=True, BLOCK_M=1, BLOCK_N=bv.block_n, BLOCK_K=bv.block_k,
                              USE_PDL=True),

@@ -1,0 +1,88 @@
+"""Times the dense bf16 decode GEMV (tinyoss.kernels.linear_triton) against cuBLAS (F.linear) at
+gpt-oss shapes, alone and as a chain of 24 layers (q/k/v then o) in one CUDA graph with and
+without programmatic dependent launch, on one GPU.
+
+    python bench/dense_gemv.py --m 1,2,4 --configs 8/512/4/3,16/256/4/3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tinyoss.kernels import launch  # noqa: E402
+from tinyoss.kernels import linear_triton as lt  # noqa: E402
+
+SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "router": (32, 2880), "lm_head": (201088, 2880)}
+
+
+def graph_time(fn, reps: int = 1) -> float:
+    """Median microseconds of fn() replayed from a CUDA graph, divided by reps."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200) * 1e3 / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", default="1,2,4")
+    p.add_argument("--configs", default="8/512/4/3,16/256/4/3,4/512/2/3,8/256/2/4",
+                   help="block_n/block_k/warps/stages, each with block_m from gemv_config")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    launch.enable_pdl(False)
+    for name, (n, k) in SHAPES.items():
+        sets = 4 if n < 100000 else 1  # rotate weight sets so L2 does not hold them
+        ws = [torch.randn(n, k, device=dev).to(torch.bfloat16) * 0.02 for _ in range(sets)]
+        bs = [torch.randn(n, device=dev).to(torch.bfloat16) for _ in range(sets)]
+        mb = n * k * 2 / 1e6
+        for m in map(int, args.m.split(",")):
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            ref = F.linear(x.float(), ws[0].float(), bs[0].float())
+            row = [f"{name:8s} M={m} {mb:7.1f} MB"]
+            us = graph_time(lambda: [F.linear(x, w, b) for w, b in zip(ws, bs)], sets)
+            row.append(f"cublas {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+            for c in args.configs.split(","):
+                bn, bk, nw, ns = map(int, c.split("/"))
+                base = lt.gemv_config(m, n)
+                cfg = lt.GemvConfig(base.block_m, bn, max(32, bk // base.block_m), nw, ns)
+                out = lt.linear_gemv(x, ws[0], bs[0], cfg).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                us = graph_time(
+                    lambda cfg=cfg: [lt.linear_gemv(x, w, b, cfg) for w, b in zip(ws, bs)], sets)
+                row.append(f"{c}: {us:7.1f} us {mb / us * 1e3:5.0f} GB/s err {err:.0e}")
+            print(" | ".join(row), flush=True)
+    # A chain: 24 layers of qkv then o, as a decode step runs them.
+    qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
+    o = [torch.randn(2880, 4096, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
+    x = torch.randn(1, 2880, device=dev).to(torch.bfloat16)
+    mb = 24 * (5120 * 2880 + 2880 * 4096) * 2 / 1e6
+
+    def chain(fn) -> None:
+        h = x
+        for a, b in zip(qkv, o):
+            h = fn(fn(h, a)[:, :4096], b)
+
+    row = [f"chain 24 x (qkv, o) {mb:.0f} MB"]
+    us = graph_time(lambda: chain(F.linear))
+    row.append(f"cublas {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+    for pdl in (False, True):
+        launch.enable_pdl(pdl)
+        us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, w)))
+        row.append(f"triton pdl={pdl} {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+    print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

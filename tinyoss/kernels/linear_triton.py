@@ -1,0 +1,102 @@
+"""Dense bf16 linear layers for decode in Triton: y = x @ W.T + b for a few rows of x.
+
+At batch 1 a decode step reads every dense weight once (q/k/v, o, the router and lm_head are
+~2.4 GB of gpt-oss-20b's ~3.7 GB a token), so these GEMVs are bandwidth-bound. cuBLAS picks a
+split-K GEMM for o_proj (2880 x 4096) that reached 1.6 TB/s on the H100; a plain CUDA-core GEMV
+streams each weight row once with 16-byte loads and reduces over K after the loop. More rows
+of x than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused.
+
+With programmatic dependent launch (`launch.pdl_options`), a GEMV starts while the kernel
+before it drains and waits for its results only after issuing its first weight loads: a chain of
+24 x (q/k/v, o) took 584 us against 620 without PDL and 650 through cuBLAS. The model does not
+call these yet: PDL pays only once every decode kernel takes part, and that is not yet run on a
+GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tinyoss.kernels.launch import pdl_options
+
+# Measured on the H100 (bench/dense_gemv.py, bench/results/2026-11-23_h100_dense_gemv_*.txt):
+# at M=1 the GEMV beats cuBLAS on o (15.5 against 17.0 us) and lm_head (400 against 419 us),
+# ties on q/k/v (17.0 against 16.4); at M=2 and 4 cuBLAS wins everywhere.
+GEMV_MAX_M = 1
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """BLOCK_N rows of W by BLOCK_K columns a step for BLOCK_M tokens."""
+
+    block_m: int = 1
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemv_config(m: int, n: int) -> GemvConfig:
+    """More tokens hold more partial sums in registers, hence a shorter K step."""
+    block_m = triton.next_power_of_2(max(1, min(m, GEMV_MAX_M)))
+    return GemvConfig(block_m=block_m, block_k=512 // block_m)
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_ok = toks < M
+    cols = tl.arange(0, BLOCK_K)
+    wp = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    xp = x_ptr + toks.to(tl.int64)[:, None] * K + cols[None, :]
+    w = tl.load(wp, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # before the wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        nxt = k0 + BLOCK_K + cols
+        w = tl.load(wp + k0 + BLOCK_K, mask=row_ok[:, None] & (nxt < K)[None, :], other=0.0)
+    y = tl.sum(acc, 2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + toks.to(tl.int64)[:, None] * N + rows[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit")
+    cfg = config or gemv_config(m, n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _gemv[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
+            x.contiguous(), weight.contiguous(), out if bias is None else bias, out, m, n, k,
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_options(x))
+    return out
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for F.linear on 2-D x: the Triton GEMV up to GEMV_MAX_M rows, cuBLAS above.
+    The path depends only on the static row count, so a captured graph never changes path."""
+    if x.shape[0] <= GEMV_MAX_M:
+        return linear_gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
