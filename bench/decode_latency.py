@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
         mxfp4_backend=args.mxfp4_backend,
         mxfp4_layers=args.mxfp4_layers,
     )
@@ -150,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         "backends": engine.backends.describe(),
         "mxfp4_layers": ",".join(("moe", *layers)),
         "cuda_graphs": not args.enforce_eager,
+        "async_scheduling": not args.no_async_scheduling,
         "ttft_ms": 1e3 * statistics.median(ttfts),
         "ms_per_step_median": 1e3 * median,
         "ms_per_step_p90": 1e3 * percentile(steps, 0.9),
@@ -224,6 +226,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="finish each step before launching the next")
     p.add_argument(
         "--mxfp4-backend",
         default=None,
@@ -241,7 +245,8 @@ def main() -> None:
     need = record["bytes_per_step"]
     print(
         f"{record['gpu']} | {record['model']} | batch {args.batch_size} | in {args.input_len} "
-        f"out {args.output_len} | {record['backends']} | graphs {record['cuda_graphs']}"
+        f"out {args.output_len} | {record['backends']} | graphs {record['cuda_graphs']} | "
+        f"async scheduling {record['async_scheduling']}"
     )
     print(
         f"TTFT {record['ttft_ms']:.1f} ms | decode {record['ms_per_step_median']:.3f} ms/step "

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from tinyoss import harmony
-from tinyoss.engine.llm_engine import EngineConfig, LLMEngine
+from tinyoss.engine.llm_engine import PENDING_TOKEN, EngineConfig, LLMEngine
 from tinyoss.engine.sequence import TokenLogprob
 from tinyoss.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
 from tinyoss.server.app import EventStream, create_app
@@ -52,7 +52,7 @@ def harmony_ids(tokenizer, *parts: int | str) -> list[int]:
 
 
 class Scripted:
-    """Test hook on `engine.runner.run`: scripted prompts sample their script's tokens."""
+    """Test hook on `engine.runner.launch`: scripted prompts sample their script's tokens."""
 
     def __init__(self, engine: LLMEngine) -> None:
         tok = engine.tokenizer
@@ -69,25 +69,32 @@ class Scripted:
         }  # fmt: skip
         self.slow = tuple(tok.encode(SLOW))
         self.prompts: list[str] = []  # decoded prompts of scripted requests, latest last
-        self._run, self._tok = engine.runner.run, tok
-        engine.runner.run = self.run
+        self._launch, self._tok = engine.runner.launch, tok
+        engine.runner.launch = self.launch
 
     @staticmethod
     def _has(ids: list[int], marker: tuple[int, ...]) -> bool:
         return any(tuple(ids[i : i + len(marker)]) == marker for i in range(len(ids)))
 
-    def run(self, scheduled):
-        result = self._run(scheduled)
+    def launch(self, scheduled, input_ids=None):
+        launched = self._launch(scheduled, input_ids)
         if any(self._has(item.seq.prompt_token_ids, self.slow) for item in scheduled):
             time.sleep(0.02)
+        result = launched.result
+        launched.result = lambda: self._script(scheduled, result())
+        return launched
+
+    def _script(self, scheduled, result):
         for i, (token, lp) in list(result.sampled.items()):
             seq = scheduled[i].seq
+            # outputs so far, not counting a placeholder for a token a later step samples
+            done = seq.num_output - (seq.token_ids[-1] == PENDING_TOKEN)
             for marker, script in self.scripts.items():
-                if self._has(seq.prompt_token_ids, marker) and seq.num_output < len(script):
-                    token = script[seq.num_output]
+                if self._has(seq.prompt_token_ids, marker) and done < len(script):
+                    token = script[done]
                     lp = lp and TokenLogprob(token, lp.logprob, lp.top)
                     result.sampled[i] = (token, lp)
-                    if seq.num_output == 0:
+                    if done == 0:
                         self.prompts.append(self._tok.decode(seq.prompt_token_ids))
         return result
 
@@ -541,15 +548,22 @@ def test_health_503_while_loading_and_after_a_failed_load():
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_engine_failure_is_a_500_and_health_turns_503():
     engine = tiny_engine()
-    run, calls = engine.runner.run, []
+    launch, calls = engine.runner.launch, []
 
-    def failing(scheduled):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected engine failure")
-        return run(scheduled)
+    def failing(scheduled, input_ids=None):
+        launched = launch(scheduled, input_ids)
+        result = launched.result
 
-    engine.runner.run = failing
+        def fail_third():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected engine failure")
+            return result()
+
+        launched.result = fail_third
+        return launched
+
+    engine.runner.launch = failing
     served = Served(create_app(lambda: engine, model_name="tiny"))
     try:
         for _ in range(500):

@@ -21,6 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="hub revision of the model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (debugging)")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="run each step to its end before preparing the next (debugging)",
+    )
     p.add_argument("--attention-backend", default="auto", choices=("auto", "flashinfer", "torch"))
     p.add_argument(
         "--mxfp4-backend",
@@ -57,6 +62,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "revision": args.revision,
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
+        "async_scheduling": not args.no_async_scheduling,
         "attention_backend": args.attention_backend,
         "mxfp4_backend": args.mxfp4_backend,
         "attention_sinks": args.attention_sinks,

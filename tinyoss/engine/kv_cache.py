@@ -232,6 +232,13 @@ class KVCacheManager:
             table.extend(self._take() for _ in range(total - blocks.dropped[g] - len(table)))
         return True
 
+    def room_for_next_token(self, seqs: list[tuple[SeqBlocks, int]]) -> bool:
+        """Whether every (blocks, num_computed) sequence can take one more token right now, as
+        a decode step of all of them would allocate."""
+        for blocks, num_computed in seqs:
+            self.trim_window(blocks, num_computed)
+        return sum(self._wants(b, n + 1) for b, n in seqs) <= self.num_free
+
     def max_new_tokens(self, blocks: SeqBlocks, num_computed: int, limit: int) -> int:
         """The most tokens (<= limit) that `allocate` could make room for right now."""
         self.trim_window(blocks, num_computed)

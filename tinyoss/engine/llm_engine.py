@@ -2,6 +2,14 @@
 
 request -> scheduler -> model runner -> model -> sampler -> output. One `step()` runs one
 forward pass for everything the scheduler picked and returns the outputs that changed.
+
+With `async_scheduling` (the default) a decode step is launched before the previous one's
+tokens reach the host: each sequence gets a placeholder token, the next step takes the real
+ids from the device, and the host does its bookkeeping (detokenizing, stop checks, the next
+step's inputs) while the GPU runs. A sequence that stopped meanwhile has its extra token
+dropped. Steps chain only when nothing could differ from running them one by one: every running
+sequence decodes, nobody waits to be admitted, no sampler needs the previous token (penalties),
+and the cache has room for every sequence's next token.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ from tinyoss.engine.kv_cache import (
     allocate_kv_tensors,
     kv_bytes_per_block,
 )
-from tinyoss.engine.model_runner import ModelRunner
-from tinyoss.engine.scheduler import Scheduler
+from tinyoss.engine.model_runner import LaunchedStep, ModelRunner
+from tinyoss.engine.scheduler import Scheduled, Scheduler
 from tinyoss.engine.sequence import CompletionOutput, Sequence, TokenLogprob
+from tinyoss.engine.transfer import to_device
 from tinyoss.kernels.attention import TorchAttention
 from tinyoss.kernels.backends import select_backends
 from tinyoss.kernels.moe_backends import MXFP4_BACKENDS
@@ -62,6 +71,8 @@ class EngineConfig:
     attention_sinks: str | None = None  # None: env TINYOSS_ATTENTION_SINKS, else auto
     # Layers in MXFP4: moe (as shipped), or a comma list adding qkv, o, lm_head; all = every one
     mxfp4_layers: str = "moe"
+    # Launch the next decode step before the previous one's tokens reach the host (see above).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +94,9 @@ class EngineConfig:
                 raise ValueError(f"invalid {name} {value!r}: choose one of {', '.join(choices)}")
         parse_mxfp4_layers(self.mxfp4_layers)
 
+
+# Stands in a sequence's token list for a token that is sampled but not yet on the host.
+PENDING_TOKEN = -1
 
 SINKS = ("auto", "false")
 SINKS_ENV = "TINYOSS_ATTENTION_SINKS"
@@ -234,6 +248,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
+        self._in_flight: LaunchedStep | None = None  # launched ahead, results not yet taken
         log.info(
             "KV cache: %d blocks of %d tokens, %.2f GiB; max_model_len %d",
             num_blocks,
@@ -410,30 +425,99 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Takes the results of one step (launching it first unless it already runs) and
+        returns the outputs that changed; with async scheduling the next step is launched
+        before those results are read."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                return []
+            launched = self._launch(plan.scheduled)
+        if self._can_chain(launched):
+            self._in_flight = self._launch_after(launched)
+        return self._finish(launched)
+
+    def _launch(
+        self, scheduled: list[Scheduled], input_ids: torch.Tensor | None = None
+    ) -> LaunchedStep:
+        launched = self.runner.launch(scheduled, input_ids)
+        for item in scheduled:  # the cache will hold these once the queued work runs
+            item.seq.num_computed += item.num_tokens
+            self._name_full_blocks(item.seq)
+        return launched
+
+    def _name_full_blocks(self, seq: Sequence) -> None:
+        """Enter the sequence's full, computed blocks of known tokens in the prefix cache, before
+        any trimming can give sliding-window blocks back (a later request reading them runs
+        after the work that writes them: one stream)."""
+        known = seq.num_tokens - (seq.token_ids[-1] == PENDING_TOKEN)
+        self.kv.cache_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
+
+    def _can_chain(self, launched: LaunchedStep) -> bool:
+        """Whether the next step can start before `launched`'s tokens are known: it would be
+        exactly the decode of every running sequence (see the module docstring)."""
+        if not self.config.async_scheduling or launched.tokens is None:
+            return False
+        running = self.scheduler.running
+        seqs = [launched.scheduled[i].seq for i in launched.rows]
+        if len(launched.rows) != len(launched.scheduled) or len(seqs) != len(running):
+            return False  # a prefill still has chunks to go, or someone else is running
+        if self.scheduler.waiting and len(running) < self.config.max_num_seqs:
+            return False  # admit the newcomers first
+        if {id(s) for s in seqs} != {id(s) for s in running} or any(
+            s.params.needs_penalties
+            or s.num_output + 1 >= s.max_tokens
+            or s.num_tokens + 1 >= self.max_model_len
+            for s in seqs
+        ):
+            return False
+        return len(seqs) <= self.config.max_num_batched_tokens and self.kv.room_for_next_token(
+            [(s.blocks, s.num_computed) for s in seqs]
+        )
+
+    def _launch_after(self, launched: LaunchedStep) -> LaunchedStep:
+        """The decode step that follows `launched`, its input ids taken on the device."""
+        row_of = {}
+        for row, i in enumerate(launched.rows):
+            seq = launched.scheduled[i].seq
+            seq.token_ids.append(PENDING_TOKEN)
+            row_of[id(seq)] = row
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return []
-        for item in plan.scheduled:  # every sequence of a stepped request starts a fresh delta
-            for seq in self.requests[item.seq.request_id].seqs:
-                seq.begin_step()
-        result = self.runner.run(plan.scheduled)
+        assert not plan.preempted and all(
+            item.num_tokens == 1 and item.seq.token_ids[-1] == PENDING_TOKEN
+            for item in plan.scheduled
+        ), "a chained step must be the decode of the sequences it follows"
+        rows = torch.tensor([row_of[id(item.seq)] for item in plan.scheduled])
+        input_ids = launched.tokens.index_select(0, to_device(rows, launched.tokens.device))
+        return self._launch(plan.scheduled, input_ids)
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        result = launched.result()
         now = time.monotonic()
+        stepped = {item.seq.request_id for item in launched.scheduled}
+        for request_id in stepped:  # every sequence of a stepped request starts a fresh delta
+            if request_id in self.requests:
+                for seq in self.requests[request_id].seqs:
+                    seq.begin_step()
         touched: dict[str, Request] = {}
-        for i, item in enumerate(plan.scheduled):
+        for i, item in enumerate(launched.scheduled):
             seq = item.seq
-            seq.num_computed += item.num_tokens
-            self.kv.cache_full_blocks(seq.blocks, seq.token_ids, seq.num_computed)
-            self.kv.trim_window(seq.blocks, seq.num_computed)
+            if seq.finished:  # stopped or aborted while this step ran: its token is dropped
+                continue
             if i in result.prompt_logprobs:
                 seq.prompt_logprobs.extend(result.prompt_logprobs[i])
-            if i not in result.sampled:
-                continue
-            request = self.requests[seq.request_id]
-            token, logprob = result.sampled[i]
-            seq.append(token, logprob, self.max_model_len)
-            self.stats.generation_tokens += 1
-            request.first_token_time = request.first_token_time or now
-            touched[request.request_id] = request
+            if i in result.sampled:
+                if seq.token_ids[-1] == PENDING_TOKEN:  # a chained step already reads it
+                    seq.token_ids.pop()
+                token, logprob = result.sampled[i]
+                seq.append(token, logprob, self.max_model_len)
+                self.stats.generation_tokens += 1
+                request = self.requests[seq.request_id]
+                request.first_token_time = request.first_token_time or now
+                touched[request.request_id] = request
+            self._name_full_blocks(seq)
+            self.kv.trim_window(seq.blocks, seq.num_computed)
             if seq.finished:
                 self.scheduler.remove(seq)
         outputs = []

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from tinyoss.engine.transfer import to_device
 from tinyoss.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -252,7 +253,7 @@ def _flatten(lists: list[Sequence[int]], device: torch.device) -> tuple[Tensor, 
     lengths = torch.tensor([len(t) for t in lists], dtype=torch.int64)
     row_ids = torch.repeat_interleave(torch.arange(len(lists)), lengths)
     ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
-    return _to(row_ids, device), _to(ids, device)
+    return to_device(row_ids, device), to_device(ids, device)
 
 
 def _subset(idx: list[int], b: int, device: torch.device) -> Tensor | None:
@@ -265,11 +266,4 @@ def _col(values: list, device: torch.device, dtype: torch.dtype = torch.float32)
 
 
 def _dev(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return _to(torch.tensor(values, dtype=dtype), device)
-
-
-def _to(t: Tensor, device: torch.device) -> Tensor:
-    """Host-to-device copy that never waits for the stream: pinned memory + non_blocking."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(torch.tensor(values, dtype=dtype), device)

@@ -19,11 +19,12 @@ from tinyoss.engine.sequence import Sequence, Status
 class Scheduled:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed on
+    # True when this step reaches the sequence's last token, so it samples the next one. Fixed
+    # when scheduled: the engine advances num_computed as soon as the step is launched.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the sequence's last token, so it samples the next one."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
