@@ -7,7 +7,8 @@ FlashInfer has one build per GPU generation (`hardware.cutlass_moe_variant`):
   GEMM needs K a multiple of 128, so hidden and intermediate sizes are zero-padded to multiples
   of 128 (gpt-oss: 2880 -> 2944), the activations padded to match and the output cropped.
   Weights go through `interleave_moe_weights_for_sm90_mixed_gemm` and scales through
-  `interleave_moe_scales_for_sm90_mixed_gemm`; without them the output is garbage.
+  `interleave_moe_scales_for_sm90_mixed_gemm`; without them the output is garbage. FlashInfer's
+  module is built reduced to this one case (`moe_cutlass_sm90_build`: 20 sources, not 248).
 * "mxfp8", Blackwell-class (SM10x, SM11x, SM12x): activations quantized to MXFP8 on every call
   (`mxfp8_quantize`, swizzled scales) x MXFP4 weights whose scales go through
   `block_scale_interleave`; same padding.
@@ -33,6 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tinyoss.kernels import moe_cutlass_sm90_build
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.model.mxfp4 import BLOCK, SCALE_BIAS
 
@@ -116,6 +118,7 @@ def flashinfer_layout(
     """
     w1, w2 = r.fc1_blocks.flatten(2), r.fc2_blocks.flatten(2)  # [E, rows, K/2] packed bytes
     if variant == "w4a16":
+        moe_cutlass_sm90_build.install()
         from flashinfer.fused_moe import (
             interleave_moe_scales_for_sm90_mixed_gemm,
             interleave_moe_weights_for_sm90_mixed_gemm,
@@ -172,6 +175,7 @@ def moe_cutlass(
     hp = w.fc2_bias.shape[1]
     x = F.pad(x, (0, hp - h)) if hp != h else x.contiguous()
     if w.variant == "w4a16":
+        moe_cutlass_sm90_build.install()
         act, extra = x, {"use_w4_group_scaling": True}
     else:
         from flashinfer import mxfp8_quantize
