@@ -33,7 +33,8 @@ import triton.language as tl
 
 from tinyoss.kernels.moe_triton import (MODES, _dot_dtype, _e2m1_fp32, _mx_gemm, _phases,
                                          _ue8m0_fp32)
-from tinyoss.kernels.mxfp4_dot_triton import group_dot, group_scale, pack_pairs, use_asm
+from tinyoss.kernels.mxfp4_dot_triton import (group_dot, group_scale, load_groups, pack_pairs,
+                                              use_asm)
 
 GEMV_MAX_M = 4  # up to this many rows the CUDA-core GEMV runs, above it the tensor-core GEMM
 
@@ -142,17 +143,10 @@ def _gemv_f16x2(
     r64 = rows.to(tl.int64)[:, None]
     qp = q_ptr.to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
     sp = s_ptr + r64 * stride_s
-    groups = tl.arange(0, BLOCK_K // 32)
-    words = tl.arange(0, 4)
     ms = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // 32 + groups
-        g_ok = g < K // 32
-        ok = row_ok[:, None] & g_ok[None, :]
-        q = tl.load(qp[:, :, None] + (4 * g)[None, :, None] + words[None, None, :],
-                    mask=ok[:, :, None], other=0)
-        sc = tl.load(sp + g[None, :], mask=ok, other=0)
+        g, g_ok, q, sc = load_groups(qp, sp, row_ok, k0, K, BLOCK_K)
         for m in tl.static_range(BLOCK_M):
             tok = tl.minimum(tok0 + m, M - 1).to(tl.int64)  # past M: a valid row, not stored
             ebits = tl.load(xe_ptr + tok * (K // 32) + g, mask=g_ok, other=0)[None, :]

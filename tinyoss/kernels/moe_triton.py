@@ -34,7 +34,7 @@ import triton.language as tl
 
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
-                                              pack_pairs, pair_position, use_asm)
+                                              load_groups, pack_pairs, pair_position, use_asm)
 
 MODES = {"dot": 1, "scaled": 2}
 
@@ -604,16 +604,9 @@ def _pair_gemv_f16x2(xp_ptr, xe_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_pt
     r64 = rows.to(tl.int64)[:, None]
     qp = (q_ptr + e * stride_qe).to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
     sp = s_ptr + e * stride_se + r64 * stride_s
-    groups = tl.arange(0, BLOCK_K // 32)
-    words = tl.arange(0, 4)
     acc = tl.zeros((BLOCK_N, BLOCK_K // 32), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // 32 + groups
-        g_ok = g < K // 32
-        ok = row_ok[:, None] & g_ok[None, :]
-        q = tl.load(qp[:, :, None] + (4 * g)[None, :, None] + words[None, None, :],
-                    mask=ok[:, :, None], other=0)
-        sc = tl.load(sp + g[None, :], mask=ok, other=0)
+        g, g_ok, q, sc = load_groups(qp, sp, row_ok, k0, K, BLOCK_K)
         if X_EBITS:
             ebits = X_EBITS
         else:

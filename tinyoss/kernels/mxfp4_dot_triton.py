@@ -151,6 +151,19 @@ def group_dot(q, xp_ptr, g, g_ok, ASM: tl.constexpr):
 
 
 @triton.jit
+def load_groups(qp, sp, row_ok, k0, K, BLOCK_K: tl.constexpr):
+    """The scale groups of one K step for rows of MXFP4 weights (qp: each row's int32 words,
+    sp: its scale bytes): (g, g_ok, words q [R, G, 4], scales [R, G]). A row's four words of a
+    group are one 16-byte load."""
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    g_ok = g < K // 32
+    ok = row_ok[:, None] & g_ok[None, :]
+    q = tl.load(qp[:, :, None] + (4 * g)[None, :, None] + tl.arange(0, 4)[None, None, :],
+                mask=ok[:, :, None], other=0)
+    return g, g_ok, q, tl.load(sp + g[None, :], mask=ok, other=0)
+
+
+@triton.jit
 def group_scale(s, ebits):
     """2**(s - 127) * 2**(ebits - 127) as fp32 (s: UE8M0 weight scale bytes; ebits: the
     activation group's exponent): undoes `group_dot`'s scaling. Below 2**-126 -> 0."""
