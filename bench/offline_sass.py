@@ -63,15 +63,16 @@ def kernels() -> dict:
     bf = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M=1, N=5120, K=2880)
     bv = linear_triton.gemv_config(1, 5120)
     pair_opts = dict(num_warps=gv.num_warps, num_stages=gv.num_stages)
-    lin_cx = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k)
+    lin_cx = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k, USE_PDL=True)
     lin_opts = dict(num_warps=lv.num_warps, num_stages=lv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
-                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k), pair_opts,
+                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True),
+                      pair_opts,
                       gv.block_n1 * gv.block_k),
         "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,
                             dict(SWIGLU=True, X_EBITS=0, BLOCK_N=gv.block_n1,
-                                 BLOCK_K=gv.block_k, ASM=True), pair_opts,
+                                 BLOCK_K=gv.block_k, ASM=True, USE_PDL=True), pair_opts,
                             gv.block_n1 * gv.block_k),
         "linear_mxfp4": (linear_mxfp4_triton._gemv, lin, lin_cx, lin_opts,
                          lv.block_n * lv.block_k),

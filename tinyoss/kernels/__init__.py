@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
@@ -26,6 +27,8 @@ RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Pair
 RouterFn = Callable[[torch.Tensor, int], Pair]
 # (x [M, K], blocks [N, K/32, 16], scales [N, K/32], bias [N] | None) -> [M, N]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# (x [M, K], weight [N, K], bias [N] | None) -> [M, N]: the bf16 dense layers
+DenseFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def rms_norm_torch(
@@ -57,5 +60,6 @@ class Kernels:
     rope: RopeFn = apply_rope
     router_topk: RouterFn = router_topk_torch
     mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
+    linear: DenseFn = F.linear  # q/k/v, o, router, lm_head
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
-        ("moe", "norm", "rope", "router", "mxfp4_linear"), "torch"))
+        ("moe", "norm", "rope", "router", "mxfp4_linear", "linear"), "torch"))

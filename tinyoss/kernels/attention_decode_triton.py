@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyoss.kernels.launch import pdl_options, pdl_start
+
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
 MAX_SPLITS = 64  # splits per sequence at most, so the grid stays small for long contexts
 BLOCK_KV = 64  # keys per inner step
@@ -26,7 +28,8 @@ BLOCK_KV = 64  # keys per inner step
 def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, acc_ptr, scale,
                     max_splits, table_stride, q_stride, HK: tl.constexpr, GROUP: tl.constexpr,
                     GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr):
+                    SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -68,7 +71,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, a
 @triton.jit
 def _merge_kernel(m_ptr, l_ptr, acc_ptr, ranges_ptr, sinks_ptr, out_ptr, max_splits,
                   HK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  D: tl.constexpr, SPLIT: tl.constexpr):
+                  D: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n = tl.cdiv(tl.load(ranges_ptr + 2 * b + 1) - tl.load(ranges_ptr + 2 * b), SPLIT)
@@ -117,8 +121,9 @@ class DecodeAttention:
         _partial_kernel[(b, self.hk, self.max_splits)](
             q, k_cache, v_cache, tables, ranges, self.m, self.l_sum, self.acc, scale,
             self.max_splits, tables.stride(0), q.stride(0), PAGE=page, SPLIT=self.split,
-            BLOCK_KV=BLOCK_KV, **common)
+            BLOCK_KV=BLOCK_KV, **common, **pdl_options(q))
         out = torch.empty(b, self.hk * self.group * self.d, dtype=q.dtype, device=q.device)
         _merge_kernel[(b, self.hk)](self.m, self.l_sum, self.acc, ranges, sinks, out,
-                                    self.max_splits, SPLIT=self.split, **common)
+                                    self.max_splits, SPLIT=self.split, **common,
+                                    **pdl_options(q))
         return out

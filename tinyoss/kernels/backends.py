@@ -4,21 +4,33 @@ CPU: the torch reference everywhere. NVIDIA GPU: fused Triton kernels for the pe
 the MXFP4 MoE kernel `moe_backends` picks for the GPU, FlashInfer sink attention. Any choice can
 be forced (tests, debugging); a forced choice the machine cannot run fails at start-up with the
 reason.
+
+Kernel variants written and tested on CPU but not yet run on a GPU are off until they are;
+env TINYOSS_EXPERIMENTAL (a comma list) turns them on, for the benchmark to compare:
+* "pdl": programmatic dependent launch for every Triton decode kernel (Hopper and newer), with
+  the bf16 dense layers on the Triton decode GEMV (`linear_triton`) so that chains stay unbroken;
+* "f16x2": the MXFP4 GEMVs (MoE pair GEMV, dense MXFP4 layers) with two fp16 products an
+  instruction (`mxfp4_dot_triton`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from tinyoss.kernels import Kernels
+from tinyoss.kernels.launch import enable_pdl, pdl_available
 from tinyoss.kernels.moe_backends import Platform, choose, install
 
 log = logging.getLogger("tinyoss")
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+EXPERIMENTAL_ENV = "TINYOSS_EXPERIMENTAL"
+EXPERIMENTAL = ("pdl", "f16x2")
 
 
 @dataclass
@@ -69,6 +81,7 @@ def select_backends(
         kernels.mxfp4_linear = mxfp4_linear
         kernels.names.update(norm="triton", rope="triton", router="triton", mxfp4_linear="triton")
     install(kernels, moe.backend, platform, max_num_tokens)
+    _experimental(kernels, device, moe.backend)
     if attention == "auto":
         attention = "flashinfer" if on_gpu and _has_flashinfer() else "torch"
         if on_gpu and attention == "torch":
@@ -84,6 +97,43 @@ def select_backends(
     choice = BackendChoice(kernels, attention)
     log.info("backends on %s: %s", _device_name(device), choice.describe())
     return choice
+
+
+def experimental_features() -> tuple[str, ...]:
+    """The names in env TINYOSS_EXPERIMENTAL; an unknown one is an error that lists them."""
+    names = [n.strip() for n in os.environ.get(EXPERIMENTAL_ENV, "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in EXPERIMENTAL]
+    if unknown:
+        raise ValueError(
+            f"{EXPERIMENTAL_ENV}={os.environ[EXPERIMENTAL_ENV]!r}: unknown {', '.join(unknown)}; "
+            f"choose from {', '.join(EXPERIMENTAL)}"
+        )
+    return tuple(names)
+
+
+def _experimental(kernels: Kernels, device: torch.device, moe_backend: str) -> None:
+    """Turns on what TINYOSS_EXPERIMENTAL names (GPU only; PDL only where the GPU has it)."""
+    names = experimental_features()  # checked everywhere, so a typo never passes silently
+    if device.type != "cuda":
+        names = ()
+    pdl = "pdl" in names and pdl_available(device)
+    enable_pdl(pdl)
+    if pdl:
+        from tinyoss.kernels.linear_triton import linear_triton
+
+        kernels.linear = linear_triton
+        kernels.names.update(linear="triton", pdl="on")
+    if "f16x2" in names:
+        from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
+        from tinyoss.kernels.moe_triton import GemvConfig, moe_triton
+
+        kernels.mxfp4_linear = functools.partial(mxfp4_linear, f16x2=True)
+        kernels.names["mxfp4_linear"] = "triton-f16x2"
+        if moe_backend == "triton":
+            kernels.moe = functools.partial(moe_triton, gemv=GemvConfig(f16x2=True))
+            kernels.names["moe"] = "triton-f16x2"
+    if names:
+        log.warning("%s=%s: not yet verified on a GPU", EXPERIMENTAL_ENV, ",".join(names))
 
 
 def _has_flashinfer() -> bool:

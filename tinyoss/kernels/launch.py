@@ -11,8 +11,19 @@ kernels back. `select_backends` turns it on once at start-up (and logs it).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _enabled = False
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """A PDL kernel's first statement: wait for the kernels before it (their writes become
+    visible), then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def enable_pdl(on: bool) -> None:

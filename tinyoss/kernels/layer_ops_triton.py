@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyoss.kernels.launch import pdl_options, pdl_start
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -25,7 +27,9 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,6 +64,7 @@ def rms_norm_triton(
         eps,
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(cols),
+        **pdl_options(x),
     )
     return out, res_out
 
@@ -89,7 +94,9 @@ def _rope_kernel(
     n_k_heads,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -118,12 +125,17 @@ def rope_triton(
             hk,
             HALF=d // 2,
             BLOCK_H=triton.next_power_of_2(max(hq, hk)),
+            **pdl_options(q),
         )
     return q, k
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride, v_stride, ROW: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride, v_stride, ROW: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cols = tl.arange(0, ROW)
@@ -148,14 +160,17 @@ def store_kv_triton(
     assert k.stride(1) == d and v.stride(1) == d and k.stride(2) == 1 and v.stride(2) == 1
     if t:
         _store_kv_kernel[(t,)](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row,
+            **pdl_options(k),
         )
 
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, BLOCK_E: tl.constexpr
+    logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf")).to(
@@ -183,5 +198,6 @@ def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
     if t:
-        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e))
+        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e),
+                                  **pdl_options(logits))
     return weights, ids

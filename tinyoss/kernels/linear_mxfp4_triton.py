@@ -25,12 +25,13 @@ in the Triton interpreter with fp32 operands and match `mxfp4_linear_torch` to f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from tinyoss.kernels.launch import pdl_options, pdl_start
 from tinyoss.kernels.moe_triton import (MODES, _dot_dtype, _e2m1_fp32, _mx_gemm, _phases,
                                          _ue8m0_fp32)
 from tinyoss.kernels.mxfp4_dot_triton import (group_dot, group_scale, load_groups, pack_pairs,
@@ -89,12 +90,14 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def _gemv(
     x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[toks, rows] = x[toks] @ W[rows].T (+ b[rows]), for this program's tokens and rows.
 
     As moe_triton's `_pair_gemv` (`_e2m1_fp32` dequantization, activations pre-scaled by 2**64,
     each word's scale elementwise, one reduction over K after the loop); the dequantized tile
     serves all BLOCK_M tokens."""
+    pdl_start(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,12 +134,13 @@ def _gemv(
 def _gemv_f16x2(
     xp_ptr, xe_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[toks, rows] = x[toks] @ W[rows].T (+ b[rows]), for this program's tokens and rows.
 
     x comes packed (`pack_pairs`); each weight tile is loaded once for the BLOCK_M tokens and
     multiplied two products an instruction (`group_dot`), one reduction over K after the loop."""
+    pdl_start(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     tok0 = tl.program_id(1) * BLOCK_M
@@ -232,7 +236,8 @@ def linear_gemv(
     args = (blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
             blocks.stride(0), scales.stride(0))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_options(x))
     if cfg.f16x2:
         _gemv_f16x2[grid](*pack_pairs(x), *args, ASM=use_asm(x), **meta)
     else:
@@ -267,11 +272,16 @@ def linear_gemm(
 
 
 def mxfp4_linear(
-    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    f16x2: bool = False,
 ) -> torch.Tensor:
     """Drop-in for `mxfp4_linear_torch`: x [M, K] -> [M, N] in x.dtype, fp32 accumulation.
 
     The path depends only on the static M, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_M:
-        return linear_gemv(x, blocks, scales, bias)
+        config = replace(gemv_config(x.shape[0], blocks.shape[0]), f16x2=f16x2)
+        return linear_gemv(x, blocks, scales, bias, config)
     return linear_gemm(x, blocks, scales, bias)

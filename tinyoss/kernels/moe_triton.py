@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyoss.kernels.launch import pdl_options, pdl_start
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
                                               load_groups, pack_pairs, pair_position, use_asm)
@@ -352,8 +353,10 @@ def _prefill_down(
 
 
 @triton.jit
-def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+             USE_PDL: tl.constexpr):
     """out[t] = sum over k of y[t*TOPK + k], in slot order (deterministic)."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < H
@@ -489,7 +492,7 @@ def moe_prefill(
         BLOCK_N=cfg.block_n2,
         **common,
     )
-    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
+    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024, **pdl_options(x))
     return out
 
 
@@ -539,13 +542,15 @@ def _ue8m0_fp32(s):
 @triton.jit
 def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                stride_qe, stride_q, stride_se, stride_s, alpha, limit,
-               SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_PDL: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
     Dequantization without a table (`_e2m1_fp32`: three integer ops a value); activations are
     pre-scaled by 2**64 so every product is normal; each word's scale multiplies elementwise,
     and the one reduction over K happens after the loop."""
+    pdl_start(USE_PDL)
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -588,13 +593,14 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
 def _pair_gemv_f16x2(xp_ptr, xe_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N,
                      K, stride_qe, stride_q, stride_se, stride_s, alpha, limit,
                      SWIGLU: tl.constexpr, X_EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] as packed fp16 pairs (scaled by 2**(EXP_BIAS -
     ACT_EBITS), what the down projection reads), or the routing weight into out [pairs, N] fp32.
 
     x comes packed (`pack_pairs`): pairs [*, K/2] int32 and per-group ebits [*, K/32] from
     xe_ptr, or the constant X_EBITS when nonzero."""
+    pdl_start(USE_PDL)
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -642,7 +648,8 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ids = topk_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
     y = _empty((pairs, h), torch.float32, x.device)
-    launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+              **pdl_options(x)}
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     grid_gu = (pairs, triton.cdiv(2 * i, cfg.block_n1))
@@ -665,7 +672,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         _pair_gemv[grid_dn](
             act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit, SWIGLU=False,
             BLOCK_N=cfg.block_n2, **launch)
-    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024)
+    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024, **pdl_options(x))
     return out
 
 
@@ -675,10 +682,12 @@ def moe_triton(
     topk_ids: torch.Tensor,
     w: ExpertWeights,
     out: torch.Tensor | None = None,
+    gemv: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """Drop-in for `moe_torch`: x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H].
+    """Drop-in for `moe_torch`: x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H];
+    `gemv` configures the pair GEMV (default `GemvConfig()`).
 
     The path depends only on the static T, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        return moe_gemv(x, topk_weights, topk_ids, w, out=out)
+        return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out)
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)

@@ -31,11 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyoss.kernels.launch import pdl_options, pdl_start
+
 # The biased exponent of the largest |x| of a group fixes its scale 2**(EXP_BIAS - ebits), which
 # puts that magnitude in [2**14, 2**15). (constexpr: kernels read them; the host uses .value)
 EXP_BIAS = tl.constexpr(141)
 # SwiGLU outputs of gpt-oss are below 56 in magnitude ((up + 1) <= 8, gate <= 7), so the kernel
-# that writes them packs them with the fixed factor 2**9, i.e. ebits 132 (as if max |x| were 32..64).
+# that writes them packs them with the fixed factor 2**9, i.e. ebits 132 (as for max |x| 32..64).
 ACT_EBITS = tl.constexpr(132)
 
 _WORD = """
@@ -70,7 +72,7 @@ def _group_asm() -> str:
     """$0 = fp32 sum of 32 products: words $1..$4, activation pairs $5..$20 (four a word).
     lop3 0x78 is a ^ (b & c): the code's sign bit flips the activation's."""
     body = "".join(
-        _word_asm(f"${1 + w}", [f"${5 + 4 * w + j}" for j in range(4)], "a0" if w % 2 == 0 else "a1")
+        _word_asm(f"${1 + w}", [f"${5 + 4 * w + j}" for j in range(4)], f"a{w % 2}")
         for w in range(4)
     )
     return (
@@ -180,9 +182,11 @@ def pair_position(k):
 
 
 @triton.jit
-def _pack_pairs_kernel(x_ptr, xp_ptr, xe_ptr, K, GROUPS: tl.constexpr):
+def _pack_pairs_kernel(x_ptr, xp_ptr, xe_ptr, K, GROUPS: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """One row: per group of 32, ebits of its largest |x|, then x * 2**(EXP_BIAS - ebits) as
     fp16 halves in pair order."""
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     ok = g < K // 32
@@ -207,7 +211,7 @@ def pack_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         groups = 16
         _pack_pairs_kernel[(m, triton.cdiv(k // 32, groups))](
-            x.contiguous(), xp, xe, k, GROUPS=groups
+            x.contiguous(), xp, xe, k, GROUPS=groups, **pdl_options(x)
         )
     return xp, xe
 

@@ -28,6 +28,17 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+class Linear(nn.Linear):
+    """A bf16 dense layer computed by `Kernels.linear` (on a GPU possibly a decode GEMV)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernels: Kernels) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
@@ -50,8 +61,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=True)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, True, kernels)
+        self.o_proj = Linear(self.q_size, config.hidden_size, True, kernels)
         self.sinks = _param(self.num_heads, dtype=torch.float32)
 
     def forward(
@@ -123,7 +134,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
+        self.router = Linear(config.hidden_size, config.num_local_experts, True, kernels)
         self.experts = Experts(config, kernels)
         self.kernels = kernels
 
@@ -172,7 +183,7 @@ class GptOssForCausalLM(nn.Module):
         self.config = config
         self.kernels = kernels or Kernels()
         self.model = GptOssModel(config, self.kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.kernels)
         self.rope_cache: torch.Tensor | None = None
 
     def init_runtime(self, max_len: int, device: torch.device) -> None:
