@@ -117,17 +117,24 @@ def _greedy(llm, prompts, n=32):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager):
-    """32 greedy tokens on the fast path equal the fp32 CPU reference, or part at a near tie."""
+@pytest.mark.parametrize(
+    "enforce_eager,async_scheduling,experimental",
+    [(False, True, ""), (True, True, ""), (False, False, ""), (False, True, "pdl,f16x2")],
+)
+def test_tiny_greedy_matches_cpu_reference(
+    tiny_dir, monkeypatch, enforce_eager, async_scheduling, experimental
+):
+    """32 greedy tokens on the fast path equal the fp32 CPU reference, or part at a near tie:
+    CUDA graphs on and off, async scheduling on and off, the experimental kernels."""
     from tests.test_model_reference import run_paged
     from tinyoss import LLM
 
     rng = random.Random(0)
     prompts = [[rng.randrange(199998) for _ in range(n)] for n in PROMPT_LENS]
     cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
+    monkeypatch.setenv("TINYOSS_EXPERIMENTAL", experimental)
     gpu = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, enforce_eager=enforce_eager,
-              kv_cache_tokens=8192)
+              kv_cache_tokens=8192, async_scheduling=async_scheduling)
     assert gpu.engine.backends.attention == "flashinfer"
     want, got = _greedy(cpu, prompts), _greedy(gpu, prompts)
     for prompt, w, g in zip(prompts, want, got):
