@@ -50,7 +50,7 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 2
     num_stages: int = 4
-    f16x2: bool = False  # `_gemv_f16x2` (moe_triton's f16x2 pair GEMV arithmetic; no GPU run yet)
+    f16x2: bool = False  # `_gemv_f16x2` (moe_triton's f16x2 pair GEMV arithmetic; opt-in)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ of x than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are r
 With programmatic dependent launch (`launch.pdl_options`), a GEMV starts while the kernel
 before it drains and waits for its results only after issuing its first weight loads: a chain of
 24 x (q/k/v, o) took 584 us against 620 without PDL and 650 through cuBLAS. The model's dense
-layers run here when TINYOSS_EXPERIMENTAL has "pdl" (`backends`): PDL pays only once every decode
-kernel takes part, and that is not yet run on a GPU.
+layers run here when TINYOSS_EXPERIMENTAL has "pdl" (`backends`); in the whole decode step PDL
+gained nothing at batch 1 (2.679 ms/step either way) and 2% at batch 8 on the H100.
 """
 
 from __future__ import annotations
