@@ -39,3 +39,18 @@ def test_gpu_wiring(monkeypatch):
     assert isinstance(kernels.moe, functools.partial) and kernels.moe.keywords["gemv"].f16x2
     assert kernels.mxfp4_linear.keywords == {"f16x2": True}
     assert kernels.names["moe"] == "triton-f16x2" and kernels.names["pdl"] == "on"
+
+
+def test_engine_starts_without_triton(tiny_dir):
+    """A CPU install without Triton (no GPU extras) still starts: choosing kernels needs none."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from tinyoss import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_dir)!r}, device='cpu', kv_cache_tokens=1024)\n"
+            "print(len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2),"
+            " use_tqdm=False)[0].outputs[0].token_ids))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "2"

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, pdl_start
+from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.pdl_triton import pdl_start
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
 MAX_SPLITS = 64  # splits per sequence at most, so the grid stays small for long contexts

@@ -3,27 +3,17 @@
 A decode step is hundreds of short kernels in a row; between two of them the GPU drains one and
 ramps up the next. With PDL (Hopper and newer) the next kernel is launched while the previous
 one runs, loads what does not depend on it (weights), and waits in `gdc_wait` for its results.
-Kernels that take part have a `USE_PDL` constexpr: every program waits before it reads any
-activation or writes anything, so a kernel never runs ahead of one it depends on, however many
-kernels back. `select_backends` turns it on once at start-up (and logs it).
+Kernels that take part have a `USE_PDL` constexpr and start with `pdl_triton.pdl_start`: every
+program waits before it reads any activation or writes anything, so a kernel never runs ahead
+of one it depends on, however many kernels back. `select_backends` turns it on once at start-up
+(and logs it).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 _enabled = False
-
-
-@triton.jit
-def pdl_start(USE_PDL: tl.constexpr):
-    """A PDL kernel's first statement: wait for the kernels before it (their writes become
-    visible), then let the next kernel launch."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def enable_pdl(on: bool) -> None:

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, pdl_start
+from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.pdl_triton import pdl_start
 
 
 @triton.jit

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, pdl_start
+from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.pdl_triton import pdl_start
 from tinyoss.kernels.moe_triton import (MODES, _dot_dtype, _e2m1_fp32, _mx_gemm, _phases,
                                          _ue8m0_fp32)
 from tinyoss.kernels.mxfp4_dot_triton import (group_dot, group_scale, load_groups, pack_pairs,

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, pdl_start
+from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.pdl_triton import pdl_start
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
                                               load_groups, pack_pairs, pair_position, use_asm)

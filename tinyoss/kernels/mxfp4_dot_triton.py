@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, pdl_start
+from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.pdl_triton import pdl_start
 
 # The biased exponent of the largest |x| of a group fixes its scale 2**(EXP_BIAS - ebits), which
 # puts that magnitude in [2**14, 2**15). (constexpr: kernels read them; the host uses .value)
