@@ -66,3 +66,30 @@ def test_router_topk(experts):
     w, ids = router_topk_triton(logits, 4)
     ref_w, ref_ids = router_topk_torch(logits, 4)
     assert torch.equal(ids.long(), ref_ids) and torch.allclose(w, ref_w, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,hidden", [(1, 32, 2880), (3, 5, 96), (8, 128, 64)])
+def test_norm_route_matches_unfused(dtype, tokens, experts, hidden):
+    """One launch for norm + router + top-k equals the three kernels in turn; twice in a row, so
+    the tickets it leaves behind are checked too."""
+    from tinyoss.kernels import Kernels
+    from tinyoss.kernels.layer_ops_triton import norm_route_triton
+
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE)
+    rw = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
+    rb = (0.1 * torch.randn(experts, generator=gen)).to(DEVICE, dtype)
+    res0 = res.clone()
+    ref = Kernels().post_attention(x, res.clone(), nw, 1e-5, rw, rb, 4)
+    for _ in range(2):
+        out, new_res, weights, ids = norm_route_triton(x, res, nw, 1e-5, rw, rb, 4)
+        assert torch.equal(new_res, ref[1]) and rel(out, ref[0]) < TOL[dtype]
+        if dtype == torch.float32:  # bf16 logits may swap near-ties
+            assert torch.equal(ids.long(), ref[3].long())
+            torch.testing.assert_close(weights, ref[2], rtol=1e-5, atol=1e-6)
+        else:
+            assert (ids.long() == ref[3].long()).float().mean() > 0.7
+    assert torch.equal(res, res0)  # read, never written: other programs of the token read it

@@ -29,6 +29,12 @@ RouterFn = Callable[[torch.Tensor, int], Pair]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]: the bf16 dense layers
 DenseFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# (x, residual, norm weight, eps, router weight, router bias, k) -> (normed, residual, topk
+# weights, topk ids): `Kernels.post_attention` in one fused call
+NormRouteFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
 
 
 def rms_norm_torch(
@@ -61,5 +67,19 @@ class Kernels:
     router_topk: RouterFn = router_topk_torch
     mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
     linear: DenseFn = F.linear  # q/k/v, o, router, lm_head
+    # The norm after attention, the router and its top-k fused (None: the kernels above in turn)
+    norm_route: NormRouteFn | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("moe", "norm", "rope", "router", "mxfp4_linear", "linear"), "torch"))
+
+    def post_attention(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+        router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What sits between attention and the experts: (norm(x + residual), x + residual,
+        the router's top-k weights and ids)."""
+        if self.norm_route is not None:
+            return self.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, k)
+        x, residual = self.rms_norm(x, norm_weight, eps, residual)
+        weights, ids = self.router_topk(self.linear(x, router_weight, router_bias), k)
+        return x, residual, weights, ids

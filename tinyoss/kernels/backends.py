@@ -70,6 +70,7 @@ def select_backends(
     kernels = Kernels()
     if on_gpu:
         from tinyoss.kernels.layer_ops_triton import (
+            norm_route_triton,
             rms_norm_triton,
             rope_triton,
             router_topk_triton,
@@ -82,7 +83,9 @@ def select_backends(
             router_topk_triton,
         )
         kernels.mxfp4_linear = mxfp4_linear
-        kernels.names.update(norm="triton", rope="triton", router="triton", mxfp4_linear="triton")
+        kernels.norm_route = norm_route_triton
+        kernels.names.update(norm="triton", rope="triton", router="triton+norm",
+                             mxfp4_linear="triton")
     install(kernels, moe.backend, platform, max_num_tokens)
     _experimental(kernels, device, moe.backend)
     if attention == "auto":

@@ -2,7 +2,8 @@
 
 At batch 1 a decode step is hundreds of tiny kernels, and each costs a few microseconds however
 little it does; fusing the norm with the residual add, the rotary embedding of q and k, the K/V
-store, and the router's top-k + softmax removes most of them. Each has a torch twin of the same
+store, and the router's top-k + softmax removes most of them. At decode the norm after attention,
+the router and its top-k are one launch (`norm_route_triton`). Each has a torch twin of the same
 signature (in the model and kernels packages) that tests compare against, also on CPU through
 the Triton interpreter.
 """
@@ -167,6 +168,23 @@ def store_kv_triton(
 
 
 @triton.jit
+def _topk_softmax(x, e, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The K largest of x [BLOCK_E] (lowest index among equals), softmax over them, stored."""
+    ks = tl.arange(0, K)
+    vals = tl.zeros((K,), dtype=tl.float32)
+    ids = tl.zeros((K,), dtype=tl.int32)
+    for i in tl.static_range(K):
+        m = tl.max(x, axis=0)
+        idx = tl.min(tl.where(x == m, e, BLOCK_E), axis=0)
+        vals = tl.where(ks == i, m, vals)
+        ids = tl.where(ks == i, idx, ids)
+        x = tl.where(e == idx, float("-inf"), x)
+    p = tl.exp(vals - tl.max(vals, axis=0))
+    tl.store(w_ptr + row * K + ks, p / tl.sum(p, axis=0))
+    tl.store(ids_ptr + row * K + ks, ids)
+
+
+@triton.jit
 def _router_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -177,18 +195,7 @@ def _router_topk_kernel(
     x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf")).to(
         tl.float32
     )
-    ks = tl.arange(0, K)
-    vals = tl.zeros((K,), dtype=tl.float32)
-    ids = tl.zeros((K,), dtype=tl.int32)
-    for i in tl.static_range(K):
-        m = tl.max(x, axis=0)
-        idx = tl.min(tl.where(x == m, e, BLOCK_E), axis=0)  # lowest index among equals
-        vals = tl.where(ks == i, m, vals)
-        ids = tl.where(ks == i, idx, ids)
-        x = tl.where(e == idx, float("-inf"), x)
-    p = tl.exp(vals - tl.max(vals, axis=0))
-    tl.store(w_ptr + row * K + ks, p / tl.sum(p, axis=0))
-    tl.store(ids_ptr + row * K + ks, ids)
+    _topk_softmax(x, e, w_ptr, ids_ptr, row, K, BLOCK_E)
 
 
 def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,3 +209,91 @@ def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
         _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e),
                                   **pdl_options(logits))
     return weights, ids
+
+
+# Up to this many tokens the norm after attention, the router and its top-k are one launch
+# (decode steps); above, each token's programs would re-read the router weights.
+NORM_ROUTE_MAX_TOKENS = 8
+NORM_ROUTE_PROGRAMS = 16  # programs a token: each takes E / 16 router rows
+
+
+@triton.jit
+def _norm_route_kernel(
+    x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
+    ids_ptr, n_cols, n_experts, eps, EPB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
+    stores it and the new residual), router logits of experts g*EPB.. into logits [T, E]; the
+    last program of t to finish (a ticket in count [t], reset by it) takes the top-k."""
+    pdl_start(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + t * n_cols + cols, mask=mask, other=0.0)
+    x = (x.to(tl.float32)
+         + tl.load(res_ptr + t * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    y = (tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (xf * rstd)).to(x.dtype)
+    if g == 0:
+        tl.store(res_out_ptr + t * n_cols + cols, x, mask=mask)
+        tl.store(out_ptr + t * n_cols + cols, y, mask=mask)
+    yf = y.to(tl.float32)
+    for i in tl.static_range(EPB):
+        ex = g * EPB + i
+        if ex < n_experts:
+            wr = tl.load(rw_ptr + ex.to(tl.int64) * n_cols + cols, mask=mask, other=0.0)
+            logit = tl.sum(wr.to(tl.float32) * yf, axis=0) + tl.load(rb_ptr + ex).to(tl.float32)
+            # rounded as the router's output is in the unfused path (a linear layer in x's dtype)
+            tl.store(logits_ptr + t * n_experts + ex, logit.to(x.dtype).to(tl.float32))
+    tl.debug_barrier()  # every thread's logit is stored before the ticket releases them
+    if tl.atomic_add(count_ptr + t, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        e = tl.arange(0, BLOCK_E)
+        v = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf"),
+                    cache_modifier=".cg")
+        _topk_softmax(v, e, w_ptr, ids_ptr, t, K, BLOCK_E)
+        tl.atomic_xchg(count_ptr + t, 0)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed once per device; every launch leaves them zero again (the last program resets
+    its token's), so CUDA graphs replay without a memset."""
+    if device not in _tickets:
+        _tickets[device] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=device)
+    return _tickets[device]
+
+
+def norm_route_triton(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `Kernels.post_attention`'s unfused path: (norm(x + residual),
+    x + residual, top-k weights fp32, ids int32). One launch for up to NORM_ROUTE_MAX_TOKENS
+    tokens; more go through the three kernels in turn. The residual is returned new (other
+    programs of a token still read the old one)."""
+    t, h = x.shape
+    if t > NORM_ROUTE_MAX_TOKENS:
+        x, residual = rms_norm_triton(x, norm_weight, eps, residual)
+        weights, ids = router_topk_triton(torch.nn.functional.linear(x, router_weight,
+                                                                     router_bias), k)
+        return x, residual, weights, ids
+    assert triton.next_power_of_2(k) == k, "top-k must be a power of two"
+    e = router_weight.shape[0]
+    x, residual = x.contiguous(), residual.contiguous()
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
+    if t:
+        epb = triton.cdiv(e, NORM_ROUTE_PROGRAMS)
+        _norm_route_kernel[(t, triton.cdiv(e, epb))](
+            x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
+            _ticket_counters(x.device), weights, ids, h, e, eps, EPB=epb, K=k,
+            BLOCK=triton.next_power_of_2(h), BLOCK_E=triton.next_power_of_2(e), num_warps=8,
+            **pdl_options(x))
+    return out, res_out, weights, ids

@@ -131,16 +131,14 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """The router and the experts. The router runs in `DecoderLayer.forward`, fused with the
+    norm before it where the kernels can (`Kernels.post_attention`)."""
+
     def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = Linear(config.hidden_size, config.num_local_experts, True, kernels)
         self.experts = Experts(config, kernels)
-        self.kernels = kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_weights, top_ids = self.kernels.router_topk(self.router(x), self.top_k)
-        return self.experts(x, top_weights, top_ids)
 
 
 class DecoderLayer(nn.Module):
@@ -150,6 +148,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MoE(config, kernels)
+        self.kernels = kernels
 
     def forward(
         self,
@@ -161,8 +160,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope_cache, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        norm, router = self.post_attention_layernorm, self.mlp.router
+        x, residual, top_weights, top_ids = self.kernels.post_attention(
+            x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k)
+        return self.mlp.experts(x, top_weights, top_ids), residual
 
 
 class GptOssModel(nn.Module):
