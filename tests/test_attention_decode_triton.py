@@ -14,9 +14,11 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = 2e-2 if DEVICE == "cuda" else 1e-5  # ||out - ref|| / ||ref||
 
 
-@pytest.mark.parametrize("window", [0, 128])
-def test_decode_attention_matches_reference(window, monkeypatch):
-    monkeypatch.setattr(adt, "MIN_SPLIT", 64)  # several splits at these short lengths
+@pytest.mark.parametrize("window,min_split", [(0, 64), (128, 64), (128, 128), (100, 128)])
+def test_decode_attention_matches_reference(window, min_split, monkeypatch):
+    """Several splits at these short lengths (min_split 64); a window within one split takes
+    the one-launch path."""
+    monkeypatch.setattr(adt, "MIN_SPLIT", min_split)
     rng = random.Random(window)
     hq, hk, d, page, blocks = 16, 2, 64, 16, 64
     kv_lens = [1, 70, 200, 333]
@@ -33,8 +35,8 @@ def test_decode_attention_matches_reference(window, monkeypatch):
     q = torch.randn(len(kv_lens), hq, d, device=DEVICE).to(DTYPE)
     sinks = torch.randn(hq, device=DEVICE) * 2
     attention = adt.DecodeAttention(8, 400, hq, hk, d, torch.device(DEVICE))
-    assert attention.max_splits > 1
-    out = attention(q, k_cache, v_cache, table_t, ranges, sinks, d ** -0.5)
+    assert attention.max_splits > 1 and attention.split == min_split
+    out = attention(q, k_cache, v_cache, table_t, ranges, sinks, d ** -0.5, window)
     for i, n in enumerate(kv_lens):
         blocks_i = torch.tensor(tables[i], device=DEVICE)
         keys = k_cache[blocks_i].flatten(0, 1)[:n]

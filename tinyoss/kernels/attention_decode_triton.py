@@ -8,7 +8,8 @@ replays inside CUDA graphs as is.
 Flash-decoding in two launches: programs (sequence, KV head, split) each take up to SPLIT keys
 of the sequence's range for the KV head's group of query heads and write a partial softmax
 (max, sum, weighted values); a second launch merges the splits and adds the head's sink to the
-denominator: out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)).
+denominator: out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)). A sliding
+window no longer than a split is always one split: its layers finish in the first launch.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ BLOCK_KV = 64  # keys per inner step
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                    max_splits, table_stride, q_stride, HK: tl.constexpr, GROUP: tl.constexpr,
-                    GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr):
+def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, acc_ptr, sinks_ptr,
+                    out_ptr, scale, max_splits, table_stride, q_stride, HK: tl.constexpr,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                    PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
+                    FINAL: tl.constexpr, USE_PDL: tl.constexpr):
+    """One split's partial softmax into m, l, acc; FINAL (every range fits one split): the
+    attention output itself, sink included, into out."""
     pdl_start(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -63,10 +67,19 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, a
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
-    out = ((b * HK + h) * max_splits + s) * GROUP_PAD + rows
-    tl.store(m_ptr + out, m)
-    tl.store(l_ptr + out, l_sum)
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
+    if FINAL:
+        valid = rows < GROUP
+        sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
+        big = tl.maximum(m, sink)
+        w = tl.exp(m - big)
+        w = w / (w * l_sum + tl.exp(sink - big))
+        tl.store(out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :],
+                 (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        out = ((b * HK + h) * max_splits + s) * GROUP_PAD + rows
+        tl.store(m_ptr + out, m)
+        tl.store(l_ptr + out, l_sum)
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
 
 
 @triton.jit
@@ -113,18 +126,21 @@ class DecodeAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, ranges: torch.Tensor, sinks: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int = 0) -> torch.Tensor:
         """q [B, Hq, D] (one query per sequence), tables [B, max_blocks] int32, ranges [B, 2]
-        int32 (first and end key index within the table's tokens) -> out [B, Hq * D]."""
+        int32 (first and end key index within the table's tokens; at most `window` keys when
+        nonzero) -> out [B, Hq * D]."""
         b = q.shape[0]
         page = k_cache.shape[1]
         common = dict(HK=self.hk, GROUP=self.group, GROUP_PAD=self.group_pad, D=self.d)
-        _partial_kernel[(b, self.hk, self.max_splits)](
-            q, k_cache, v_cache, tables, ranges, self.m, self.l_sum, self.acc, scale,
-            self.max_splits, tables.stride(0), q.stride(0), PAGE=page, SPLIT=self.split,
-            BLOCK_KV=BLOCK_KV, **common, **pdl_options(q))
         out = torch.empty(b, self.hk * self.group * self.d, dtype=q.dtype, device=q.device)
-        _merge_kernel[(b, self.hk)](self.m, self.l_sum, self.acc, ranges, sinks, out,
-                                    self.max_splits, SPLIT=self.split, **common,
-                                    **pdl_options(q))
+        final = 0 < window <= self.split
+        _partial_kernel[(b, self.hk, 1 if final else self.max_splits)](
+            q, k_cache, v_cache, tables, ranges, self.m, self.l_sum, self.acc, sinks, out, scale,
+            self.max_splits, tables.stride(0), q.stride(0), PAGE=page, SPLIT=self.split,
+            BLOCK_KV=BLOCK_KV, FINAL=final, **common, **pdl_options(q))
+        if not final:
+            _merge_kernel[(b, self.hk)](self.m, self.l_sum, self.acc, ranges, sinks, out,
+                                        self.max_splits, SPLIT=self.split, **common,
+                                        **pdl_options(q))
         return out

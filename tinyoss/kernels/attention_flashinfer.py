@@ -100,7 +100,8 @@ class FlashInferAttention:
         store_kv_triton(k_cache, v_cache, k, v, self.slots[g][:t])
         if self.decoding:
             return self.decode_attention(q, k_cache, v_cache, self.tables[g][:t],
-                                         self.ranges[g][:t], sinks, self.scale)
+                                         self.ranges[g][:t], sinks, self.scale,
+                                         self.group_windows[g])
         out = self.prefill[g].run(q.contiguous(), (k_cache, v_cache), sinks, self.scale)
         return out.view(t, -1)
 
