@@ -25,7 +25,7 @@ from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch  # noqa: E402
 from tinyoss.model.layout import TensorSpec  # noqa: E402
 from tinyoss.model.synthetic import random_experts  # noqa: E402
 
-# block_n1/block_n2/block_k/warps/stages, "/f" for the f16x2 kernel, "/n" without prefetch
+# block_n1/block_n2/block_k/warps/stages, "/f" for the f16x2 kernel
 GEMV_CONFIGS = "16/16/512/2/4,16/16/512/2/4/f,16/16/256/2/4/f,32/32/512/4/3/f,16/16/1024/4/3/f"
 GEMM_CONFIGS = "16/4,32/8,64/8,128/8"  # block_m/warps
 
@@ -56,8 +56,7 @@ def candidates(t: int, e: int, args: argparse.Namespace) -> list[tuple[str, obje
     if t <= args.gemv_max:
         for c in args.gemv_configs.split(","):
             fields = c.split("/")
-            cfg = mt.GemvConfig(*map(int, fields[:5]), f16x2="f" in fields[5:],
-                                prefetch="n" not in fields[5:])
+            cfg = mt.GemvConfig(*map(int, fields[:5]), f16x2=fields[5:] == ["f"])
             out.append((f"gemv {c}", lambda *a, cfg=cfg: mt.moe_gemv(*a, cfg)))
     base = mt.prefill_config(t, e, 4)
     for c in args.gemm_configs.split(","):

@@ -67,8 +67,7 @@ def kernels() -> dict:
     lin_opts = dict(num_warps=lv.num_warps, num_stages=lv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
-                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k,
-                           PREFETCH=gv.prefetch, USE_PDL=True),
+                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True),
                       pair_opts,
                       gv.block_n1 * gv.block_k),
         "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,

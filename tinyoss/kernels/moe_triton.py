@@ -520,7 +520,6 @@ class GemvConfig:
     num_warps: int = 2
     num_stages: int = 4
     f16x2: bool = False  # `_pair_gemv_f16x2` instead of `_pair_gemv`
-    prefetch: bool = True  # `_pair_gemv` loads the next step's weights before this step's math
 
 
 # Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
@@ -544,18 +543,10 @@ def _ue8m0_fp32(s):
 
 
 @triton.jit
-def _load_words(qp, sp, row_ok, kw, K):
-    """Words kw of each row (pointers qp [R, 1]) and each word's scale byte (sp [R, 1])."""
-    ok = row_ok[:, None] & (kw < K // 8)[None, :]
-    return (tl.load(qp + kw[None, :], mask=ok, other=0),
-            tl.load(sp + (kw // 4)[None, :], mask=ok, other=0))
-
-
-@triton.jit
 def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                stride_qe, stride_q, stride_se, stride_s, alpha, limit,
                SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+               USE_PDL: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
@@ -573,13 +564,11 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
     qp = (q_ptr + e * stride_qe).to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
     sp = s_ptr + e * stride_se + r64 * stride_s
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
-    if PREFETCH:
-        q, sc = _load_words(qp, sp, row_ok, words, K)
     for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:  # the next step's weights are in flight while this step's are multiplied
-            q_next, sc_next = _load_words(qp, sp, row_ok, k0 // 8 + BLOCK_K // 8 + words, K)
-        else:
-            q, sc = _load_words(qp, sp, row_ok, k0 // 8 + words, K)
+        kw = k0 // 8 + words
+        ok = row_ok[:, None] & (kw < K // 8)[None, :]
+        q = tl.load(qp + kw[None, :], mask=ok, other=0)
+        sc = tl.load(sp + (kw // 4)[None, :], mask=ok, other=0)
         kk = k0 + tl.arange(0, BLOCK_K)
         xa = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32) * 2.0**64
         phase = _phases(xa[None, :], BLOCK_K)
@@ -587,8 +576,6 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
         for j in tl.static_range(8):
             p += _e2m1_fp32(q, j) * phase[j]
         acc += p * _ue8m0_fp32(sc)
-        if PREFETCH:
-            q, sc = q_next, sc_next
     h = tl.sum(acc, 1) * 2.0**62 + tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(
         tl.float32
     )
@@ -684,10 +671,10 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         act = _empty((pairs, i), torch.float32, x.device)
         _pair_gemv[grid_gu](
             x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha,
-            w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, PREFETCH=cfg.prefetch, **launch)
+            w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
         _pair_gemv[grid_dn](
             act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit, SWIGLU=False,
-            BLOCK_N=cfg.block_n2, PREFETCH=cfg.prefetch, **launch)
+            BLOCK_N=cfg.block_n2, **launch)
     _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024, **pdl_options(x))
     return out
 
