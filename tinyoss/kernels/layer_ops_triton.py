@@ -169,19 +169,14 @@ def store_kv_triton(
 
 @triton.jit
 def _topk_softmax(x, e, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The K largest of x [BLOCK_E] (lowest index among equals), softmax over them, stored."""
-    ks = tl.arange(0, K)
-    vals = tl.zeros((K,), dtype=tl.float32)
-    ids = tl.zeros((K,), dtype=tl.int32)
-    for i in tl.static_range(K):
-        m = tl.max(x, axis=0)
-        idx = tl.min(tl.where(x == m, e, BLOCK_E), axis=0)
-        vals = tl.where(ks == i, m, vals)
-        ids = tl.where(ks == i, idx, ids)
-        x = tl.where(e == idx, float("-inf"), x)
-    p = tl.exp(vals - tl.max(vals, axis=0))
-    tl.store(w_ptr + row * K + ks, p / tl.sum(p, axis=0))
-    tl.store(ids_ptr + row * K + ks, ids)
+    """The K largest of x [BLOCK_E] (lowest index among equals), softmax over them, stored in
+    order. Each expert's rank is how many beat it: three reductions, not two per pick."""
+    beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (e[None, :] < e[:, None]))
+    rank = tl.sum(beats.to(tl.int32), axis=1)
+    top = rank < K
+    p = tl.where(top, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    tl.store(w_ptr + row * K + rank, p / tl.sum(p, axis=0), mask=top)
+    tl.store(ids_ptr + row * K + rank, e, mask=top)
 
 
 @triton.jit
@@ -214,7 +209,7 @@ def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
 # Up to this many tokens the norm after attention, the router and its top-k are one launch
 # (decode steps); above, each token's programs would re-read the router weights.
 NORM_ROUTE_MAX_TOKENS = 8
-NORM_ROUTE_PROGRAMS = 16  # programs a token: each takes E / 16 router rows
+NORM_ROUTE_PROGRAMS = 16  # programs a token (at most): each takes E / 16 router rows
 
 
 @triton.jit
@@ -231,6 +226,12 @@ def _norm_route_kernel(
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    ex = g * EPB + tl.arange(0, EPB)
+    ex_ok = ex < n_experts
+    # the router rows first: they do not wait for the norm
+    wr = tl.load(rw_ptr + ex.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                 mask=ex_ok[:, None] & mask[None, :], other=0.0)
+    rb = tl.load(rb_ptr + ex, mask=ex_ok, other=0.0)
     x = tl.load(x_ptr + t * n_cols + cols, mask=mask, other=0.0)
     x = (x.to(tl.float32)
          + tl.load(res_ptr + t * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
@@ -240,14 +241,9 @@ def _norm_route_kernel(
     if g == 0:
         tl.store(res_out_ptr + t * n_cols + cols, x, mask=mask)
         tl.store(out_ptr + t * n_cols + cols, y, mask=mask)
-    yf = y.to(tl.float32)
-    for i in tl.static_range(EPB):
-        ex = g * EPB + i
-        if ex < n_experts:
-            wr = tl.load(rw_ptr + ex.to(tl.int64) * n_cols + cols, mask=mask, other=0.0)
-            logit = tl.sum(wr.to(tl.float32) * yf, axis=0) + tl.load(rb_ptr + ex).to(tl.float32)
-            # rounded as the router's output is in the unfused path (a linear layer in x's dtype)
-            tl.store(logits_ptr + t * n_experts + ex, logit.to(x.dtype).to(tl.float32))
+    logit = tl.sum(wr.to(tl.float32) * y.to(tl.float32)[None, :], axis=1) + rb.to(tl.float32)
+    # rounded as the router's output is in the unfused path (a linear layer in x's dtype)
+    tl.store(logits_ptr + t * n_experts + ex, logit.to(x.dtype).to(tl.float32), mask=ex_ok)
     tl.debug_barrier()  # every thread's logit is stored before the ticket releases them
     if tl.atomic_add(count_ptr + t, 1, sem="acq_rel") == tl.num_programs(1) - 1:
         e = tl.arange(0, BLOCK_E)
@@ -290,10 +286,10 @@ def norm_route_triton(
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
     if t:
-        epb = triton.cdiv(e, NORM_ROUTE_PROGRAMS)
+        epb = triton.next_power_of_2(triton.cdiv(e, NORM_ROUTE_PROGRAMS))
         _norm_route_kernel[(t, triton.cdiv(e, epb))](
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
             _ticket_counters(x.device), weights, ids, h, e, eps, EPB=epb, K=k,
-            BLOCK=triton.next_power_of_2(h), BLOCK_E=triton.next_power_of_2(e), num_warps=8,
+            BLOCK=triton.next_power_of_2(h), BLOCK_E=triton.next_power_of_2(e), num_warps=4,
             **pdl_options(x))
     return out, res_out, weights, ids
