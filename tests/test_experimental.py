@@ -35,7 +35,7 @@ def test_gpu_wiring(monkeypatch):
         assert launch._enabled
     finally:
         launch.enable_pdl(False)
-    assert kernels.linear is linear_triton
+    assert kernels.names["pdl"] == "on"
     assert isinstance(kernels.moe, functools.partial) and kernels.moe.keywords["gemv"].f16x2
     assert kernels.mxfp4_linear.keywords == {"f16x2": True}
     assert kernels.names["moe"] == "triton-f16x2" and kernels.names["pdl"] == "on"
@@ -54,3 +54,21 @@ def test_engine_starts_without_triton(tiny_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "2"
+
+
+def test_dense_backend(monkeypatch):
+    """The bf16 dense layers: the Triton GEMV on a GPU unless env says torch; triton on a CPU
+    and unknown names are errors."""
+    kernels = backends.Kernels()
+    backends._dense(kernels, on_gpu=True)
+    assert kernels.linear is linear_triton and kernels.names["linear"] == "triton"
+    monkeypatch.setenv(backends.DENSE_ENV, "torch")
+    kernels = backends.Kernels()
+    backends._dense(kernels, on_gpu=True)
+    assert kernels.linear is torch.nn.functional.linear and kernels.names["linear"] == "torch"
+    monkeypatch.setenv(backends.DENSE_ENV, "triton")
+    with pytest.raises(ValueError, match="dense backend 'triton' .*needs a CUDA GPU"):
+        backends.select_backends(torch.device("cpu"))
+    monkeypatch.setenv(backends.DENSE_ENV, "cublas")
+    with pytest.raises(ValueError, match="dense backend 'cublas'.* not one of: auto, triton"):
+        backends.select_backends(torch.device("cpu"))

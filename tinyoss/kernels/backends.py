@@ -1,16 +1,19 @@
 """Chooses the kernels and the attention backend for the device at hand, once, and logs why.
 
 CPU: the torch reference everywhere. NVIDIA GPU: fused Triton kernels for the per-layer ops,
-the MXFP4 MoE kernel `moe_backends` picks for the GPU, FlashInfer sink attention. Any choice can
-be forced (tests, debugging); a forced choice the machine cannot run fails at start-up with the
-reason.
+the MXFP4 MoE kernel `moe_backends` picks for the GPU, FlashInfer sink attention, and the bf16
+dense layers (q/k/v, o, router, lm_head) at one token on the Triton decode GEMV (`linear_triton`,
+cuBLAS above one token): measured on the H100, 385 against 419 us for lm_head and 13.7 against
+17.1 for o_proj (bench/results/2026-11-23_h100_kernels_e5bac60.txt). Env TINYOSS_DENSE_BACKEND
+(`triton` or `torch`) forces one. Any choice can be forced (tests, debugging); a forced choice
+the machine cannot run fails at start-up with the reason.
 
 Kernel variants that are correct but not (yet) better everywhere are off by default; env
 TINYOSS_EXPERIMENTAL (a comma list) turns them on, for the benchmark to compare. Measured on the
 H100, gpt-oss-20b (bench/results/*_d4beb31.json):
-* "pdl": programmatic dependent launch for every Triton decode kernel (Hopper and newer), with
-  the bf16 dense layers on the Triton decode GEMV (`linear_triton`) so that chains stay
-  unbroken. Same tokens as without; 2.679 ms/step either way at batch 1, 7.66 against 7.81 at 8.
+* "pdl": programmatic dependent launch for every Triton decode kernel (Hopper and newer). Same
+  tokens as without; 2.679 ms/step either way at batch 1, 7.66 against 7.81 at 8 (d4beb31,
+  when it also moved the dense layers to `linear_triton`); 2.525 against 2.519 at e5bac60.
 * "f16x2": the MXFP4 GEMVs (MoE pair GEMV, dense MXFP4 layers) with two fp16 products an
   instruction (`mxfp4_dot_triton`): 6.90 against 7.81 ms/step at batch 8, but 2.77 against
   2.68 at batch 1, and less exact (greedy tokens part from the reference on the tiny model).
@@ -28,10 +31,13 @@ import torch
 from tinyoss.kernels import Kernels
 from tinyoss.kernels.launch import enable_pdl, pdl_available
 from tinyoss.kernels.moe_backends import Platform, choose, install
+from tinyoss.settings import resolve
 
 log = logging.getLogger("tinyoss")
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+DENSE_BACKENDS = ("auto", "triton", "torch")
+DENSE_ENV = "TINYOSS_DENSE_BACKEND"
 EXPERIMENTAL_ENV = "TINYOSS_EXPERIMENTAL"
 EXPERIMENTAL = ("pdl", "f16x2")
 
@@ -86,6 +92,7 @@ def select_backends(
         kernels.norm_route = norm_route_triton
         kernels.names.update(norm="triton", rope="triton", router="triton+norm",
                              mxfp4_linear="triton")
+    _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
     _experimental(kernels, device, moe.backend)
     if attention == "auto":
@@ -103,6 +110,19 @@ def select_backends(
     choice = BackendChoice(kernels, attention)
     log.info("backends on %s: %s", _device_name(device), choice.describe())
     return choice
+
+
+def _dense(kernels: Kernels, on_gpu: bool) -> None:
+    """The bf16 dense layers: env TINYOSS_DENSE_BACKEND, else the Triton GEMV on a GPU."""
+    setting = resolve("dense backend", None, DENSE_ENV, DENSE_BACKENDS)
+    backend = setting.value if setting.value != "auto" else ("triton" if on_gpu else "torch")
+    if backend == "triton" and not on_gpu:
+        raise ValueError(f"dense backend 'triton' (from {setting.source}) needs a CUDA GPU")
+    if backend == "triton":
+        from tinyoss.kernels.linear_triton import linear_triton
+
+        kernels.linear = linear_triton
+    kernels.names["linear"] = backend
 
 
 def experimental_features() -> tuple[str, ...]:
@@ -125,10 +145,7 @@ def _experimental(kernels: Kernels, device: torch.device, moe_backend: str) -> N
     pdl = "pdl" in names and pdl_available(device)
     enable_pdl(pdl)
     if pdl:
-        from tinyoss.kernels.linear_triton import linear_triton
-
-        kernels.linear = linear_triton
-        kernels.names.update(linear="triton", pdl="on")
+        kernels.names["pdl"] = "on"
     if "f16x2" in names:
         from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
         from tinyoss.kernels.moe_triton import GemvConfig, moe_triton

@@ -1,16 +1,16 @@
 """Dense bf16 linear layers for decode in Triton: y = x @ W.T + b for a few rows of x.
 
 At batch 1 a decode step reads every dense weight once (q/k/v, o, the router and lm_head are
-~2.4 GB of gpt-oss-20b's ~3.7 GB a token), so these GEMVs are bandwidth-bound. cuBLAS picks a
-split-K GEMM for o_proj (2880 x 4096) that reached 1.6 TB/s on the H100; a plain CUDA-core GEMV
-streams each weight row once with 16-byte loads and reduces over K after the loop. More rows
-of x than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused.
+~2.4 GB of gpt-oss-20b's ~3.7 GB a token), so these GEMVs are bandwidth-bound. A plain
+CUDA-core GEMV streams each weight row once, through shared memory with Triton's pipeliner
+(cp.async, a few K steps ahead), and reduces over K after the loop. More rows of x than
+GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused.
 
-With programmatic dependent launch (`launch.pdl_options`), a GEMV starts while the kernel
-before it drains and waits for its results only after issuing its first weight loads: a chain of
-24 x (q/k/v, o) took 584 us against 620 without PDL and 650 through cuBLAS. The model's dense
-layers run here when TINYOSS_EXPERIMENTAL has "pdl" (`backends`); in the whole decode step PDL
-gained nothing at batch 1 (2.679 ms/step either way) and 2% at batch 8 on the H100.
+Measured on the H100 at M=1 (bench/dense_gemv.py, bench/results/2026-11-23_h100_kernels_e5bac60.txt):
+lm_head 385 us (3.0 TB/s) against 419 through cuBLAS, o 13.7 against 17.1, q/k/v 15.9 against
+16.4; loading the next step into registers instead (num_stages 1) gave 405, 15.8 and 17.0.
+With programmatic dependent launch (`launch.pdl_options`, TINYOSS_EXPERIMENTAL=pdl) a GEMV
+starts while the kernel before it drains.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.pdl_triton import pdl_start
 
-# Measured on the H100 (bench/dense_gemv.py, bench/results/2026-11-23_h100_dense_gemv_*.txt):
-# at M=1 the GEMV beats cuBLAS on o (15.5 against 17.0 us) and lm_head (400 against 419 us),
-# ties on q/k/v (17.0 against 16.4); at M=2 and 4 cuBLAS wins everywhere.
+# At M=2 and 4 cuBLAS won everywhere on the H100 (bench/results/2026-11-23_h100_dense_gemv.txt).
 GEMV_MAX_M = 1
 
 
@@ -38,7 +37,7 @@ class GemvConfig:
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4  # 1: next step prefetched into registers; more: through shared memory
 
 
 def gemv_config(m: int, n: int) -> GemvConfig:
@@ -49,7 +48,11 @@ def gemv_config(m: int, n: int) -> GemvConfig:
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+          USE_PDL: tl.constexpr):
+    """STAGES 1: the next K step's weights are loaded into registers before this step's math
+    (and the first ones before the PDL wait); STAGES > 1: Triton's pipeliner streams them
+    through shared memory (cp.async), STAGES - 1 steps ahead."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,16 +60,21 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M
     cols = tl.arange(0, BLOCK_K)
     wp = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
     xp = x_ptr + toks.to(tl.int64)[:, None] * K + cols[None, :]
-    w = tl.load(wp, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # before the wait
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        nxt = k0 + BLOCK_K + cols
-        w = tl.load(wp + k0 + BLOCK_K, mask=row_ok[:, None] & (nxt < K)[None, :], other=0.0)
+    if STAGES == 1:
+        w = tl.load(wp, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # before the wait
+        pdl_start(USE_PDL)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            nxt = k0 + BLOCK_K + cols
+            w = tl.load(wp + k0 + BLOCK_K, mask=row_ok[:, None] & (nxt < K)[None, :], other=0.0)
+    else:
+        pdl_start(USE_PDL)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            w = tl.load(wp + k0, mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+            x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, 2)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -88,8 +96,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _gemv[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
             x.contiguous(), weight.contiguous(), out if bias is None else bias, out, m, n, k,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **pdl_options(x))
+            BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_options(x))
     return out
 
 
