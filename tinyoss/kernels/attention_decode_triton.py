@@ -23,7 +23,7 @@ from tinyoss.kernels.pdl_triton import pdl_start
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
 MAX_SPLITS = 64  # splits per sequence at most, so the grid stays small for long contexts
-BLOCK_KV = 64  # keys per inner step
+BLOCK_KV = 128  # keys per inner step: a whole minimal split, so its loads go out at once
 
 
 @triton.jit
