@@ -23,7 +23,10 @@ from tinyoss.kernels.pdl_triton import pdl_start
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
 MAX_SPLITS = 64  # splits per sequence at most, so the grid stays small for long contexts
-BLOCK_KV = 128  # keys per inner step: a whole minimal split, so its loads go out at once
+# Keys per inner step. 128 (a whole minimal split in one step) made the tiny end-to-end test
+# part from the CPU reference on the H100 (Triton 3.6) while the kernel's own GPU tests passed,
+# and splits of several 128-key steps match in the interpreter; not understood, so 64 stays.
+BLOCK_KV = 64
 
 
 @triton.jit
