@@ -511,8 +511,11 @@ def moe_prefill(
 @dataclass(frozen=True)
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
-    row per step: 16 rows x 512 values is 4 KB a step, 64 bytes a thread. The best of a small
-    sweep on the H100 at 20b shapes (bench/moe_kernels.py): 45.7 us at T=1."""
+    row per step: 16 rows x 512 values is 4 KB a step, 64 bytes a thread. The best of the
+    sweeps on the H100 at 20b shapes (bench/moe_kernels.py): 45.7 us at T=1. Loading the next
+    step ahead measured slower, into registers (126 registers, 51 us) or through shared memory
+    with Triton's pipeliner (`tl.range(num_stages=)`, 62-67 us); so the K loop has no dot and
+    `num_stages` changes nothing (bench/results/2026-11-23_h100_kernels_e5bac60.txt)."""
 
     block_n1: int = 16
     block_n2: int = 16
