@@ -67,14 +67,12 @@ def kernels() -> dict:
     lin_opts = dict(num_warps=lv.num_warps, num_stages=lv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
-                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, STAGES=3,
-                           USE_PDL=True),
+                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True),
                       pair_opts,
                       gv.block_n1 * gv.block_k),
         "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,
                             dict(SWIGLU=True, X_EBITS=0, BLOCK_N=gv.block_n1,
-                                 BLOCK_K=gv.block_k, ASM=True, STAGES=3, USE_PDL=True),
-                            pair_opts,
+                                 BLOCK_K=gv.block_k, ASM=True, USE_PDL=True), pair_opts,
                             gv.block_n1 * gv.block_k),
         "linear_mxfp4": (linear_mxfp4_triton._gemv, lin, lin_cx, lin_opts,
                          lv.block_n * lv.block_k),
