@@ -80,3 +80,43 @@ def test_pdl_chain_in_cuda_graph_gpu() -> None:
         assert rel(out, ref) < 2e-2
     finally:
         launch.enable_pdl(False)
+
+
+@gpu
+def test_prefetch_changes_nothing_gpu() -> None:
+    """A GEMV told to prefetch the next layer's weights (two regions, one of an odd size)
+    computes the same bits, replayed from a CUDA graph."""
+    x = torch.randn(1, 2880, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(5120, 2880, device="cuda") * 0.02).to(torch.bfloat16)
+    nxt = torch.randn(2880, 4096, device="cuda").to(torch.bfloat16)
+    odd = torch.randn(1001, device="cuda", dtype=torch.float32)
+    plain = lt.linear_gemv(x, w)
+    launch.enable_prefetch(True)
+    try:
+        lt.linear_gemv(x, w, prefetch=(nxt, odd))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = lt.linear_gemv(x, w, prefetch=(nxt, odd))
+        graph.replay()
+    finally:
+        launch.enable_prefetch(False)
+    assert torch.equal(out, plain)
+
+
+def test_prefetch_options() -> None:
+    """Off, or on CPU tensors: no regions. More than two, or a strided tensor: an error."""
+    t = torch.randn(4, 8)
+    assert launch.prefetch_options((t,), t)["PREFETCH"] == 0
+    launch.enable_prefetch(True)
+    try:
+        assert launch.prefetch_options((t,), t)["PREFETCH"] == 0  # CPU tensors: never
+        with pytest.raises(ValueError, match="at most 2 tensors"):
+            launch.prefetch_options((t, t, t), t)
+        if CUDA:
+            g = t.cuda()
+            opts = launch.prefetch_options((g, g[:1]), g)
+            assert opts["PREFETCH"] == 2 and opts["pf0_bytes"] == 128 and opts["pf1_bytes"] == 32
+            with pytest.raises(ValueError, match="contiguous and 16-byte aligned"):
+                launch.prefetch_options((g.T,), g)
+    finally:
+        launch.enable_prefetch(False)
