@@ -20,7 +20,6 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tinyoss.kernels import launch  # noqa: E402
 from tinyoss.kernels import moe_triton as mt  # noqa: E402
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch  # noqa: E402
 from tinyoss.model.layout import TensorSpec  # noqa: E402
@@ -78,10 +77,7 @@ def main() -> None:
     p.add_argument("--gemv-max", type=int, default=16)
     p.add_argument("--gemv-configs", default=GEMV_CONFIGS)
     p.add_argument("--gemm-configs", default=GEMM_CONFIGS)
-    p.add_argument("--prefetch", action="store_true",
-                   help="L2 prefetch on (gate_up prefetches the experts' down weights)")
     args = p.parse_args()
-    launch.enable_prefetch(args.prefetch)
     e, h, i = args.experts, 2880, 2880
     ws = [weights(s, e, h, i) for s in range(4)]
     expert_mb = (2 * i * h + h * i) * (0.5 + 1 / 32) / 1e6

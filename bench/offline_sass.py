@@ -16,7 +16,6 @@ import collections
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import triton
@@ -55,24 +54,20 @@ def kernels() -> dict:
     experts = dict(ids_ptr="*i32", q_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", wts_ptr="*fp32",
                    N=5760, K=2880, stride_qe=5760 * 1440, stride_q=1440, stride_se=5760 * 90,
                    stride_s=90, alpha=F32, limit=F32, x_div=4)
-    # L2 prefetch of two regions (gate_up: the expert's down blocks and scales)
-    pf = dict(pf0_ptr="*u8", pf0_bytes=2880 * 1440, pf1_ptr="*u8", pf1_bytes=2880 * 96)
-    pair = dict(experts, **pf, x_ptr="*bf16", out_ptr="*fp32")
+    pair = dict(experts, x_ptr="*bf16", out_ptr="*fp32")
     pair16 = dict(experts, xp_ptr="*i32", xe_ptr="*i32", out_ptr="*i32")
     gv = moe_triton.GemvConfig()
     lin = dict(x_ptr="*bf16", xp_ptr="*i32", xe_ptr="*i32", q_ptr="*u8", s_ptr="*u8",
                b_ptr="*bf16", out_ptr="*bf16", M=1, N=201088, K=2880, stride_q=1440, stride_s=90)
     lv = linear_mxfp4_triton.gemv_config(1, 201088)
-    bf = dict(**pf, x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M=1, N=5120,
-              K=2880)
+    bf = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M=1, N=5120, K=2880)
     bv = linear_triton.gemv_config(1, 5120)
     pair_opts = dict(num_warps=gv.num_warps, num_stages=gv.num_stages)
     lin_cx = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k, USE_PDL=True)
     lin_opts = dict(num_warps=lv.num_warps, num_stages=lv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
-                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True,
-                           PREFETCH=2, PF_KIND=1, PF_EXPERT=True, LANES=32 * gv.num_warps),
+                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True),
                       pair_opts,
                       gv.block_n1 * gv.block_k),
         "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,
@@ -85,8 +80,7 @@ def kernels() -> dict:
                                lin_opts, lv.block_n * lv.block_k),
         "linear_bf16": (linear_triton._gemv, bf,
                         dict(HAS_BIAS=True, BLOCK_M=1, BLOCK_N=bv.block_n, BLOCK_K=bv.block_k,
-                             STAGES=bv.num_stages, USE_PDL=True, PREFETCH=2, PF_KIND=1,
-                             LANES=32 * bv.num_warps),
+                             STAGES=bv.num_stages, USE_PDL=True),
                         dict(num_warps=bv.num_warps, num_stages=bv.num_stages),
                         bv.block_n * bv.block_k),
     }
@@ -123,32 +117,24 @@ def loop_mix(sass: str) -> tuple[collections.Counter, int]:
     return mix, sum(mix.values())
 
 
-def compile_sass(name: str) -> tuple[str, str]:
-    """Kernel `name` of `kernels()` compiled for sm_90: (resource usage line, SASS)."""
-    fn, example, constexprs, opts, _ = kernels()[name]
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    k = triton.compile(spec(fn, example, constexprs), target=GPUTarget("cuda", 90, 32),
-                       options=opts)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / f"{name}.cubin"
-        cubin.write_bytes(k.asm["cubin"])
-        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True,
-                               text=True).stdout.strip().splitlines()[-1].strip()
-        sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True,
-                              text=True).stdout
-    return usage, sass
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", default="all")
     p.add_argument("--dump", default=None, help="write the SASS of the (last) kernel here")
     args = p.parse_args()
-    for name, (_, _, _, opts, weights) in kernels().items():
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name, (fn, example, constexprs, opts, weights) in kernels().items():
         if args.kernel not in ("all", name):
             continue
-        usage, sass = compile_sass(name)
+        k = triton.compile(spec(fn, example, constexprs), target=GPUTarget("cuda", 90, 32),
+                           options=opts)
+        cubin = Path(f"/tmp/{name}.cubin")
+        cubin.write_bytes(k.asm["cubin"])
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True,
+                               text=True).stdout.strip().splitlines()[-1].strip()
+        sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True,
+                              text=True).stdout
         if args.dump:
             Path(args.dump).write_text(sass)
         mix, total = loop_mix(sass)

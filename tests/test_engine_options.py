@@ -31,7 +31,7 @@ def test_warm_up_runs_every_layer_on_the_largest_step_over_all_experts(tiny_llm,
     kernels = engine.backends.kernels
     calls, contexts = [], []
 
-    def spy(x, topk_weights, topk_ids, w, prefetch=()):
+    def spy(x, topk_weights, topk_ids, w):
         calls.append((x.shape, topk_ids.unique().tolist(), contexts[-1]))
         return moe_torch(x, topk_weights, topk_ids, w)
 

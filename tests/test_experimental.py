@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from tinyoss.kernels import backends, launch, linear_torch
+from tinyoss.kernels import backends, launch
 from tinyoss.kernels.linear_triton import linear_triton
 
 
@@ -21,7 +21,7 @@ def test_unknown_name_is_an_error(monkeypatch):
 def test_cpu_ignores_it(monkeypatch):
     monkeypatch.setenv(backends.EXPERIMENTAL_ENV, "pdl,f16x2")
     choice = backends.select_backends(torch.device("cpu"))
-    assert choice.kernels.linear is linear_torch
+    assert choice.kernels.linear is torch.nn.functional.linear
     assert "pdl" not in choice.kernels.names and choice.kernels.names["moe"] == "torch"
 
 
@@ -65,30 +65,10 @@ def test_dense_backend(monkeypatch):
     monkeypatch.setenv(backends.DENSE_ENV, "torch")
     kernels = backends.Kernels()
     backends._dense(kernels, on_gpu=True)
-    assert kernels.linear is linear_torch and kernels.names["linear"] == "torch"
+    assert kernels.linear is torch.nn.functional.linear and kernels.names["linear"] == "torch"
     monkeypatch.setenv(backends.DENSE_ENV, "triton")
     with pytest.raises(ValueError, match="dense backend 'triton' .*needs a CUDA GPU"):
         backends.select_backends(torch.device("cpu"))
     monkeypatch.setenv(backends.DENSE_ENV, "cublas")
     with pytest.raises(ValueError, match="dense backend 'cublas'.* not one of: auto, triton"):
         backends.select_backends(torch.device("cpu"))
-
-
-def test_l2_prefetch_setting(monkeypatch):
-    """Off on a CPU; env `on` where the GPU lacks it is an error naming the setting; `off` wins
-    on a GPU that has it (the GPU's answer stubbed)."""
-    kernels = backends.Kernels()
-    backends._prefetch(kernels, torch.device("cpu"))
-    assert kernels.names["l2_prefetch"] == "off" and not launch._prefetch
-    monkeypatch.setenv(backends.PREFETCH_ENV, "on")
-    with pytest.raises(ValueError, match="L2 prefetch .*TINYOSS_L2_PREFETCH=on.* Hopper"):
-        backends.select_backends(torch.device("cpu"))
-    monkeypatch.setattr(backends, "prefetch_available", lambda device: True)
-    try:
-        backends._prefetch(kernels, torch.device("cuda"))
-        assert kernels.names["l2_prefetch"] == "on" and launch._prefetch
-        monkeypatch.setenv(backends.PREFETCH_ENV, "off")
-        backends._prefetch(kernels, torch.device("cuda"))
-        assert kernels.names["l2_prefetch"] == "off" and not launch._prefetch
-    finally:
-        launch.enable_prefetch(False)

@@ -127,7 +127,7 @@ def test_loading_prepares_each_layer_once_and_releases_the_checkpoint_tensors():
         return Prepared(ExpertWeights(*(t.clone() for t in dataclasses.astuple(w)[:6]),
                                       w.alpha, w.limit))
 
-    def moe(x, topk_weights, topk_ids, w, prefetch=()):
+    def moe(x, topk_weights, topk_ids, w):
         assert isinstance(w, Prepared)
         return moe_torch(x, topk_weights, topk_ids, w.weights)
 

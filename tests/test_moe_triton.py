@@ -265,28 +265,3 @@ def test_captures_in_cuda_graph(t):
     ids.copy_(ids2)
     graph.replay()
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
-
-
-@gpu
-@pytest.mark.parametrize("big", [False, True])
-def test_prefetch_changes_nothing(big):
-    """With L2 prefetch on (gate_up prefetching the experts' down weights, down a next-layer
-    tensor), replayed from a CUDA graph: the same bits as without, and the reference."""
-    from tinyoss.kernels import launch
-
-    x, weights, ids, w = big_case(91, 2) if big else inputs(91, 3)
-    nxt = torch.randn(5120, 2880, device=DEVICE).to(DTYPE)
-    plain = mt.moe_gemv(x, weights, ids, w, None if big else GEMV)
-    launch.enable_prefetch(True)
-    try:
-        run = lambda: mt.moe_gemv(x, weights, ids, w, None if big else GEMV,  # noqa: E731
-                                  prefetch=(nxt, nxt[:7]))
-        run()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run()
-        graph.replay()
-    finally:
-        launch.enable_prefetch(False)
-    assert torch.equal(out, plain)
-    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL

@@ -7,7 +7,6 @@ torch functions for GPU kernels happens here, in one place, and is logged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,10 +18,8 @@ from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
 from tinyoss.model.rope import apply_rope
 
-# (x, topk_weights, topk_ids, experts, prefetch): experts is what `prepare_experts` made (else
-# ExpertWeights)
-MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, Sequence[torch.Tensor]],
-                 torch.Tensor]
+# (x, topk_weights, topk_ids, experts): experts is what `prepare_experts` made (else ExpertWeights)
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 PrepareFn = Callable[[ExpertWeights], Any]
 Pair = tuple[torch.Tensor, torch.Tensor]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], Pair]
@@ -30,11 +27,8 @@ RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Pair
 RouterFn = Callable[[torch.Tensor, int], Pair]
 # (x [M, K], blocks [N, K/32, 16], scales [N, K/32], bias [N] | None) -> [M, N]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# (x [M, K], weight [N, K], bias [N] | None, prefetch) -> [M, N]: the bf16 dense layers.
-# `prefetch` (here and in MoEFn): tensors the next kernels read, which a GPU kernel may pull
-# into L2 while it runs (a hint: results never depend on it).
-DenseFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", Sequence[torch.Tensor]],
-                   torch.Tensor]
+# (x [M, K], weight [N, K], bias [N] | None) -> [M, N]: the bf16 dense layers
+DenseFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # (x, residual, norm weight, eps, router weight, router bias, k) -> (normed, residual, topk
 # weights, topk ids): `Kernels.post_attention` in one fused call
 NormRouteFn = Callable[
@@ -52,12 +46,6 @@ def rms_norm_torch(
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * y).to(x.dtype), x
-
-
-def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """F.linear (the prefetch hint is for GPU kernels)."""
-    return F.linear(x, weight, bias)
 
 
 def router_topk_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +66,7 @@ class Kernels:
     rope: RopeFn = apply_rope
     router_topk: RouterFn = router_topk_torch
     mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
-    linear: DenseFn = linear_torch  # q/k/v, o, router, lm_head
+    linear: DenseFn = F.linear  # q/k/v, o, router, lm_head
     # The norm after attention, the router and its top-k fused (None: the kernels above in turn)
     norm_route: NormRouteFn | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
@@ -93,5 +81,5 @@ class Kernels:
         if self.norm_route is not None:
             return self.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, k)
         x, residual = self.rms_norm(x, norm_weight, eps, residual)
-        weights, ids = self.router_topk(self.linear(x, router_weight, router_bias, ()), k)
+        weights, ids = self.router_topk(self.linear(x, router_weight, router_bias), k)
         return x, residual, weights, ids

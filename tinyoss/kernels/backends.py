@@ -8,11 +8,6 @@ cuBLAS above one token): measured on the H100, 385 against 419 us for lm_head an
 (`triton` or `torch`) forces one. Any choice can be forced (tests, debugging); a forced choice
 the machine cannot run fails at start-up with the reason.
 
-L2 prefetch (`launch.prefetch_options`), on by default where the GPU has it (Hopper and newer;
-env TINYOSS_L2_PREFETCH `on` or `off` forces it): each weight-streaming decode kernel pulls the
-weights of the next one it knows into L2 (q/k/v -> o_proj, the experts' gate_up -> their down,
-down -> the next layer's q/k/v), so HBM keeps streaming while rope, attention and the norms run.
-
 Kernel variants that are correct but not (yet) better everywhere are off by default; env
 TINYOSS_EXPERIMENTAL (a comma list) turns them on, for the benchmark to compare. Measured on the
 H100, gpt-oss-20b (bench/results/*_d4beb31.json):
@@ -34,8 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyoss.kernels import Kernels
-from tinyoss.kernels.launch import (enable_pdl, enable_prefetch, pdl_available,
-                                    prefetch_available)
+from tinyoss.kernels.launch import enable_pdl, pdl_available
 from tinyoss.kernels.moe_backends import Platform, choose, install
 from tinyoss.settings import resolve
 
@@ -44,8 +38,6 @@ log = logging.getLogger("tinyoss")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 DENSE_BACKENDS = ("auto", "triton", "torch")
 DENSE_ENV = "TINYOSS_DENSE_BACKEND"
-PREFETCH_CHOICES = ("auto", "on", "off")
-PREFETCH_ENV = "TINYOSS_L2_PREFETCH"
 EXPERIMENTAL_ENV = "TINYOSS_EXPERIMENTAL"
 EXPERIMENTAL = ("pdl", "f16x2")
 
@@ -101,7 +93,6 @@ def select_backends(
         kernels.names.update(norm="triton", rope="triton", router="triton+norm",
                              mxfp4_linear="triton")
     _dense(kernels, on_gpu)
-    _prefetch(kernels, device)
     install(kernels, moe.backend, platform, max_num_tokens)
     _experimental(kernels, device, moe.backend)
     if attention == "auto":
@@ -132,18 +123,6 @@ def _dense(kernels: Kernels, on_gpu: bool) -> None:
 
         kernels.linear = linear_triton
     kernels.names["linear"] = backend
-
-
-def _prefetch(kernels: Kernels, device: torch.device) -> None:
-    """L2 prefetch in the decode kernels: env TINYOSS_L2_PREFETCH, else on where available."""
-    setting = resolve("L2 prefetch", None, PREFETCH_ENV, PREFETCH_CHOICES)
-    available = prefetch_available(device)
-    if setting.value == "on" and not available:
-        raise ValueError(f"L2 prefetch (from {setting.source}) needs an NVIDIA GPU of the Hopper "
-                         f"generation or newer; this engine runs on {_device_name(device)}")
-    on = available and setting.value != "off"
-    enable_prefetch(on)
-    kernels.names["l2_prefetch"] = "on" if on else "off"
 
 
 def experimental_features() -> tuple[str, ...]:

@@ -10,14 +10,11 @@ Measured on the H100 at M=1 (bench/dense_gemv.py, bench/results/2026-11-23_h100_
 lm_head 385 us (3.0 TB/s) against 419 through cuBLAS, o 13.7 against 17.1, q/k/v 15.9 against
 16.4; loading the next step into registers instead (num_stages 1) gave 405, 15.8 and 17.0.
 With programmatic dependent launch (`launch.pdl_options`, TINYOSS_EXPERIMENTAL=pdl) a GEMV
-starts while the kernel before it drains. Given `prefetch` tensors (the weights of the next
-GEMV), each program pulls its share of them into L2 after its own K loop
-(`prefetch_triton`), so they stream in while the short kernels in between run.
+starts while the kernel before it drains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, prefetch_options
+from tinyoss.kernels.launch import pdl_options
 from tinyoss.kernels.pdl_triton import pdl_start
-from tinyoss.kernels.prefetch_triton import prefetch_regions
 
 # At M=2 and 4 cuBLAS won everywhere on the H100 (bench/results/2026-11-23_h100_dense_gemv.txt).
 GEMV_MAX_M = 1
@@ -51,10 +47,9 @@ def gemv_config(m: int, n: int) -> GemvConfig:
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
-          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PF_KIND: tl.constexpr,
-          LANES: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+          USE_PDL: tl.constexpr):
     """STAGES 1: the next K step's weights are loaded into registers before this step's math
     (and the first ones before the PDL wait); STAGES > 1: Triton's pipeliner streams them
     through shared memory (cp.async), STAGES - 1 steps ahead."""
@@ -85,16 +80,11 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, pf0_ptr, pf0_bytes, pf1_ptr, pf
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + toks.to(tl.int64)[:, None] * N + rows[None, :],
              y.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
-    if tl.program_id(1) == 0:
-        prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, tl.program_id(0),
-                         tl.num_programs(0), PREFETCH, LANES, PF_KIND)
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None,
-                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation;
-    `prefetch`: up to two tensors the next kernels read (a hint, `launch.prefetch_options`)."""
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
@@ -106,17 +96,15 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _gemv[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
             x.contiguous(), weight.contiguous(), out if bias is None else bias, out, m, n, k,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, LANES=32 * cfg.num_warps,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **prefetch_options(prefetch, x), **pdl_options(x))
+            BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_options(x))
     return out
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """`Kernels.linear` on a GPU: the Triton GEMV up to GEMV_MAX_M rows (prefetching), cuBLAS
-    above. The path depends only on the static row count, so a captured graph never changes
-    path."""
+def linear_triton(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for F.linear on 2-D x: the Triton GEMV up to GEMV_MAX_M rows, cuBLAS above.
+    The path depends only on the static row count, so a captured graph never changes path."""
     if x.shape[0] <= GEMV_MAX_M:
-        return linear_gemv(x, weight, bias, prefetch=prefetch)
+        return linear_gemv(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -27,7 +27,6 @@ machine this project has: it follows FlashInfer's own `prepare_cutlass_mxfp8_mxf
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable
@@ -167,11 +166,9 @@ def prepare_cutlass(
 
 
 def moe_cutlass(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: CutlassExperts,
-    prefetch: Sequence[torch.Tensor] = (),
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: CutlassExperts
 ) -> torch.Tensor:
-    """x [T, H] bf16, topk_weights [T, K] float32, topk_ids [T, K] -> [T, H] bf16 (as moe_torch;
-    FlashInfer's kernels take no prefetch hint)."""
+    """x [T, H] bf16, topk_weights [T, K] float32, topk_ids [T, K] -> [T, H] bf16 (as moe_torch)."""
     from flashinfer.fused_moe import cutlass_fused_moe
 
     t, h = x.shape

@@ -6,7 +6,6 @@ memory. This is the oracle the fast kernels are tested against, and the CPU path
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +43,9 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
 
 
 def moe_torch(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: ExpertWeights,
-    prefetch: Sequence[torch.Tensor] = (),
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: ExpertWeights
 ) -> torch.Tensor:
-    """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] -> sum_k w_k * expert_k(x) [T, H]
-    (the prefetch hint is for GPU kernels)."""
+    """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] -> sum_k w_k * expert_k(x) [T, H]."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in topk_ids.unique().tolist():

@@ -26,16 +26,14 @@ there), so the GEMV and "dot" match `moe_torch` to fp32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options, prefetch_options
+from tinyoss.kernels.launch import pdl_options
 from tinyoss.kernels.pdl_triton import pdl_start
-from tinyoss.kernels.prefetch_triton import prefetch_regions
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
                                               load_groups, pack_pairs, pair_position, use_asm)
@@ -550,33 +548,19 @@ def _ue8m0_fp32(s):
 @triton.jit
 def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                stride_qe, stride_q, stride_se, stride_s, alpha, limit,
-               pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
                SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PREFETCH: tl.constexpr, PF_KIND: tl.constexpr, PF_EXPERT: tl.constexpr, LANES: tl.constexpr,
                USE_PDL: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
     Dequantization without a table (`_e2m1_fp32`: three integer ops a value); activations are
     pre-scaled by 2**64 so every product is normal; each word's scale multiplies elementwise,
-    and the one reduction over K happens after the loop.
-
-    Before its loop a program prefetches its share of the pf regions into L2 (`launch.
-    prefetch_options`): with PF_EXPERT, of expert e's part of each (the regions' bytes are per
-    expert: gate_up names the down weights), else of the regions as given (the next layer's
-    weights). Weights load evict-first: read once a step, they should not evict those."""
+    and the one reduction over K happens after the loop."""
     pdl_start(USE_PDL)
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    if PF_EXPERT:  # expert e's share of two per-expert regions (gate_up: e's down weights)
-        prefetch_regions(pf0_ptr + e * pf0_bytes, pf0_bytes, pf1_ptr + e * pf1_bytes, pf1_bytes,
-                         tl.program_id(1), tl.num_programs(1), PREFETCH, LANES, PF_KIND)
-    else:
-        prefetch_regions(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
-                         pair * tl.num_programs(1) + tl.program_id(1),
-                         tl.num_programs(0) * tl.num_programs(1), PREFETCH, LANES, PF_KIND)
     x_row = x_ptr + (pair // x_div).to(tl.int64) * K
     words = tl.arange(0, BLOCK_K // 8)
     r64 = rows.to(tl.int64)[:, None]
@@ -585,9 +569,9 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kw = k0 // 8 + words
-        ok = row_ok[:, None] & (kw // 4 < K // 32)[None, :]  # constant over 16 bytes
-        q = tl.load(qp + kw[None, :], mask=ok, other=0, eviction_policy="evict_first")
-        sc = tl.load(sp + (kw // 4)[None, :], mask=ok, other=0, eviction_policy="evict_first")
+        ok = row_ok[:, None] & (kw < K // 8)[None, :]
+        q = tl.load(qp + kw[None, :], mask=ok, other=0)
+        sc = tl.load(sp + (kw // 4)[None, :], mask=ok, other=0)
         kk = k0 + tl.arange(0, BLOCK_K)
         xa = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32) * 2.0**64
         phase = _phases(xa[None, :], BLOCK_K)
@@ -656,12 +640,9 @@ def _pair_gemv_f16x2(xp_ptr, xe_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_pt
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w: ExpertWeights, config: GemvConfig | None = None,
-             out: torch.Tensor | None = None,
-             prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """The pair-GEMV path: x [T, H] -> [T, H]; three launches (four with f16x2, which packs
-    x first), no host synchronisation. With L2 prefetch on (`launch.prefetch_options`), the
-    gate_up programs prefetch the selected experts' down weights and the down programs the
-    `prefetch` tensors (f16x2 prefetches nothing)."""
+    x first), no host synchronisation."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -691,17 +672,12 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
             SWIGLU=False, X_EBITS=ACT_EBITS.value, BLOCK_N=cfg.block_n2, **launch)
     else:
         act = _empty((pairs, i), torch.float32, x.device)
-        launch["LANES"] = 32 * cfg.num_warps
-        per_expert = [r for r in dn[:2] if r.stride(0) * r.element_size() % 16 == 0]
-        down = prefetch_options(per_expert, x)
-        for n in range(down["PREFETCH"]):  # per-expert regions: the bytes of one expert
-            down[f"pf{n}_bytes"] = per_expert[n].stride(0) * per_expert[n].element_size()
         _pair_gemv[grid_gu](
             x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha,
-            w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, PF_EXPERT=True, **down, **launch)
+            w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
         _pair_gemv[grid_dn](
             act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit, SWIGLU=False,
-            BLOCK_N=cfg.block_n2, PF_EXPERT=False, **prefetch_options(prefetch, x), **launch)
+            BLOCK_N=cfg.block_n2, **launch)
     _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024, **pdl_options(x))
     return out
 
@@ -711,15 +687,13 @@ def moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     w: ExpertWeights,
-    prefetch: Sequence[torch.Tensor] = (),
     out: torch.Tensor | None = None,
     gemv: GemvConfig | None = None,
 ) -> torch.Tensor:
     """Drop-in for `moe_torch`: x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H];
-    `gemv` configures the pair GEMV (default `GemvConfig()`); `prefetch` is a hint the pair
-    GEMV takes (`moe_gemv`).
+    `gemv` configures the pair GEMV (default `GemvConfig()`).
 
     The path depends only on the static T, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out, prefetch=prefetch)
+        return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out)
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)

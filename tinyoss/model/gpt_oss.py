@@ -7,7 +7,6 @@ Module and parameter names follow the Hugging Face checkpoint, except that q/k/v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -36,13 +35,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """`prefetch`: weights the next kernels read (a hint, see `Kernels`)."""
-        return self.kernels.linear(x, self.weight, self.bias, prefetch)
-
-    def streamed(self) -> tuple[torch.Tensor, ...]:
-        """The tensors a forward pass reads in full (what to prefetch ahead of it)."""
-        return (self.weight,)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -78,9 +72,7 @@ class Attention(nn.Module):
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        # o_proj's weights stream into L2 while rope and attention run (a hint, see `Kernels`)
-        qkv = self.qkv_proj(x, prefetch=self.o_proj.streamed())
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -132,11 +124,10 @@ class Experts(nn.Module):
             p.data = p.data.new_empty(0)
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-        prefetch: Sequence[torch.Tensor] = (),
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         w = self.weights() if self.prepared is None else self.prepared
-        return self.kernels.moe(x, topk_weights, topk_ids, w, prefetch=prefetch)
+        return self.kernels.moe(x, topk_weights, topk_ids, w)
 
 
 class MoE(nn.Module):
@@ -166,15 +157,13 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
-        prefetch: Sequence[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prefetch`: the next layer's first weights, pulled into L2 during the experts."""
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope_cache, attn)
         norm, router = self.post_attention_layernorm, self.mlp.router
         x, residual, top_weights, top_ids = self.kernels.post_attention(
             x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k)
-        return self.mlp.experts(x, top_weights, top_ids, prefetch), residual
+        return self.mlp.experts(x, top_weights, top_ids), residual
 
 
 class GptOssModel(nn.Module):
@@ -210,10 +199,8 @@ class GptOssForCausalLM(nn.Module):
         assert self.rope_cache is not None, "init_runtime() must run before forward()"
         x = self.model.embed_tokens(input_ids)
         residual = None
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].self_attn.qkv_proj.streamed() if i + 1 < len(layers) else ()
-            x, residual = layer(x, residual, positions, self.rope_cache, attn, nxt)
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, positions, self.rope_cache, attn)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -79,16 +79,11 @@ class MXFP4Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(*quantize_weight(linear.weight.detach()), bias, kernels)
 
-    def forward(self, x: torch.Tensor, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """`prefetch` is the hint `Linear.forward` takes; the MXFP4 GEMV does not use it."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.mxfp4_linear(
             x.reshape(-1, self.in_features), self.blocks, self.scales, self.bias
         )
         return y.view(*x.shape[:-1], self.out_features)
-
-    def streamed(self) -> tuple[torch.Tensor, ...]:
-        """The tensors a forward pass reads in full (what to prefetch ahead of it)."""
-        return (self.blocks, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"
