@@ -1,5 +1,6 @@
-"""The Triton decode attention (sinks, windows, splits, paged blocks) against the torch reference
-`attend`, in the interpreter on CPU and for real on a GPU."""
+"""The Triton decode attention (sinks, windows, splits merged by the last one, paged blocks, the
+rotary embedding and the K/V store of the new token) against the torch reference (`apply_rope`,
+`write_kv`, `attend`), in the interpreter on CPU and for real on a GPU."""
 
 import random
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from tinyoss.kernels import attention_decode_triton as adt
-from tinyoss.kernels.attention import attend
+from tinyoss.kernels.attention import attend, write_kv
+from tinyoss.model.rope import apply_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -18,7 +20,9 @@ TOL = 2e-2 if DEVICE == "cuda" else 1e-5  # ||out - ref|| / ||ref||
                          [(0, 64), (128, 64), (128, 128), (100, 128), (0, 512), (128, 512)])
 def test_decode_attention_matches_reference(window, min_split, monkeypatch):
     """Several splits at these short lengths (min_split 64); a window within one split takes
-    the one-launch path; min_split 512: one split of several steps (as real lengths give)."""
+    the one-split path; min_split 512: one split of several steps (as real lengths give). q and
+    the new k arrive unrotated (views into one q/k/v row, as the model passes them) at
+    positions that are not the key indices; run twice, so the merge tickets must reset."""
     monkeypatch.setattr(adt, "MIN_SPLIT", min_split)
     rng = random.Random(window)
     hq, hk, d, page, blocks = 16, 2, 64, 16, 64
@@ -33,16 +37,53 @@ def test_decode_attention_matches_reference(window, min_split, monkeypatch):
                            device=DEVICE)
     ranges = torch.tensor([(max(0, n - window) if window else 0, n) for n in kv_lens],
                           dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(kv_lens), hq, d, device=DEVICE).to(DTYPE)
+    slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page
+                          for t, n in zip(tables, kv_lens)], device=DEVICE)
+    positions = torch.tensor([n - 1 + 37 * i for i, n in enumerate(kv_lens)], device=DEVICE)
+    rope_cache = torch.randn(600, d, device=DEVICE)
+    qkv = torch.randn(len(kv_lens), (hq + 2 * hk) * d, device=DEVICE).to(DTYPE)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, d)
     sinks = torch.randn(hq, device=DEVICE) * 2
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = apply_rope(q.float(), k.float(), positions, rope_cache)
+    write_kv(ref_k_cache, ref_v_cache, ref_k, v, slots)
     attention = adt.DecodeAttention(8, 400, hq, hk, d, torch.device(DEVICE))
     assert attention.split == min_split and (attention.max_splits > 1 or min_split > 400)
-    out = attention(q, k_cache, v_cache, table_t, ranges, sinks, d ** -0.5, window)
-    for i, n in enumerate(kv_lens):
-        blocks_i = torch.tensor(tables[i], device=DEVICE)
-        keys = k_cache[blocks_i].flatten(0, 1)[:n]
-        values = v_cache[blocks_i].flatten(0, 1)[:n]
-        ref = attend(q[i:i + 1], keys, values, sinks, torch.tensor([n - 1], device=DEVICE),
-                     torch.arange(n, device=DEVICE), window, d ** -0.5)
-        got = out[i].view(hq, d).float()
-        assert ((got - ref[0]).norm() / ref[0].norm()).item() < TOL, (i, n)
+    for _ in range(2):
+        out = attention(q, k, v, k_cache, v_cache, slots, positions, rope_cache, table_t, ranges,
+                        sinks, d ** -0.5, window)
+        assert not attention.tickets.any()
+        for i, n in enumerate(kv_lens):
+            blocks_i = torch.tensor(tables[i], device=DEVICE)
+            keys = ref_k_cache[blocks_i].flatten(0, 1)[:n]
+            values = ref_v_cache[blocks_i].flatten(0, 1)[:n]
+            ref = attend(ref_q[i:i + 1], keys, values, sinks, torch.tensor([n - 1], device=DEVICE),
+                         torch.arange(n, device=DEVICE), window, d ** -0.5)
+            got = out[i].view(hq, d).float()
+            assert ((got - ref[0]).norm() / ref[0].norm()).item() < TOL, (i, n)
+    stored = (k_cache.flatten(0, 1)[slots].float(), v_cache.flatten(0, 1)[slots])
+    assert ((stored[0] - ref_k).norm() / ref_k.norm()).item() < TOL
+    assert torch.equal(stored[1], v)
+    untouched = torch.ones(blocks * page, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k_cache.flatten(0, 1)[untouched], ref_k_cache.flatten(0, 1)[untouched])
+
+
+def test_negative_slot_stores_nothing():
+    """A sequence whose slot is < 0 (padding) leaves the cache as it was."""
+    hq, hk, d, page = 16, 2, 64, 16
+    k_cache = torch.randn(4, page, hk, d, device=DEVICE).to(DTYPE)
+    v_cache = torch.randn(4, page, hk, d, device=DEVICE).to(DTYPE)
+    before = (k_cache.clone(), v_cache.clone())
+    q = torch.randn(1, hq, d, device=DEVICE).to(DTYPE)
+    k = torch.randn(1, hk, d, device=DEVICE).to(DTYPE)
+    v = torch.randn(1, hk, d, device=DEVICE).to(DTYPE)
+    attention = adt.DecodeAttention(1, 64, hq, hk, d, torch.device(DEVICE))
+    out = attention(q, k, v, k_cache, v_cache, torch.tensor([-1], device=DEVICE),
+                    torch.tensor([5], device=DEVICE), torch.randn(64, d, device=DEVICE),
+                    torch.tensor([[2]], dtype=torch.int32, device=DEVICE),
+                    torch.tensor([[0, 6]], dtype=torch.int32, device=DEVICE),
+                    torch.zeros(hq, device=DEVICE), d ** -0.5)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    assert out.isfinite().all()

@@ -37,6 +37,7 @@ def test_gpu_wiring(monkeypatch):
         launch.enable_pdl(False)
     assert kernels.names["pdl"] == "on"
     assert isinstance(kernels.moe, functools.partial) and kernels.moe.keywords["gemv"].f16x2
+    assert kernels.moe_norm.keywords["gemv"].f16x2
     assert kernels.mxfp4_linear.keywords == {"f16x2": True}
     assert kernels.names["moe"] == "triton-f16x2" and kernels.names["pdl"] == "on"
 

@@ -49,6 +49,16 @@ def attention_setup():
     return fi, ref, (hq, hk, d, bs, blocks)
 
 
+def _rope_table(n):
+    """gpt-oss's YaRN cos/sin table for n positions."""
+    from tinyoss.config import ModelConfig
+    from tinyoss.model.presets import GENERATION_CONFIG, preset_config
+    from tinyoss.model.rope import cos_sin_cache
+
+    config = ModelConfig.from_dict(preset_config("gpt-oss-20b"), GENERATION_CONFIG)
+    return cos_sin_cache(config.rope, config.head_dim, n, torch.device("cuda"))
+
+
 def _meta(query_lens, seq_lens, bs, blocks, windows, rng):
     from tinyoss.kernels.attention import AttentionMetadata, GroupMetadata
 
@@ -83,13 +93,16 @@ def test_flashinfer_sink_attention_matches_reference(attention_setup, query_lens
     k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(hq, device="cuda") * 2
+    pos = torch.tensor([p for ql, n in zip(query_lens, seq_lens) for p in range(n - ql, n)],
+                       device="cuda")
+    rope = _rope_table(4096)
     for layer in (0, 1):
         fi.plan(meta)
         ref.plan(meta)
-        out = fi(layer, q, k, v, sinks)
-        expected = ref(layer, q, k, v, sinks)
+        out = fi(layer, q.clone(), k.clone(), v, sinks, pos, rope)  # prefill rotates in place
+        expected = ref(layer, q, k, v, sinks, pos, rope)
         assert _rel(out, expected) < ATTN_TOL, (layer, _rel(out, expected))
-        no_sink = ref(layer, q, k, v, torch.full_like(sinks, -1e4))
+        no_sink = ref(layer, q, k, v, torch.full_like(sinks, -1e4), pos, rope)
         assert _rel(out, no_sink) > 3 * _rel(out, expected)  # the sinks were not ignored
 
 
@@ -100,10 +113,11 @@ def test_graph_mode_plan_pads_and_matches_unpadded(attention_setup):
     k = torch.randn(4, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(4, hk, d, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(hq, device="cuda")
+    pos, rope = torch.tensor([4, 299, 139, 0], device="cuda"), _rope_table(512)
     fi.plan(meta, graph_size=4)
-    padded = fi(1, q, k, v, sinks)
+    padded = fi(1, q, k, v, sinks, pos, rope)
     fi.plan(meta)
-    eager = fi(1, q[:3], k[:3], v[:3], sinks)
+    eager = fi(1, q[:3], k[:3], v[:3], sinks, pos[:3], rope)
     assert _rel(padded[:3], eager) < 1e-3
 
 

@@ -265,3 +265,25 @@ def test_captures_in_cuda_graph(t):
     ids.copy_(ids2)
     graph.replay()
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
+
+
+@pytest.mark.parametrize("t", [1, 3, 12])
+def test_moe_norm_is_moe_then_add_rms_norm(t):
+    """The combine fused with the residual add and the next RMSNorm: the same bits as
+    `moe_triton` then `rms_norm_triton` (pair GEMV at T <= 8, grouped GEMMs above), the new
+    residual written over the old."""
+    from tinyoss.kernels.layer_ops_triton import rms_norm_triton
+
+    x, weights, ids, w = inputs(400 + t, t)
+    gen = torch.Generator().manual_seed(t)
+    residual = (torch.randn(t, H, generator=gen) * 3).to(DEVICE, DTYPE)
+    norm_w = (torch.rand(H, generator=gen) + 0.5).to(DEVICE)
+    gemv = GEMV if t <= mt.GEMV_MAX_TOKENS else None
+    moe = mt.moe_gemv(x, weights, ids, w, GEMV) if gemv else mt.moe_prefill(x, weights, ids, w)
+    want, want_res = rms_norm_triton(moe, norm_w, 1e-5, residual.clone())
+    res = residual.clone()
+    got, got_res = mt.moe_norm_triton(x, weights, ids, w, res, norm_w, 1e-5, gemv=gemv)
+    assert got_res is res and torch.equal(got_res, want_res) and torch.equal(got, want)
+    assert not got.isnan().any()
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        mt.moe_norm_triton(x, weights, ids, w, residual.T, norm_w, 1e-5)

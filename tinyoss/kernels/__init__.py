@@ -16,14 +16,12 @@ import torch.nn.functional as F
 
 from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
-from tinyoss.model.rope import apply_rope
 
 # (x, topk_weights, topk_ids, experts): experts is what `prepare_experts` made (else ExpertWeights)
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 PrepareFn = Callable[[ExpertWeights], Any]
 Pair = tuple[torch.Tensor, torch.Tensor]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], Pair]
-RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Pair]
 RouterFn = Callable[[torch.Tensor, int], Pair]
 # (x [M, K], blocks [N, K/32, 16], scales [N, K/32], bias [N] | None) -> [M, N]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -35,6 +33,10 @@ NormRouteFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor, int],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ]
+# (x, topk weights, topk ids, experts, residual, norm weight, eps) -> (normed, residual):
+# `Kernels.moe_then_norm` in one fused call
+MoENormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor, torch.Tensor,
+                      float], Pair]
 
 
 def rms_norm_torch(
@@ -63,14 +65,15 @@ class Kernels:
     # The context the MoE warm-up runs in (FlashInfer's autotuner profiles tactics inside it).
     moe_warmup: Callable[[], AbstractContextManager] = contextlib.nullcontext
     rms_norm: NormFn = rms_norm_torch
-    rope: RopeFn = apply_rope
     router_topk: RouterFn = router_topk_torch
     mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
     linear: DenseFn = F.linear  # q/k/v, o, router, lm_head
     # The norm after attention, the router and its top-k fused (None: the kernels above in turn)
     norm_route: NormRouteFn | None = None
+    # The experts, the residual add and the next RMSNorm fused (None: `moe`, then `rms_norm`)
+    moe_norm: MoENormFn | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
-        ("moe", "norm", "rope", "router", "mxfp4_linear", "linear"), "torch"))
+        ("moe", "norm", "router", "mxfp4_linear", "linear"), "torch"))
 
     def post_attention(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -83,3 +86,14 @@ class Kernels:
         x, residual = self.rms_norm(x, norm_weight, eps, residual)
         weights, ids = self.router_topk(self.linear(x, router_weight, router_bias), k)
         return x, residual, weights, ids
+
+    def moe_then_norm(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: Any,
+        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ends a layer: the experts' output y, then (norm(y + residual), y + residual) with
+        the next layer's input norm (or the final one)."""
+        if self.moe_norm is not None:
+            return self.moe_norm(x, topk_weights, topk_ids, experts, residual, norm_weight, eps)
+        return self.rms_norm(self.moe(x, topk_weights, topk_ids, experts), norm_weight, eps,
+                             residual)

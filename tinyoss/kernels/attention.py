@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyoss.model.rope import apply_rope
+
 
 @dataclass
 class GroupMetadata:
@@ -51,11 +53,15 @@ class TorchAttention:
         self.meta = meta
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D], sinks [Hq] -> [T, Hq * D]; stores k/v in the cache first"""
+        """q [T, Hq, D], k/v [T, Hk, D] (q and k not yet rotated), sinks [Hq], positions [T],
+        rope_cache [max_len, D] -> [T, Hq * D]; rotates q and k (`apply_rope`) and stores k/v in
+        the cache first."""
         meta = self.meta
         assert meta is not None, "plan() must run before attention"
+        q, k = apply_rope(q, k, positions, rope_cache)
         group = meta.groups[self.layer_groups[layer]]
         k_cache, v_cache = self.kv_caches[layer]
         write_kv(k_cache, v_cache, k, v, group.slot_mapping)

@@ -5,11 +5,17 @@ of host time per cache group and step, more than the attention itself at batch 1
 needs no plan: each step only copies the block tables and key ranges into fixed buffers, so it
 replays inside CUDA graphs as is.
 
-Flash-decoding in two launches: programs (sequence, KV head, split) each take up to SPLIT keys
-of the sequence's range for the KV head's group of query heads and write a partial softmax
-(max, sum, weighted values); a second launch merges the splits and adds the head's sink to the
-denominator: out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)). A sliding
-window no longer than a split is always one split: its layers finish in the first launch.
+Flash-decoding in one launch: programs (sequence, KV head, split) each take up to SPLIT keys of
+the sequence's range for the KV head's group of query heads and write a partial softmax (max,
+sum, weighted values); the last program of a (sequence, KV head) to finish (a ticket, reset by
+it) merges the splits and adds the head's sink to the denominator: out = sum_s e^(m_s - M) acc_s
+/ (sum_s e^(m_s - M) l_s + e^(sink - M)). A sliding window no longer than a split is one split,
+which writes the output itself.
+
+Each program also applies the rotary embedding to its queries, and the program holding the
+newest key rotates it and stores it and its value in the cache before reading the cache: the
+rope and K/V-store launches of a decode step live here (what `rope_triton` and
+`store_kv_triton` do for prefill, with the same arithmetic).
 """
 
 from __future__ import annotations
@@ -30,13 +36,25 @@ BLOCK_KV = 64
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, acc_ptr, sinks_ptr,
-                    out_ptr, scale, max_splits, table_stride, q_stride, HK: tl.constexpr,
+def _rotated(ptr, rows, ok, d, cos, sin, HALF: tl.constexpr):
+    """Rows [R, D] at ptr + rows * D + d rotated half-split (NeoX) in fp32 and rounded back to
+    the tensor's dtype, as `layer_ops_triton._rotate_heads` does."""
+    x = tl.load(ptr + rows[:, None] * (2 * HALF) + d[None, :], mask=ok[:, None], other=0.0)
+    partner = tl.load(ptr + rows[:, None] * (2 * HALF) + ((d + HALF) % (2 * HALF))[None, :],
+                      mask=ok[:, None], other=0.0).to(tl.float32)
+    rot = tl.where((d < HALF)[None, :], -partner, partner)
+    return (x.to(tl.float32) * cos[None, :] + rot * sin[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rope_ptr, tables_ptr,
+                    ranges_ptr, m_ptr, l_ptr, acc_ptr, tickets_ptr, sinks_ptr, out_ptr, scale,
+                    max_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
                     FINAL: tl.constexpr, USE_PDL: tl.constexpr):
-    """One split's partial softmax into m, l, acc; FINAL (every range fits one split): the
-    attention output itself, sink included, into out."""
+    """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
+    (every range fits one split): the attention output itself, sink included, into out."""
     pdl_start(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -47,11 +65,23 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, a
     if start >= hi:
         return
     end = tl.minimum(hi, start + SPLIT)
-    rows = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    cos = tl.load(rope_ptr + pos * D + d % (D // 2))
+    sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
+    if end == hi:  # this split holds the newest key: rotate it, store it and its value
+        one = tl.arange(0, 1)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        k_new = _rotated(kn_ptr + b * kv_stride + h * D, one, one >= 0, d, cos, sin, D // 2)
+        v_new = tl.load(vn_ptr + b * kv_stride + h * D + one[:, None] * D + d[None, :])
+        row = (slot * HK + h) * D + one[:, None] * D + d[None, :]
+        keep = (row * 0 + slot) >= 0  # slot < 0: padding, not stored
+        tl.store(k_ptr + row, k_new.to(k_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_ptr + row, v_new.to(v_ptr.dtype.element_ty), mask=keep)
+        tl.debug_barrier()  # the stores reach the cache before this program reads it
+    rows = tl.arange(0, GROUP_PAD)
     heads = h * GROUP + rows
-    q = tl.load(q_ptr + b * q_stride + heads[:, None] * D + d[None, :],
-                mask=(rows < GROUP)[:, None], other=0.0)
+    q = _rotated(q_ptr + b * q_stride, heads, rows < GROUP, d, cos, sin, D // 2)
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
@@ -70,47 +100,43 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ranges_ptr, m_ptr, l_ptr, a
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
+    valid = rows < GROUP
+    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
+    dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
     if FINAL:
-        valid = rows < GROUP
-        sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
         big = tl.maximum(m, sink)
         w = tl.exp(m - big)
         w = w / (w * l_sum + tl.exp(sink - big))
-        tl.store(out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :],
-                 (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        tl.store(dst, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
     else:
-        out = ((b * HK + h) * max_splits + s) * GROUP_PAD + rows
-        tl.store(m_ptr + out, m)
-        tl.store(l_ptr + out, l_sum)
-        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
+        base = (b * HK + h) * max_splits * GROUP_PAD
+        idx = base + s * GROUP_PAD + rows
+        tl.store(m_ptr + idx, m)
+        tl.store(l_ptr + idx, l_sum)
+        tl.store(acc_ptr + idx[:, None] * D + d[None, :], acc)
+        tl.debug_barrier()  # every thread's partials are stored before the ticket releases them
+        n = tl.cdiv(hi - lo, SPLIT)
+        ticket = tickets_ptr + b * HK + h
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == n - 1:
+            _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD, D)
+            tl.atomic_xchg(ticket, 0)
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, ranges_ptr, sinks_ptr, out_ptr, max_splits,
-                  HK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  D: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    n = tl.cdiv(tl.load(ranges_ptr + 2 * b + 1) - tl.load(ranges_ptr + 2 * b), SPLIT)
-    rows = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
-    heads = h * GROUP + rows
-    valid = rows < GROUP
-    big = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
-    sink = big
-    base = (b * HK + h) * max_splits * GROUP_PAD
+def _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD: tl.constexpr,
+           D: tl.constexpr):
+    """The n splits' partials at base (read past L1: other programs wrote them) into dst."""
+    big = sink
     for s in range(0, n):
-        big = tl.maximum(big, tl.load(m_ptr + base + s * GROUP_PAD + rows))
+        big = tl.maximum(big, tl.load(m_ptr + base + s * GROUP_PAD + rows, cache_modifier=".cg"))
     denom = tl.exp(sink - big)
     num = tl.zeros((GROUP_PAD, D), tl.float32)
     for s in range(0, n):
         idx = base + s * GROUP_PAD + rows
-        w = tl.exp(tl.load(m_ptr + idx) - big)
-        denom += w * tl.load(l_ptr + idx)
-        num += w[:, None] * tl.load(acc_ptr + idx[:, None] * D + d[None, :])
-    tl.store(out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :],
-             (num / denom[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        w = tl.exp(tl.load(m_ptr + idx, cache_modifier=".cg") - big)
+        denom += w * tl.load(l_ptr + idx, cache_modifier=".cg")
+        num += w[:, None] * tl.load(acc_ptr + idx[:, None] * D + d[None, :], cache_modifier=".cg")
+    tl.store(dst, (num / denom[:, None]).to(dst.dtype.element_ty), mask=valid[:, None])
 
 
 class DecodeAttention:
@@ -126,24 +152,29 @@ class DecodeAttention:
         self.m = torch.empty(shape, dtype=torch.float32, device=device)
         self.l_sum = torch.empty(shape, dtype=torch.float32, device=device)
         self.acc = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
+        # Zeroed once; every launch leaves them zero (the merging program resets its own), so
+        # CUDA graphs replay without a memset.
+        self.tickets = torch.zeros(max_batch, num_kv_heads, dtype=torch.int32, device=device)
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 tables: torch.Tensor, ranges: torch.Tensor, sinks: torch.Tensor,
-                 scale: float, window: int = 0) -> torch.Tensor:
-        """q [B, Hq, D] (one query per sequence), tables [B, max_blocks] int32, ranges [B, 2]
-        int32 (first and end key index within the table's tokens; at most `window` keys when
-        nonzero) -> out [B, Hq * D]."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 rope_cache: torch.Tensor, tables: torch.Tensor, ranges: torch.Tensor,
+                 sinks: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+        """q [B, Hq, D], k and v [B, Hk, D] (one new token per sequence, not yet rotated; views
+        into the q/k/v output are fine), slots [B] (their cache slots; < 0: not stored),
+        positions [B], rope_cache [max_len, D] (cos | sin), tables [B, max_blocks] int32,
+        ranges [B, 2] int32 (first and end key index within the table's tokens, the new key
+        last; at most `window` keys when nonzero) -> out [B, Hq * D]."""
         b = q.shape[0]
         page = k_cache.shape[1]
+        assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride(0) == v.stride(0)
+        assert q.stride(1) == k.stride(1) == v.stride(1) == self.d
         common = dict(HK=self.hk, GROUP=self.group, GROUP_PAD=self.group_pad, D=self.d)
         out = torch.empty(b, self.hk * self.group * self.d, dtype=q.dtype, device=q.device)
         final = 0 < window <= self.split
         _partial_kernel[(b, self.hk, 1 if final else self.max_splits)](
-            q, k_cache, v_cache, tables, ranges, self.m, self.l_sum, self.acc, sinks, out, scale,
-            self.max_splits, tables.stride(0), q.stride(0), PAGE=page, SPLIT=self.split,
+            q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
+            self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits,
+            tables.stride(0), q.stride(0), k.stride(0), PAGE=page, SPLIT=self.split,
             BLOCK_KV=BLOCK_KV, FINAL=final, **common, **pdl_options(q))
-        if not final:
-            _merge_kernel[(b, self.hk)](self.m, self.l_sum, self.acc, ranges, sinks, out,
-                                        self.max_splits, SPLIT=self.split, **common,
-                                        **pdl_options(q))
         return out

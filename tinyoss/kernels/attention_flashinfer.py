@@ -5,7 +5,8 @@ wrappers silently ignore `sinks` on Hopper, so prefill and mixed steps go throug
 `BatchAttentionWithAttentionSinkWrapper`, one per cache group (its sliding window is compiled
 into the kernel), planned once per step. Pure decode steps (one query per sequence, the steps
 CUDA graphs replay) use `DecodeAttention`, which needs no host-side plan at all: planning only
-copies block tables and key ranges into fixed buffers.
+copies block tables and key ranges into fixed buffers, and it also applies the rotary embedding
+and stores the new K/V rows (no separate launches for them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from tinyoss.kernels.attention import AttentionMetadata
 from tinyoss.kernels.attention_decode_triton import DecodeAttention
-from tinyoss.kernels.layer_ops_triton import store_kv_triton
+from tinyoss.kernels.layer_ops_triton import rope_triton, store_kv_triton
 
 WORKSPACE_BYTES = 256 * 2**20
 
@@ -93,15 +94,20 @@ class FlashInferAttention:
             kv_data_type=self.dtype, sm_scale=self.scale)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 sinks: torch.Tensor) -> torch.Tensor:
+                 sinks: torch.Tensor, positions: torch.Tensor,
+                 rope_cache: torch.Tensor) -> torch.Tensor:
+        """As `TorchAttention`: q/k not yet rotated. A decode step rotates and stores inside
+        the attention launch; prefill rotates q and k in place, stores, then runs FlashInfer."""
         g = self.layer_groups[layer]
         k_cache, v_cache = self.kv_caches[layer]
         t = q.shape[0]
-        store_kv_triton(k_cache, v_cache, k, v, self.slots[g][:t])
         if self.decoding:
-            return self.decode_attention(q, k_cache, v_cache, self.tables[g][:t],
+            return self.decode_attention(q, k, v, k_cache, v_cache, self.slots[g][:t],
+                                         positions, rope_cache, self.tables[g][:t],
                                          self.ranges[g][:t], sinks, self.scale,
                                          self.group_windows[g])
+        q, k = rope_triton(q, k, positions, rope_cache)
+        store_kv_triton(k_cache, v_cache, k, v, self.slots[g][:t])
         out = self.prefill[g].run(q.contiguous(), (k_cache, v_cache), sinks, self.scale)
         return out.view(t, -1)
 

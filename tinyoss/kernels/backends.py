@@ -78,19 +78,14 @@ def select_backends(
         from tinyoss.kernels.layer_ops_triton import (
             norm_route_triton,
             rms_norm_triton,
-            rope_triton,
             router_topk_triton,
         )
         from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
 
-        kernels.rms_norm, kernels.rope, kernels.router_topk = (
-            rms_norm_triton,
-            rope_triton,
-            router_topk_triton,
-        )
+        kernels.rms_norm, kernels.router_topk = rms_norm_triton, router_topk_triton
         kernels.mxfp4_linear = mxfp4_linear
         kernels.norm_route = norm_route_triton
-        kernels.names.update(norm="triton", rope="triton", router="triton+norm",
+        kernels.names.update(norm="triton", router="triton+norm",
                              mxfp4_linear="triton")
     _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
@@ -148,12 +143,13 @@ def _experimental(kernels: Kernels, device: torch.device, moe_backend: str) -> N
         kernels.names["pdl"] = "on"
     if "f16x2" in names:
         from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
-        from tinyoss.kernels.moe_triton import GemvConfig, moe_triton
+        from tinyoss.kernels.moe_triton import GemvConfig, moe_norm_triton, moe_triton
 
         kernels.mxfp4_linear = functools.partial(mxfp4_linear, f16x2=True)
         kernels.names["mxfp4_linear"] = "triton-f16x2"
         if moe_backend == "triton":
             kernels.moe = functools.partial(moe_triton, gemv=GemvConfig(f16x2=True))
+            kernels.moe_norm = functools.partial(moe_norm_triton, gemv=GemvConfig(f16x2=True))
             kernels.names["moe"] = "triton-f16x2"
     if names:
         log.warning("%s=%s: experimental kernels on", EXPERIMENTAL_ENV, ",".join(names))

@@ -147,9 +147,10 @@ def choose(requested: str | None, p: Platform) -> MoEChoice:
 def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) -> None:
     """Points `kernels` at `backend`; `max_num_tokens` bounds what its autotuner must cover."""
     if backend == "triton":
-        from tinyoss.kernels.moe_triton import moe_triton
+        from tinyoss.kernels.moe_triton import moe_norm_triton, moe_triton
 
         kernels.moe = moe_triton
+        kernels.moe_norm = moe_norm_triton
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass
 

@@ -367,6 +367,29 @@ def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
     tl.store(out_ptr + t * H + cols, tot.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _combine_norm(y_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
+                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Token t (program 0): moe = sum over k of y[t*TOPK + k], rounded to the activation dtype
+    as `_combine` stores it; x = moe + res[t] (rounded likewise) over res[t]; out[t] =
+    w * x * rsqrt(mean(x^2) + eps), as `layer_ops_triton._add_rms_norm_kernel` computes it."""
+    pdl_start(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    tot = tl.zeros((BLOCK,), tl.float32)
+    for k in tl.static_range(TOPK):
+        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
+    x = (tot.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(res_ptr + t * H + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, (w * (xf * rstd)).to(dtype), mask=ok)
+
+
 # ------------------------------------------------------------------------------------------------
 # Host side: checks and launches (no host synchronisation anywhere)
 
@@ -397,6 +420,14 @@ def _strides(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int,
     """Expert and row strides of blocks and scales. Passed as ints, so Triton sees that a row's
     K/2 bytes start 16-byte aligned (K/2 = 1440 is a multiple of 16) and vectorizes."""
     return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+
+
+def _combine_pairs(y: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H] = the sum of each token's K rows of y [T * K, H] (`_combine`)."""
+    t, h = out.shape
+    if t:
+        _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=y.shape[0] // t, BLOCK_N=1024,
+                                            **pdl_options(out))
 
 
 def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -436,19 +467,26 @@ def moe_prefill(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prefill path: pairs sorted by expert on the device, grouped GEMMs, top-k combine."""
+    out = _output(x, out)
+    _combine_pairs(_prefill_pairs(x, topk_weights, topk_ids, w, config), out)
+    return out
+
+
+def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   w: ExpertWeights, config: PrefillConfig | None) -> torch.Tensor:
+    """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by grouped GEMMs."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
     _check_tiles(x, cfg.mode, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
-    out = _output(x, out)
-    if t == 0:
-        return out
     pairs = t * k
+    y = _empty((pairs, h), torch.float32, x.device)
+    if t == 0:
+        return y
     x = x.contiguous()
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     bounds = torch.arange(e + 1, device=x.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, bounds)  # [E+1]: first sorted row of each expert
     act = _empty((pairs, i), x.dtype, x.device)
-    y = _empty((pairs, h), torch.float32, x.device)
     n_tiles = triton.cdiv(pairs, cfg.block_m) + e  # static bound on sum_e ceil(count_e / BLOCK_M)
     common = {
         "E_PAD": triton.next_power_of_2(e),
@@ -493,8 +531,7 @@ def moe_prefill(
         BLOCK_N=cfg.block_n2,
         **common,
     )
-    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024, **pdl_options(x))
-    return out
+    return y
 
 
 # ------------------------------------------------------------------------------------------------
@@ -643,17 +680,24 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The pair-GEMV path: x [T, H] -> [T, H]; three launches (four with f16x2, which packs
     x first), no host synchronisation."""
+    out = _output(x, out)
+    _combine_pairs(_gemv_pairs(x, topk_weights, topk_ids, w, config), out)
+    return out
+
+
+def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                w: ExpertWeights, config: GemvConfig | None) -> torch.Tensor:
+    """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
         raise ValueError(f"block_k must be a power of two >= 32 and block_n1 even: {cfg}")
-    out = _output(x, out)
-    if t == 0:
-        return out
     pairs = t * k
+    y = _empty((pairs, h), torch.float32, x.device)
+    if t == 0:
+        return y
     ids = topk_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    y = _empty((pairs, h), torch.float32, x.device)
     launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
               **pdl_options(x)}
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
@@ -678,8 +722,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         _pair_gemv[grid_dn](
             act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit, SWIGLU=False,
             BLOCK_N=cfg.block_n2, **launch)
-    _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=k, BLOCK_N=1024, **pdl_options(x))
-    return out
+    return y
 
 
 def moe_triton(
@@ -697,3 +740,31 @@ def moe_triton(
     if x.shape[0] <= GEMV_MAX_TOKENS:
         return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out)
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
+
+
+def moe_norm_triton(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: ExpertWeights,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gemv: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Kernels.moe_then_norm`: `moe_triton`, whose top-k combine also adds the residual and
+    takes the RMSNorm (one launch for what was two): (norm(moe + residual), moe + residual),
+    the new residual written over `residual`. Same bits as `moe_triton` then `rms_norm_triton`."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(f"residual must be contiguous {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv)
+    else:
+        y = _prefill_pairs(x, topk_weights, topk_ids, w, None)
+    t, h = x.shape
+    normed = _empty((t, h), x.dtype, x.device)
+    if t:
+        _combine_norm[(t,)](y, residual, norm_weight, normed, h, eps, TOPK=topk_ids.shape[1],
+                            BLOCK=triton.next_power_of_2(h), num_warps=8, **pdl_options(x))
+    return normed, residual

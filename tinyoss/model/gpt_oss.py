@@ -2,7 +2,8 @@
 
 Module and parameter names follow the Hugging Face checkpoint, except that q/k/v are held as one
 `qkv_proj` (one matmul instead of three). Attention goes through the backend passed to
-`forward` (it owns the paged KV cache); the MoE and norms go through `Kernels`.
+`forward` (it owns the paged KV cache and applies the rotary embedding, so that a GPU backend
+fuses it into its own launches); the MoE and norms go through `Kernels`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from tinyoss.model.rope import cos_sin_cache
 
 
 class AttentionBackend(Protocol):
+    """Owns the paged KV cache, and the rotary embedding of q and k: a GPU backend applies it
+    inside its K/V store and attention launches (`rope_cache` from `cos_sin_cache`)."""
+
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor,
     ) -> torch.Tensor: ...
 
 
@@ -76,8 +81,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.kernels.rope(q, k, positions, rope_cache)
-        return self.o_proj(attn(self.layer, q, k, v, self.sinks))
+        return self.o_proj(attn(self.layer, q, k, v, self.sinks, positions, rope_cache))
 
 
 class Experts(nn.Module):
@@ -123,16 +127,20 @@ class Experts(nn.Module):
         for p in self.parameters():
             p.data = p.data.new_empty(0)
 
+    def packed(self) -> object:
+        """What the MoE kernel reads: the kernel's own layout, or the checkpoint's."""
+        return self.weights() if self.prepared is None else self.prepared
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        w = self.weights() if self.prepared is None else self.prepared
-        return self.kernels.moe(x, topk_weights, topk_ids, w)
+        return self.kernels.moe(x, topk_weights, topk_ids, self.packed())
 
 
 class MoE(nn.Module):
-    """The router and the experts. The router runs in `DecoderLayer.forward`, fused with the
-    norm before it where the kernels can (`Kernels.post_attention`)."""
+    """The router and the experts. Both run in `DecoderLayer.forward`: the router fused with the
+    norm before it (`Kernels.post_attention`), the experts with the norm after
+    (`Kernels.moe_then_norm`), where the kernels can."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
@@ -153,17 +161,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
         positions: torch.Tensor,
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(x, residual)
+        """x is this layer's `input_layernorm` output (applied by the layer before, which fuses
+        it with its experts, or by the model for layer 0). Returns next_norm(h + residual) and
+        h + residual for the layer's output h: the next layer's input, ready."""
         x = self.self_attn(x, positions, rope_cache, attn)
         norm, router = self.post_attention_layernorm, self.mlp.router
         x, residual, top_weights, top_ids = self.kernels.post_attention(
             x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k)
-        return self.mlp.experts(x, top_weights, top_ids), residual
+        return self.kernels.moe_then_norm(x, top_weights, top_ids, self.mlp.experts.packed(),
+                                          residual, next_norm.weight, next_norm.eps)
 
 
 class GptOssModel(nn.Module):
@@ -197,11 +209,12 @@ class GptOssForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] (tokens of all sequences, back to back) -> hidden [T, H]."""
         assert self.rope_cache is not None, "init_runtime() must run before forward()"
-        x = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.rope_cache, attn)
-        return self.model.norm(x, residual)[0]
+        layers = self.model.layers
+        x, residual = layers[0].input_layernorm(self.model.embed_tokens(input_ids))
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, residual = layer(x, residual, positions, self.rope_cache, attn, nxt)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
