@@ -237,7 +237,7 @@ def test_gpt_oss_20b_shapes(t):
 @pytest.mark.parametrize("t", [1, 2, 8])
 def test_gpt_oss_20b_shapes_f16x2(t):
     x, weights, ids, w = big_case(t, t)
-    out = mt.moe_gemv(x, weights, ids, w, mt.GemvConfig(f16x2=True))
+    out = mt.moe_gemv(x, weights, ids, w, mt.F16X2_GEMV)
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
 
 

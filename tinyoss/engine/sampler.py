@@ -68,7 +68,7 @@ class SamplingBatch:
 
     size: int
     vocab_size: int
-    greedy: Tensor | None  # [B] bool, None when no row is greedy
+    greedy: Tensor | None  # [B] bool, only when some rows are greedy and some are not
     all_greedy: bool
     temperature: Tensor | None  # [B, 1], 1 on greedy rows; None when all rows are greedy
     min_p: Tensor | None  # [B, 1], None when no random row uses min_p
@@ -105,7 +105,7 @@ class SamplingBatch:
         return cls(
             size=b,
             vocab_size=v,
-            greedy=_dev(greedy, torch.bool, device) if any(greedy) else None,
+            greedy=_dev(greedy, torch.bool, device) if any(greedy) and rand else None,
             all_greedy=not rand,
             temperature=_col([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
             if rand
@@ -157,7 +157,7 @@ class Sampler:
             x.index_put_(batch.banned, x.new_full((), _NEG_INF))  # a Python scalar would sync
         if batch.penalties is not None:
             x = _apply_penalties(x, batch.penalties)
-        tokens = x.argmax(-1) if batch.greedy is not None else None
+        tokens = x.argmax(-1) if batch.all_greedy or batch.greedy is not None else None
         if not batch.all_greedy:
             sampled = _race(_filter(x, batch), batch)
             tokens = sampled if tokens is None else torch.where(batch.greedy, tokens, sampled)

@@ -143,13 +143,13 @@ def _experimental(kernels: Kernels, device: torch.device, moe_backend: str) -> N
         kernels.names["pdl"] = "on"
     if "f16x2" in names:
         from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
-        from tinyoss.kernels.moe_triton import GemvConfig, moe_norm_triton, moe_triton
+        from tinyoss.kernels.moe_triton import F16X2_GEMV, moe_norm_triton, moe_triton
 
         kernels.mxfp4_linear = functools.partial(mxfp4_linear, f16x2=True)
         kernels.names["mxfp4_linear"] = "triton-f16x2"
         if moe_backend == "triton":
-            kernels.moe = functools.partial(moe_triton, gemv=GemvConfig(f16x2=True))
-            kernels.moe_norm = functools.partial(moe_norm_triton, gemv=GemvConfig(f16x2=True))
+            kernels.moe = functools.partial(moe_triton, gemv=F16X2_GEMV)
+            kernels.moe_norm = functools.partial(moe_norm_triton, gemv=F16X2_GEMV)
             kernels.names["moe"] = "triton-f16x2"
     if names:
         log.warning("%s=%s: experimental kernels on", EXPERIMENTAL_ENV, ",".join(names))

@@ -542,24 +542,31 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 # instructions a weight against 5.1 (bench/offline_sass.py). Measured on the H100 at 20b shapes
 # (bench/results/2026-11-23_h100_moe_kernels_d4beb31.txt): 50 us against 45 at T=1, 78 against
 # 75 at T=2, 206 against 247 at T=8, at a relative error of 2e-3 against 1e-6; so it is chosen
-# only by `GemvConfig(f16x2=True)`.
+# only by `F16X2_GEMV` (or any `GemvConfig(f16x2=True)`).
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
-    row per step: 16 rows x 512 values is 4 KB a step, 64 bytes a thread. The best of the
-    sweeps on the H100 at 20b shapes (bench/moe_kernels.py): 45.7 us at T=1. Loading the next
-    step ahead measured slower, into registers (126 registers, 51 us) or through shared memory
-    with Triton's pipeliner (`tl.range(num_stages=)`, 62-67 us); so the K loop has no dot and
-    `num_stages` changes nothing (bench/results/2026-11-23_h100_kernels_e5bac60.txt)."""
+    row per step: 8 rows x 512 values on one warp is 2 KB a step, 64 bytes a thread. The best of
+    the sweeps on the H100 at 20b shapes (bench/moe_kernels.py): 45.0 us at T=1 against 45.7 for
+    16/16/512 on two warps; gate_up 28.8 against 29.9 us and down 17.5 against 18.4 alone
+    (bench/results/2026-11-24_h100_moe_gemv_ablation.txt); decode 2.310 against 2.324 ms/step.
+    Loading the next step ahead measured slower, into registers (126 registers, 51 us) or
+    through shared memory with Triton's pipeliner (`tl.range(num_stages=)`, 62-67 us); so the K
+    loop has no dot and `num_stages` changes nothing
+    (bench/results/2026-11-23_h100_kernels_e5bac60.txt)."""
 
-    block_n1: int = 16
-    block_n2: int = 16
+    block_n1: int = 8
+    block_n2: int = 8
     block_k: int = 512
-    num_warps: int = 2
+    num_warps: int = 1
     num_stages: int = 4
     f16x2: bool = False  # `_pair_gemv_f16x2` instead of `_pair_gemv`
+
+
+# The f16x2 kernel's tiles, as measured against the fp32 one (d4beb31)
+F16X2_GEMV = GemvConfig(block_n1=16, block_n2=16, num_warps=2, f16x2=True)
 
 
 # Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
