@@ -13,7 +13,8 @@ TINYOSS_EXPERIMENTAL (a comma list) turns them on, for the benchmark to compare.
 H100, gpt-oss-20b (bench/results/*_d4beb31.json):
 * "pdl": programmatic dependent launch for every Triton decode kernel (Hopper and newer). Same
   tokens as without; 2.679 ms/step either way at batch 1, 7.66 against 7.81 at 8 (d4beb31,
-  when it also moved the dense layers to `linear_triton`); 2.525 against 2.519 at e5bac60.
+  when it also moved the dense layers to `linear_triton`); 2.525 against 2.519 at e5bac60;
+  2.456 against 2.324 at 75501ec (bench/results/2026-11-24_h100_kernels_d090dd4.txt).
 * "f16x2": the MXFP4 GEMVs (MoE pair GEMV, dense MXFP4 layers) with two fp16 products an
   instruction (`mxfp4_dot_triton`): 6.90 against 7.81 ms/step at batch 8, but 2.77 against
   2.68 at batch 1, and less exact (greedy tokens part from the reference on the tiny model).

@@ -14,6 +14,9 @@ every grid has a static size, so both can be captured in CUDA graphs.
   once), `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias, routing
   weight), then `_combine`. Token tiles are sized to the rows an expert gets.
 
+`moe_norm_triton` (`Kernels.moe_then_norm`) ends either path with `_combine_norm` instead: the
+top-k sum, the residual add and the next layer's RMSNorm in one launch.
+
 Both dequantize without a table: three integer ops a value on 32-bit words of eight codes put
 the code's bits into a float (see `_mx_gemm` and `_pair_gemv`). The GEMV multiplies on the CUDA
 cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs' MODE picks "dot"
