@@ -16,15 +16,18 @@ import collections
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tinyoss.kernels import linear_mxfp4_triton, linear_triton, moe_triton  # noqa: E402
+from tinyoss.kernels import (linear_mxfp4_triton, linear_triton, moe_gemv_gluon,  # noqa: E402
+                             moe_triton)
 
 PTR, I32, F32 = "ptr", 2880, 1.0  # a pointer; an int divisible by 16; a float
 
@@ -46,6 +49,8 @@ def spec(fn, args: dict, constexprs: dict) -> ASTSource:
             sig[name] = "i32"
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    if isinstance(fn, GluonJITFunction):
+        return GluonASTSource(fn, sig, constexprs, attrs)
     return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
@@ -70,6 +75,9 @@ def kernels() -> dict:
                       dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True),
                       pair_opts,
                       gv.block_n1 * gv.block_k),
+        "pair_gemv_gluon": (moe_gemv_gluon._pair_gemv_gluon, pair,
+                            dict(SWIGLU=True, HALF_N=gv.block_n1 // 2, BLOCK_K=gv.block_k,
+                                 WARPS=gv.num_warps), pair_opts, gv.block_n1 * gv.block_k),
         "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,
                             dict(SWIGLU=True, X_EBITS=0, BLOCK_N=gv.block_n1,
                                  BLOCK_K=gv.block_k, ASM=True, USE_PDL=True), pair_opts,
@@ -117,24 +125,32 @@ def loop_mix(sass: str) -> tuple[collections.Counter, int]:
     return mix, sum(mix.values())
 
 
+def compile_sass(name: str) -> tuple[str, str]:
+    """Kernel `name` of `kernels()` compiled for sm_90: (resource usage line, SASS)."""
+    fn, example, constexprs, opts, _ = kernels()[name]
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    k = triton.compile(spec(fn, example, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / f"{name}.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True,
+                               text=True).stdout.strip().splitlines()[-1].strip()
+        sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True,
+                              text=True).stdout
+    return usage, sass
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", default="all")
     p.add_argument("--dump", default=None, help="write the SASS of the (last) kernel here")
     args = p.parse_args()
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for name, (fn, example, constexprs, opts, weights) in kernels().items():
+    for name, (_, _, _, opts, weights) in kernels().items():
         if args.kernel not in ("all", name):
             continue
-        k = triton.compile(spec(fn, example, constexprs), target=GPUTarget("cuda", 90, 32),
-                           options=opts)
-        cubin = Path(f"/tmp/{name}.cubin")
-        cubin.write_bytes(k.asm["cubin"])
-        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True,
-                               text=True).stdout.strip().splitlines()[-1].strip()
-        sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True,
-                              text=True).stdout
+        usage, sass = compile_sass(name)
         if args.dump:
             Path(args.dump).write_text(sass)
         mix, total = loop_mix(sass)

@@ -8,7 +8,8 @@ every grid has a static size, so both can be captured in CUDA graphs.
 
 * pair GEMV (T <= GEMV_MAX_TOKENS): every (token, expert) pair gets its own programs, so one
   token fills the GPU; `_pair_gemv` streams gate_up rows (bias + clamped SwiGLU fused), then
-  down rows (bias, routing weight), and `_combine` sums each token's top-k rows.
+  down rows (bias, routing weight), and `_combine` sums each token's top-k rows. On a GPU the
+  same GEMV runs as a Gluon kernel with explicit layouts (`moe_gemv_gluon`), which is faster.
 * grouped GEMMs: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a
   static grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at
   once), `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias, routing
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.launch import pdl_options
+from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
 from tinyoss.kernels.pdl_triton import pdl_start
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
@@ -551,25 +553,26 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 @dataclass(frozen=True)
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
-    row per step: 8 rows x 512 values on one warp is 2 KB a step, 64 bytes a thread. The best of
-    the sweeps on the H100 at 20b shapes (bench/moe_kernels.py): 45.0 us at T=1 against 45.7 for
-    16/16/512 on two warps; gate_up 28.8 against 29.9 us and down 17.5 against 18.4 alone
-    (bench/results/2026-11-24_h100_moe_gemv_ablation.txt); decode 2.310 against 2.324 ms/step.
-    Loading the next step ahead measured slower, into registers (126 registers, 51 us) or
-    through shared memory with Triton's pipeliner (`tl.range(num_stages=)`, 62-67 us); so the K
-    loop has no dot and `num_stages` changes nothing
+    row per step. On a GPU the pair GEMV is the Gluon kernel (`moe_gemv_gluon`): 8 rows x 1024
+    values on one warp, 4 KB a step, 128 bytes a thread, was the best of its sweep on the H100
+    at 20b shapes (38.7 us at T=1, 201 at T=8; 8 x 512 on one or two warps 42 us; 16 x 1024 on
+    one warp 55; bench/results/2026-11-24_h100_moe_gemv_gluon.txt). The Triton kernel (CPU
+    interpreter, or a Triton without Gluon) was best at 8 x 512 on one warp (45.0 us against
+    45.7 for 16 x 512 on two); loading the next step ahead measured slower for it, into
+    registers (126 registers, 51 us) or through shared memory with Triton's pipeliner
+    (`tl.range(num_stages=)`, 62-67 us), so `num_stages` changes nothing
     (bench/results/2026-11-23_h100_kernels_e5bac60.txt)."""
 
     block_n1: int = 8
     block_n2: int = 8
-    block_k: int = 512
+    block_k: int = 1024
     num_warps: int = 1
     num_stages: int = 4
     f16x2: bool = False  # `_pair_gemv_f16x2` instead of `_pair_gemv`
 
 
 # The f16x2 kernel's tiles, as measured against the fp32 one (d4beb31)
-F16X2_GEMV = GemvConfig(block_n1=16, block_n2=16, num_warps=2, f16x2=True)
+F16X2_GEMV = GemvConfig(block_n1=16, block_n2=16, block_k=512, num_warps=2, f16x2=True)
 
 
 # Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
@@ -724,6 +727,13 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         _pair_gemv_f16x2[grid_dn](
             act, act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit,
             SWIGLU=False, X_EBITS=ACT_EBITS.value, BLOCK_N=cfg.block_n2, **launch)
+    elif x.is_cuda and GLUON:
+        act = _empty((pairs, i), torch.float32, x.device)
+        tiles = {"block_k": cfg.block_k, "num_warps": cfg.num_warps}
+        pair_gemv_gluon(x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, w.alpha, w.limit,
+                        swiglu=True, block_n=cfg.block_n1, **tiles)
+        pair_gemv_gluon(act, 1, ids, *dn, wts, y, h, i, w.alpha, w.limit, swiglu=False,
+                        block_n=cfg.block_n2, **tiles)
     else:
         act = _empty((pairs, i), torch.float32, x.device)
         _pair_gemv[grid_gu](
