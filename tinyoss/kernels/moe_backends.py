@@ -2,7 +2,8 @@
 best one for the GPU at hand.
 
 * torch: the reference (any device; slow on a GPU).
-* triton: tinyoss's Triton kernels on the checkpoint layout (any CUDA GPU).
+* triton: tinyoss's Triton kernels on the checkpoint layout (any CUDA GPU; the decode GEMV is
+  their Gluon twin, `moe_gemv_gluon`, run so far on Hopper only).
 * cutlass: FlashInfer's CUTLASS fused MoE (Hopper: bf16 x MXFP4; Blackwell-class: MXFP8 x MXFP4).
 * trtllm: FlashInfer's trtllm-gen MoE (SM100/SM103/SM107). Named so that asking for it gets a
   precise answer; tinyoss has no trtllm-gen path yet, so it never runs.
