@@ -46,12 +46,13 @@ def random_prompts(num: int, length: int, seed: int = 0) -> torch.Tensor:
 def prompt_logits(llm: LLM, prompts: torch.Tensor) -> torch.Tensor:
     """Float32 logits [P * L, V] at every position of every prompt, all in one forward pass
     through the engine's model (and its kernels), over a paged cache of our own."""
-    engine = llm.engine
-    config, device = engine.model_config, engine.device
+    model = llm.engine.executor.model
+    config, device = model.config, llm.engine.executor.device
+    dtype = model.model.embed_tokens.weight.dtype
     num, length = prompts.shape
     per_seq = -(-length // BLOCK)
     layout = CacheLayout.for_model(config)
-    caches = allocate_kv_tensors(layout, num * per_seq, BLOCK, config, engine.dtype, device)
+    caches = allocate_kv_tensors(layout, num * per_seq, BLOCK, config, dtype, device)
     tables = [list(range(p * per_seq, (p + 1) * per_seq)) for p in range(num)]
     slots = torch.arange(num * per_seq * BLOCK).view(num, -1)[:, :length].reshape(-1)
     group = GroupMetadata(tables, [0] * num, slots.to(device))
@@ -59,8 +60,8 @@ def prompt_logits(llm: LLM, prompts: torch.Tensor) -> torch.Tensor:
     attn = TorchAttention(caches, layout.layer_group, windows, config.head_dim**-0.5)
     attn.plan(AttentionMetadata([length] * num, [length] * num, [group] * len(layout.windows)))
     positions = torch.arange(length).repeat(num)
-    hidden = engine.model(prompts.reshape(-1).to(device), positions.to(device), attn)
-    return engine.model.compute_logits(hidden).float()
+    hidden = model(prompts.reshape(-1).to(device), positions.to(device), attn)
+    return model.compute_logits(hidden).float()
 
 
 def compare(ref: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:

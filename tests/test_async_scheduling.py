@@ -10,6 +10,7 @@ import random
 import pytest
 
 from tinyoss import LLM, SamplingParams
+from tinyoss.engine.core import CoreRequest
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -26,16 +27,17 @@ def sync_llm(tiny_dir):
 @pytest.fixture
 def chains(tiny_llm, monkeypatch) -> list[int]:
     """Counts the steps `tiny_llm` launches ahead (one entry each, its batch size)."""
-    engine = tiny_llm.engine
+    scheduler = tiny_llm.engine.scheduler
     seen: list[int] = []
-    launch_after = engine._launch_after
+    chain = scheduler.chain
 
-    def spy(launched):
-        step = launch_after(launched)
-        seen.append(len(step.scheduled))
+    def spy(plan):
+        step = chain(plan)
+        if step is not None:
+            seen.append(len(step.seqs))
         return step
 
-    monkeypatch.setattr(engine, "_launch_after", spy)
+    monkeypatch.setattr(scheduler, "chain", spy)
     return seen
 
 
@@ -70,7 +72,7 @@ def test_same_outputs_as_one_step_at_a_time(tiny_llm, sync_llm, chains):
     assert got == want
     assert got[0][0][2] == "stop" and got[1][0][2] == "stop" and len(got[0][0][0]) == 5
     assert chains and max(chains) == 5  # four requests, one with n=2: five sequences chained
-    assert tiny_llm.engine.kv.num_free == tiny_llm.engine.kv.num_blocks
+    assert tiny_llm.engine.scheduler.kv.num_free == tiny_llm.engine.scheduler.kv.num_blocks
 
 
 def test_penalties_do_not_chain(tiny_llm, sync_llm, chains):
@@ -83,22 +85,25 @@ def test_abort_and_newcomer_while_a_step_is_in_flight(tiny_llm, sync_llm, chains
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     a, b, c = prompts(3, seed=3)
-    engine.add_request("a", a, params)
-    engine.add_request("b", b, params)
-    while engine._in_flight is None:
-        engine.step()
-    # in flight: a step computing every sequence's last token, whose next is not yet known
-    assert all(s.num_computed == s.num_tokens for s in engine.scheduler.running)
-    engine.abort("a")
-    engine.add_request("c", c, params)  # admitted once the chain stops for it
+    engine.add(CoreRequest("a", a, params))
+    engine.add(CoreRequest("b", b, params))
+    got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    while engine._in_flight is None:
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    # in flight: a step computing every sequence's pending token, not yet known on the host
+    assert all(s.num_pending == 1 for s in engine.scheduler.running)
+    assert engine.abort("a")
+    engine.add(CoreRequest("c", c, params))  # admitted once the chain stops for it
+    while engine.has_work():
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+            if d.finish_reason:
+                done[d.request_id] = got[d.request_id]
     want = [o.outputs[0].token_ids for o in sync_llm.generate([b, c], params, use_tqdm=False)]
     assert [done["b"], done["c"]] == want and "a" not in done
-    assert chains and engine.kv.num_free == engine.kv.num_blocks
+    assert chains and engine.scheduler.kv.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_a_full_cache_stops_the_chain_instead_of_preempting(tiny_dir, sync_llm):
@@ -111,4 +116,4 @@ def test_a_full_cache_stops_the_chain_instead_of_preempting(tiny_dir, sync_llm):
     got = summary(llm.generate(batch, params, use_tqdm=False))
     assert got == summary(sync_llm.generate(batch, params, use_tqdm=False))
     assert all(len(o[0][0]) == 40 for o in got)
-    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
+    assert llm.engine.scheduler.kv.num_free == llm.engine.scheduler.kv.num_blocks

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tinyoss import LLM, SamplingParams
+from tinyoss.engine.core import CoreRequest
 from tinyoss.engine.sequence import Status
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -61,7 +62,7 @@ def test_tiny_pool_preempts_and_loses_nothing(tiny_dir, tiny_llm):
     assert llm.engine.scheduler.num_preemptions > 0
     assert tokens(outs) == expected
     assert [len(t) for t in tokens(outs)] == [90] * 4  # nothing lost or duplicated
-    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
+    assert llm.engine.scheduler.kv.num_free == llm.engine.scheduler.kv.num_blocks
 
 
 def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llm, tiny_dir):
@@ -69,7 +70,7 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llm, tiny_dir):
     system = [rng.randrange(199998) for _ in range(200)]
     first = system + [rng.randrange(199998) for _ in range(30)]
     second = system + [rng.randrange(199998) for _ in range(25)]
-    kv = tiny_llm.engine.kv
+    kv = tiny_llm.engine.scheduler.kv
     tiny_llm.generate([first], GREEDY, use_tqdm=False)
     hits = kv.hit_blocks
     out = tiny_llm.generate([second], GREEDY, use_tqdm=False)[0]
@@ -94,14 +95,15 @@ def test_sliding_layers_keep_only_the_window(tiny_llm):
     """Between steps a sliding group holds the window's blocks plus one; a full group holds all.
     (While a prefill chunk runs, its own tokens' blocks are held too.)"""
     engine = tiny_llm.engine
-    windows = engine.layout.windows
-    request = engine.make_request(
-        "long",
-        prompts(1, seed=3, lo=400, hi=401)[0],
-        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+    windows = engine.scheduler.kv.windows
+    engine.add(
+        CoreRequest(
+            "long",
+            prompts(1, seed=3, lo=400, hi=401)[0],
+            SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+        )
     )
-    engine.submit(request)
-    seq = request.seqs[0]
+    seq = engine.requests["long"][0]
     peak = {g: 0 for g in range(len(windows))}
     while not seq.finished:
         engine.step()
@@ -193,7 +195,8 @@ def test_logprobs_match_a_direct_forward(tiny_llm):
     )[0]
     from tests.test_model_reference import run_paged
 
-    logits = run_paged(engine.model, engine.model_config, torch.tensor(p))
+    model = engine.executor.model
+    logits = run_paged(model, model.config, torch.tensor(p))
     lsm = torch.log_softmax(logits, -1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
     for i in range(1, len(p)):
@@ -208,10 +211,10 @@ def test_logprobs_match_a_direct_forward(tiny_llm):
 
 def test_bad_requests_fail_clearly_and_the_engine_keeps_serving(tiny_llm):
     engine = tiny_llm.engine
-    long = [1] * engine.max_model_len
+    long = [1] * engine.info.max_model_len
     with pytest.raises(
         ValueError,
-        match=f"prompt is {len(long)} tokens long, but max_model_len is {engine.max_model_len}",
+        match=f"prompt is {len(long)} tokens long, but max_model_len is {engine.info.max_model_len}",
     ):
         tiny_llm.generate([long], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -224,9 +227,10 @@ def test_bad_requests_fail_clearly_and_the_engine_keeps_serving(tiny_llm):
         SamplingParams(top_p=1.5)
     with pytest.raises(TypeError, match="unknown LLM argument\\(s\\) max_len"):
         LLM("tiny", max_len=5)
+    kv = engine.scheduler.kv
     assert (
         not engine.requests
-        and engine.kv.num_free + sum(1 for r in engine.kv.ref_count if r) == engine.kv.num_blocks
+        and kv.num_free + sum(1 for r in kv.ref_count if r) == kv.num_blocks
     )
     out = tiny_llm.generate([prompts(1)[0]], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12
@@ -234,10 +238,12 @@ def test_bad_requests_fail_clearly_and_the_engine_keeps_serving(tiny_llm):
 
 def test_abort_frees_blocks(tiny_llm):
     engine = tiny_llm.engine
-    engine.add_request("to-abort", prompts(1, seed=9)[0], SamplingParams(max_tokens=50))
+    kv = engine.scheduler.kv
+    engine.add(CoreRequest("to-abort", prompts(1, seed=9)[0], SamplingParams(max_tokens=50)))
     engine.step()
     engine.step()
-    assert any(engine.kv.ref_count)
-    out = engine.abort("to-abort")
-    assert out.outputs[0].finish_reason == "abort"
-    assert not any(engine.kv.ref_count) and not engine.has_unfinished()
+    assert any(kv.ref_count)
+    assert engine.abort("to-abort") and not engine.abort("to-abort")
+    while engine.has_work():  # the step launched ahead finishes; its token is dropped
+        assert engine.step() == []
+    assert not any(kv.ref_count) and not engine.requests

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch
 from tests.test_model_reference import run_paged
 from tinyoss import LLM
 from tinyoss.cli import add_engine_args, engine_kwargs
-from tinyoss.engine.llm_engine import SINKS_ENV, EngineConfig, uniform_routing
+from tinyoss.config import EngineConfig
+from tinyoss.engine.builder import SINKS_ENV, uniform_routing, warm_up_moe
 from tinyoss.kernels import attention
 from tinyoss.kernels.moe_torch import moe_torch
 from tinyoss.settings import resolve
@@ -27,8 +29,9 @@ def test_uniform_routing_gives_every_expert_tokens():
 
 
 def test_warm_up_runs_every_layer_on_the_largest_step_over_all_experts(tiny_llm, monkeypatch):
-    engine = tiny_llm.engine
-    kernels = engine.backends.kernels
+    model = tiny_llm.engine.executor.model
+    kernels = model.lm_head.kernels  # the engine's: one Kernels object for the whole model
+    backends = SimpleNamespace(kernels=kernels)
     calls, contexts = [], []
 
     def spy(x, topk_weights, topk_ids, w):
@@ -43,9 +46,8 @@ def test_warm_up_runs_every_layer_on_the_largest_step_over_all_experts(tiny_llm,
 
     monkeypatch.setattr(kernels, "moe", spy)
     monkeypatch.setattr(kernels, "moe_warmup", tuning)
-    engine.warm_up_moe()
-    m = engine.model_config
-    assert engine.max_step_tokens == 2048  # the fixture's max_num_batched_tokens
+    m = model.config
+    warm_up_moe(model, backends, m, 2048, torch.float32, torch.device("cpu"))
     assert calls == [
         ((2048, m.hidden_size), list(range(m.num_local_experts)), "open")
     ] * m.num_hidden_layers
@@ -68,15 +70,15 @@ def attend_without_sinks(q, k, v, sinks, q_pos, k_pos, window, scale):
 def test_attention_sinks_false_means_no_sinks(tiny_llm, tiny_dir, monkeypatch):
     monkeypatch.setenv(SINKS_ENV, "false")  # the env alone turns them off
     off = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=1024)
-    layers = off.engine.model.model.layers
+    layers = off.engine.executor.model.model.layers
     assert all(torch.isneginf(layer.self_attn.sinks).all() for layer in layers)
-    auto = tiny_llm.engine.model  # attention_sinks left at auto: the checkpoint's sinks
+    auto = tiny_llm.engine.executor.model  # attention_sinks left at auto: the checkpoint's sinks
     assert all(torch.isfinite(layer.self_attn.sinks).all() for layer in auto.model.layers)
 
-    config = tiny_llm.engine.model_config
+    config = auto.config
     ids = torch.randint(0, 199998, (48,), generator=torch.Generator().manual_seed(5))
     with_sinks = run_paged(auto, config, ids)
-    without = run_paged(off.engine.model, config, ids)
+    without = run_paged(off.engine.executor.model, config, ids)
     assert ((without - with_sinks).norm() / with_sinks.norm()).item() > 1e-2
     monkeypatch.setattr(attention, "attend", attend_without_sinks)
     reference = run_paged(auto, config, ids)  # the checkpoint's model, sinks removed by hand

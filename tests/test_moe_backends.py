@@ -40,7 +40,7 @@ def no_env(monkeypatch):
         (gpu((8, 9)), "triton", "auto: Ada sm_89 -> triton"),
         (H100, "triton", "auto: Hopper sm_90 -> triton"),
         (gpu((9, 0), flashinfer=False), "triton", "auto: Hopper sm_90 -> triton"),
-        (B200, "cutlass", "auto: Blackwell sm_100 -> cutlass"),  # no trtllm path in tinyoss yet
+        (B200, "cutlass", "auto: Blackwell sm_100 -> cutlass"),
         (gpu((10, 3)), "cutlass", "auto: Blackwell sm_103 -> cutlass"),
         (gpu((11, 0)), "cutlass", "auto: Blackwell sm_110 -> cutlass"),
         (gpu((12, 0)), "cutlass", "auto: Blackwell sm_120 -> cutlass"),
@@ -86,7 +86,6 @@ NO_FLASHINFER = "the flashinfer package is not installed (pip install 'tinyoss[c
     [
         ("triton", CPU, ["no GPU (cpu)", NEEDS_GPU]),
         ("cutlass", CPU, ["no GPU (cpu)", NEEDS_GPU]),
-        ("trtllm", CPU, ["no GPU (cpu)", NEEDS_GPU]),
         ("cutlass", gpu((8, 0), "NVIDIA A100"), [
             "NVIDIA A100 (sm_80)",
             ("kernels for sm_90 (bf16 activations) and sm_100, sm_103, sm_107, sm_110, sm_120, "
@@ -98,15 +97,8 @@ NO_FLASHINFER = "the flashinfer package is not installed (pip install 'tinyoss[c
             "needs bfloat16 activations (dtype=bfloat16), not float32"]),
         ("cutlass", gpu((12, 1), "NVIDIA GB10", flashinfer=False), [
             "NVIDIA GB10 (sm_121)", NO_FLASHINFER, "(auto picks triton)"]),
-        ("trtllm", H100, [
-            "NVIDIA H100 80GB HBM3 (sm_90)",
-            "trtllm-gen MoE kernels exist for sm_100, sm_103, sm_107 only",
-            "run here: triton, cutlass, torch (auto picks triton)"]),
-        ("trtllm", SPARK, ["NVIDIA GB10 (sm_121)", "sm_100, sm_103, sm_107 only"]),
-        ("trtllm", gpu((10, 0), "NVIDIA B200", flashinfer=False), [NO_FLASHINFER]),
-        ("trtllm", B200, [
-            "NVIDIA B200 (sm_100)", "tinyoss has no trtllm-gen MoE path yet",
-            "run here: triton, cutlass, torch (auto picks cutlass)"]),
+        ("cutlass", gpu((10, 0), "NVIDIA B200", flashinfer=False), [
+            "NVIDIA B200 (sm_100)", NO_FLASHINFER, "run here: triton, torch (auto picks triton)"]),
     ],
 )
 def test_backends_that_cannot_run_fail_with_gpu_and_alternatives(backend, platform, expected):
@@ -152,12 +144,13 @@ def test_select_backends_logs_the_choice_once(caplog):
 
 
 def test_engine_config_and_cli_take_the_option(monkeypatch):
-    from tinyoss.engine.llm_engine import EngineConfig, LLMEngine
+    from tinyoss.config import EngineConfig
+    from tinyoss.engine.builder import build_engine
 
     with pytest.raises(ValueError, match="invalid mxfp4_backend 'fast': choose one of auto, tri"):
         EngineConfig(mxfp4_backend="fast")
     with pytest.raises(ValueError, match="'triton' \\(from argument\\) cannot run on no GPU"):
-        LLMEngine(EngineConfig(device="cpu", load_format="dummy", mxfp4_backend="triton"))
+        build_engine(EngineConfig(device="cpu", load_format="dummy", mxfp4_backend="triton"))
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_kwargs(p.parse_args([]))["mxfp4_backend"] is None  # env, else auto

@@ -83,7 +83,7 @@ def test_cutlass_matches_torch(setup, t):
 
 
 def test_every_expert_autotuned_and_in_a_cuda_graph(setup):
-    from tinyoss.engine.llm_engine import uniform_routing
+    from tinyoss.engine.builder import uniform_routing
     from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass
 
     variant, w, prepared = setup

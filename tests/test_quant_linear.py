@@ -14,7 +14,7 @@ from torch import nn
 from bench.mxfp4_quality import quality
 from tinyoss.cli import add_engine_args, engine_kwargs
 from tinyoss.config import ModelConfig
-from tinyoss.engine.llm_engine import EngineConfig
+from tinyoss.config import EngineConfig
 from tinyoss.kernels import Kernels
 from tinyoss.model import mxfp4, quant_linear
 from tinyoss.model.gpt_oss import GptOssForCausalLM
@@ -85,7 +85,7 @@ def quantized_llm(tiny_dir):
 
 
 def test_engine_swaps_the_layers(quantized_llm) -> None:
-    model = quantized_llm.engine.model
+    model = quantized_llm.engine.executor.model
     assert isinstance(model.lm_head, MXFP4Linear)
     for layer in model.model.layers:
         assert isinstance(layer.self_attn.qkv_proj, MXFP4Linear)

@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "tinyoss.llm",
     "ChatOutput": "tinyoss.llm",
-    "EngineConfig": "tinyoss.engine.llm_engine",
-    "RequestOutput": "tinyoss.engine.llm_engine",
+    "EngineConfig": "tinyoss.config",
+    "RequestOutput": "tinyoss.engine.output_processor",
     "SamplingParams": "tinyoss.sampling_params",
 }
 __all__ = list(_EXPORTS)

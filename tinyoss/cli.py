@@ -3,70 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
+from tinyoss.config import EngineConfig
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand that loads a model."""
-    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
-    p.add_argument("--revision", default=None, help="hub revision of the model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (debugging)")
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="run each step to its end before preparing the next (debugging)",
-    )
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "flashinfer", "torch"))
-    p.add_argument(
-        "--mxfp4-backend",
-        default=None,
-        choices=("auto", "triton", "cutlass", "trtllm", "torch"),
-        help="MoE kernel (default: env TINYOSS_MXFP4_BACKEND, else auto: picked for the GPU)",
-    )
-    p.add_argument(
-        "--attention-sinks",
-        default=None,
-        choices=("auto", "false"),
-        help="auto: the checkpoint's sinks; false: none, debugging only: output degrades "
-        "(default: env TINYOSS_ATTENTION_SINKS, else auto)",
-    )
-    p.add_argument(
-        "--mxfp4-layers",
-        default="moe",
-        help="layers in MXFP4: moe (the experts, as shipped), or a comma list adding qkv, o, "
-        "lm_head (quantized at load: fewer bytes per token, some accuracy lost); all = every one",
-    )
+    """One flag per `EngineConfig` field (but `model`), with its help, choices and default: the
+    CLI cannot drift from the options the engine takes."""
+    group = p.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        kwargs: dict = {"dest": f.name, "default": f.default, "choices": f.metadata["choices"]}
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = int if "int" in f.type else float if "float" in f.type else str
+        default = "" if f.default is None else f" (default: {f.default})"
+        group.add_argument(
+            "--" + f.name.replace("_", "-"), help=f.metadata["help"] + default, **kwargs
+        )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "kv_cache_tokens": args.kv_cache_tokens,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "load_format": args.load_format,
-        "revision": args.revision,
-        "seed": args.seed,
-        "enforce_eager": args.enforce_eager,
-        "async_scheduling": not args.no_async_scheduling,
-        "attention_backend": args.attention_backend,
-        "mxfp4_backend": args.mxfp4_backend,
-        "attention_sinks": args.attention_sinks,
-        "mxfp4_layers": args.mxfp4_layers,
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"
     }
 
 

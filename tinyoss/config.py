@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 SLIDING = "sliding_attention"
@@ -217,3 +218,122 @@ def _validate(c: ModelConfig) -> None:
         bad("sliding_attention layers need a positive sliding_window")
     if not math.isfinite(c.rope.factor) or c.rope.factor <= 0:
         bad(f"rope factor must be positive, got {c.rope.factor}")
+
+
+# -- engine options -------------------------------------------------------------------------
+# The choices live here, at the bottom of the dependency graph: the kernels, the CLI (generated
+# from these fields by `tinyoss.cli.add_engine_args`) and `LLM(**kwargs)` all read them.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+MXFP4_BACKENDS = ("auto", "triton", "cutlass", "torch")
+ATTENTION_SINKS = ("auto", "false")
+
+
+def _opt(help: str, choices: tuple[str, ...] | None = None, **kw) -> object:
+    return field(metadata={"help": help, "choices": choices}, **kw)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option, with the help text the CLI shows for it."""
+
+    model: str = _opt("a checkpoint folder, a hub id, or 'tiny'", default="tiny")
+    dtype: str = _opt(
+        "weights and activations: auto = bfloat16 on a GPU, float32 on the CPU",
+        DTYPES,
+        default="auto",
+    )
+    device: str | None = _opt("cuda or cpu (default: cuda when available)", default=None)
+    max_model_len: int | None = _opt(
+        "longest prompt + output in tokens (default: the model's context, capped by the KV "
+        "cache)",
+        default=None,
+    )
+    max_num_seqs: int = _opt("most sequences in one batch", default=256)
+    max_num_batched_tokens: int = _opt(
+        "most tokens in one step (longer prompts are prefilled in chunks)", default=8192
+    )
+    block_size: int = _opt("tokens per KV cache block", default=16)
+    gpu_memory_utilization: float = _opt(
+        "fraction of GPU memory the engine may use (the KV cache takes what is left)",
+        default=0.90,
+    )
+    kv_cache_tokens: int | None = _opt(
+        "KV cache size in tokens (default: from gpu_memory_utilization; 65536 on the CPU)",
+        default=None,
+    )
+    enable_prefix_caching: bool = _opt(
+        "reuse the KV cache of earlier requests' identical prefixes", default=True
+    )
+    load_format: str = _opt(
+        "dummy = random weights made from the config alone (benchmarks)",
+        LOAD_FORMATS,
+        default="auto",
+    )
+    revision: str | None = _opt("hub revision of the model", default=None)
+    seed: int = _opt("seed of the random weights (load_format dummy)", default=0)
+    enforce_eager: bool = _opt("no CUDA graphs (debugging)", default=False)
+    attention_backend: str = _opt(
+        "attention kernels: auto = FlashInfer on a GPU, torch on the CPU",
+        ATTENTION_BACKENDS,
+        default="auto",
+    )
+    mxfp4_backend: str | None = _opt(
+        "MoE kernels (default: env TINYOSS_MXFP4_BACKEND, else auto: picked for the GPU)",
+        MXFP4_BACKENDS,
+        default=None,
+    )
+    attention_sinks: str | None = _opt(
+        "auto: the checkpoint's sinks; false: none, debugging only: output degrades "
+        "(default: env TINYOSS_ATTENTION_SINKS, else auto)",
+        ATTENTION_SINKS,
+        default=None,
+    )
+    mxfp4_layers: str = _opt(
+        "layers in MXFP4: moe (the experts, as shipped), or a comma list adding qkv, o, "
+        "lm_head (quantized at load: fewer bytes per token, some accuracy lost); all = every one",
+        default="moe",
+    )
+    async_scheduling: bool = _opt(
+        "launch the next decode step before the previous one's tokens reach the host",
+        default=True,
+    )
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_num_seqs", self.max_num_seqs >= 1),
+            ("block_size", self.block_size >= 1),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
+            ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+        for f in fields(self):
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ValueError(
+                    f"invalid {f.name} {value!r}: choose one of {', '.join(choices)}"
+                )
+        parse_mxfp4_layers(self.mxfp4_layers)
+
+
+MXFP4_DENSE_LAYERS = ("qkv", "o", "lm_head")  # what `mxfp4_layers` can add to the experts
+MXFP4_LAYER_NAMES = ("moe", *MXFP4_DENSE_LAYERS, "all")
+
+
+def parse_mxfp4_layers(spec: str | Iterable[str]) -> tuple[str, ...]:
+    """`moe`, `all` or a comma list (or a list) of moe, qkv, o, lm_head -> the dense layers to
+    quantize, in MXFP4_DENSE_LAYERS order. The experts are MXFP4 in any case: `moe` adds
+    nothing."""
+    names = {str(part).strip() for part in (spec.split(",") if isinstance(spec, str) else spec)}
+    unknown = sorted(names - set(MXFP4_LAYER_NAMES))
+    if unknown or not names:
+        raise ValueError(
+            f"invalid mxfp4_layers {spec!r} (unknown: {', '.join(map(repr, unknown))}): give a "
+            f"comma list of {', '.join(MXFP4_LAYER_NAMES[:-1])}, or all"
+        )
+    return tuple(n for n in MXFP4_DENSE_LAYERS if n in names or "all" in names)

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from tinyoss import harmony
-from tinyoss.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from tinyoss.config import EngineConfig
+from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
+from tinyoss.engine.core import CoreRequest
+from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -30,7 +33,8 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields: dtype, device, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, gpu_memory_utilization, kv_cache_tokens,
-    enable_prefix_caching, load_format, revision, seed.
+    enable_prefix_caching, load_format, revision, seed. The engine core runs in this process
+    (`tinyoss serve` runs it in a process of its own).
     """
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
@@ -41,11 +45,35 @@ class LLM:
                 f"unknown LLM argument(s) {', '.join(unknown)}; "
                 f"valid: {', '.join(sorted(fields - {'model'}))}"
             )
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        folder = checkpoint_folder(config)
+        self.tokenizer = load_tokenizer(folder)
+        self.engine = build_engine(config, folder)
+        self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.tokenizer
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None) -> str:
+        """Validates and queues one prompt; returns its request id."""
+        params = params or SamplingParams()
+        request_id = f"gen-{next(self._ids)}"
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.add(CoreRequest(request_id, ids, params))
+        self.processor.add(request_id, text, ids, params)
+        return request_id
+
+    def _step(self) -> list[RequestOutput]:
+        outputs, stopped = self.processor.process(self.engine.step())
+        for request_id, index in stopped:
+            self.engine.abort(request_id, index)
+        return outputs
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.processor.abort(request_id)
 
     def generate(
         self,
@@ -57,29 +85,30 @@ class LLM:
         """Runs all prompts as one continuous batch; outputs come back in prompt order."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
-        requests = [
-            self.engine.make_request(f"gen-{next(self._ids)}", p, sp)
-            for p, sp in zip(batch, params)
-        ]
-        for request in requests:
-            self.engine.submit(request)
-        return self._run([r.request_id for r in requests], use_tqdm)
+        request_ids = []
+        try:
+            for p, sp in zip(batch, params):
+                request_ids.append(self._submit(p, sp))
+        except Exception:
+            for request_id in request_ids:  # a bad prompt: nothing of the batch runs
+                self._abort(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yields the request's output after each step; `outputs[i].delta_text` is the new text."""
-        request = self.engine.make_request(f"gen-{next(self._ids)}", prompt, sampling_params)
-        self.engine.submit(request)
+        request_id = self._submit(prompt, sampling_params)
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == request.request_id:
+                for out in self._step():
+                    if out.request_id == request_id:
                         yield out
                         if out.finished:
                             return
         finally:
-            self.engine.abort(request.request_id)
+            self._abort(request_id)
 
     def chat(
         self,
@@ -93,7 +122,7 @@ class LLM:
     ) -> list[ChatOutput]:
         """Chat through the harmony format: one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encode = self.engine.tokenizer.encode
+        encode = self.tokenizer.encode
         prompts = [
             harmony.render_prompt(
                 conv,
@@ -105,7 +134,7 @@ class LLM:
             for conv in conversations
         ]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        decode = self.engine.tokenizer.decode
+        decode = self.tokenizer.decode
         replies = []
         for out in outputs:
             completion = out.outputs[0]
@@ -124,7 +153,7 @@ class LLM:
         bar = _progress(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
         try:
             while pending:
-                for out in self.engine.step():
+                for out in self._step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
@@ -132,7 +161,7 @@ class LLM:
                             bar.update(1)
         finally:
             for request_id in pending:  # interrupted (e.g. Ctrl-C): free what is left
-                self.engine.abort(request_id)
+                self._abort(request_id)
             if bar is not None:
                 bar.close()
         return [done[r] for r in request_ids]

@@ -79,6 +79,12 @@ def kv_bytes_per_block(
     return 2 * layout.num_slots * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
+def blocks_needed(windows: list[int], block_size: int, num_tokens: int) -> int:
+    """Blocks one sequence of `num_tokens` holds at its peak (all groups)."""
+    full = -(-num_tokens // block_size)
+    return sum(min(full, (w - 1) // block_size + 2) if w else full for w in windows)
+
+
 @dataclass
 class SeqBlocks:
     """A sequence's blocks: per group a table, and how many leading blocks it gave back."""
@@ -124,14 +130,7 @@ class KVCacheManager:
         return 1.0 - self.num_free / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks one sequence of `num_tokens` holds at its peak (all groups)."""
-        total = 0
-        for w in self.windows:
-            if w:
-                total += min(-(-num_tokens // self.block_size), (w - 1) // self.block_size + 2)
-            else:
-                total += -(-num_tokens // self.block_size)
-        return total
+        return blocks_needed(self.windows, self.block_size, num_tokens)
 
     # -- hashing ----------------------------------------------------------------------------
     def block_hashes(self, token_ids: list[int], known: list[bytes], num_blocks: int) -> None:
@@ -250,6 +249,20 @@ class KVCacheManager:
             else:
                 hi = mid - 1
         return lo
+
+    def step_view(
+        self, blocks: SeqBlocks, start: int, num_tokens: int
+    ) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """Per group: a copy of the block table, the first position it covers, and the cache
+        slot of each position in [start, start + num_tokens)."""
+        bs = self.block_size
+        tables = [list(t) for t in blocks.tables]
+        firsts = [d * bs for d in blocks.dropped]
+        slots = [
+            [t[p // bs - d] * bs + p % bs for p in range(start, start + num_tokens)]
+            for t, d in zip(blocks.tables, blocks.dropped)
+        ]
+        return tables, firsts, slots
 
     def free_all(self, blocks: SeqBlocks) -> None:
         for table in blocks.tables:

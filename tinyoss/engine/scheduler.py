@@ -4,47 +4,42 @@ Each step has a token budget. Running sequences come first, oldest first (decode
 token, unfinished prefills take a chunk), then waiting requests are admitted in arrival order.
 When blocks run out, the newest running sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it is recomputed later, so nothing is lost and nothing crashes.
+
+The scheduler is the only user of the KV cache manager: it allocates, names full blocks for the
+prefix cache, trims sliding windows, and writes every step down as a plain `StepPlan`.
+
+With async scheduling a decode step can be planned before the previous one's tokens are known
+(`chain`): each sequence's query is then the token the previous step samples, which the
+executor takes on the device. Steps chain only when nothing could differ from running them one
+by one: every running sequence decodes, nobody waits to be admitted, no sampler needs the
+previous token (penalties), nobody can reach its length limit, and the cache has room.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from tinyoss.engine.kv_cache import KVCacheManager
 from tinyoss.engine.sequence import Sequence, Status
-
-
-@dataclass
-class Scheduled:
-    seq: Sequence
-    num_tokens: int  # tokens computed this step, from seq.num_computed on
-    # True when this step reaches the sequence's last token, so it samples the next one. Fixed
-    # when scheduled: the engine advances num_computed as soon as the step is launched.
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[Scheduled] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+from tinyoss.engine.step import NewSeq, ScheduledSeq, StepPlan
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._dropped: list[int] = []  # finished sequences the executor still has state for
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,24 +54,28 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free_all(seq.blocks)
+        if seq.announced:
+            self._dropped.append(seq.seq_id)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    # -- planning ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step from what is known on the host (nothing may be in flight)."""
+        picked: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
+        preemptions = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._fit(seq, min(seq.num_tokens - seq.num_computed, budget), out)
+            n = self._fit(seq, min(seq.num_tokens - seq.num_computed, budget))
             if n:
-                out.scheduled.append(Scheduled(seq, n))
+                picked.append((seq, n))
                 budget -= n
-        while (
-            self.waiting and budget and not out.preempted and len(self.running) < self.max_num_seqs
-        ):
+        admit = self.num_preemptions == preemptions  # none admitted in a step that preempts
+        while admit and self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed == 0 and seq.prompt_logprobs is None:
+            if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 seq.num_computed = self.kv.match_prefix(seq.blocks, seq.token_ids)
                 seq.num_cached_prompt = max(
                     seq.num_cached_prompt, min(seq.num_computed, seq.num_prompt)
@@ -91,11 +90,94 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.scheduled.append(Scheduled(seq, n))
+            picked.append((seq, n))
             budget -= n
-        return out
+        return self._plan(picked) if picked else None
 
-    def _fit(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+    def chain(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step of every running sequence, planned before `plan`'s tokens are known;
+        None when chaining could change what runs (see the module docstring)."""
+        running = self.running
+        if len(plan.seqs) != len(running) or any(s.num_sampled != 1 for s in plan.seqs):
+            return None  # a prefill still has chunks to go, or someone else is running
+        if self.waiting and len(running) < self.max_num_seqs:
+            return None  # admit the newcomers first
+        ids = {s.seq_id for s in plan.seqs}
+        if any(
+            s.seq_id not in ids
+            or s.params.needs_penalties
+            or s.num_output + s.num_pending >= s.max_tokens  # counting the token in flight
+            or s.num_tokens >= self.max_model_len
+            for s in running
+        ):
+            return None
+        if len(running) > self.max_num_batched_tokens or not self.kv.room_for_next_token(
+            [(s.blocks, s.num_computed) for s in running]
+        ):
+            return None
+        for seq in running:
+            allocated = self.kv.allocate(seq.blocks, seq.num_computed, 1)
+            assert allocated, "room_for_next_token promised a block"
+        return self._plan([(seq, 1) for seq in running], chained=True)
+
+    def _plan(self, picked: list[tuple[Sequence, int]], chained: bool = False) -> StepPlan:
+        """Writes the picked work down, then advances the sequences as if it had run (the cache
+        holds it once the queued work runs)."""
+        plan = StepPlan([], finished=self._dropped)
+        self._dropped = []
+        for seq, n in picked:
+            begin = seq.num_computed
+            if not seq.announced:
+                seq.announced = True
+                plan.new.append(
+                    NewSeq(
+                        seq.seq_id,
+                        seq.params,
+                        seq.token_ids[: seq.num_prompt],
+                        seq.index,
+                        seq.min_tokens_stop_ids,
+                    )
+                )
+            tables, firsts, slots = self.kv.step_view(seq.blocks, begin, n)
+            sampled = 1 if begin + n == seq.num_tokens else 0
+            item = ScheduledSeq(
+                seq.seq_id,
+                begin,
+                n,
+                None if chained else seq.token_ids[begin : begin + n],
+                sampled,
+                tables,
+                firsts,
+                slots,
+            )
+            if seq.wants_prompt_logprobs:
+                first = max(seq.num_prompt_logprobs + 1, begin + 1)
+                last = min(begin + n, seq.num_prompt) - 1
+                if first <= last:
+                    item.prompt_logprobs = (first, last + 1)
+                    item.prompt_targets = seq.token_ids[first : last + 1]
+                    seq.num_prompt_logprobs = last
+            plan.seqs.append(item)
+            seq.num_computed += n
+            seq.num_pending += sampled
+            self.name_full_blocks(seq)
+        return plan
+
+    # -- after a step -----------------------------------------------------------------------
+    def name_full_blocks(self, seq: Sequence) -> None:
+        """Enter the sequence's full, computed blocks of known tokens in the prefix cache, before
+        any trimming can give sliding-window blocks back (a later request reading them runs
+        after the work that writes them: one stream)."""
+        known = min(seq.num_computed, len(seq.token_ids))
+        self.kv.cache_full_blocks(seq.blocks, seq.token_ids, known)
+
+    def stepped(self, seq: Sequence) -> None:
+        """A running sequence's step results are in: name its blocks, trim its window."""
+        self.name_full_blocks(seq)
+        self.kv.trim_window(seq.blocks, seq.num_computed)
+
+    # -- allocation -------------------------------------------------------------------------
+    def _fit(self, seq: Sequence, n: int) -> int:
         """Allocate for `n` tokens of a running sequence: a prefill chunk shrinks to what fits,
         otherwise newer sequences are preempted. Returns the tokens granted (0 if preempted)."""
         while True:
@@ -104,16 +186,15 @@ class Scheduler:
             if n and self.kv.allocate(seq.blocks, seq.num_computed, n):
                 return n
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim)
             if victim is seq:
                 return 0
             n = max(n, 1)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free_all(seq.blocks)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
         self.num_preemptions += 1

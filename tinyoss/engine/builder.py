@@ -1,0 +1,238 @@
+"""Builds an engine core from its config: checkpoint -> model -> kernels -> KV cache sizing ->
+warm-up -> CUDA graphs -> scheduler and executor. Everything that happens once lives here, apart
+from the step loop (`core.py`); hardware choices are made once, in `select_backends`, and
+logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from tinyoss.config import EngineConfig, ModelConfig, parse_mxfp4_layers
+from tinyoss.engine.core import EngineCore, EngineInfo
+from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
+from tinyoss.engine.executor import Executor
+from tinyoss.engine.kv_cache import (
+    CacheLayout,
+    KVCacheManager,
+    allocate_kv_tensors,
+    blocks_needed,
+    kv_bytes_per_block,
+)
+from tinyoss.engine.scheduler import Scheduler
+from tinyoss.kernels.attention import TorchAttention
+from tinyoss.kernels.backends import BackendChoice, select_backends
+from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
+from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
+from tinyoss.model.quant_linear import quantize_layers
+from tinyoss.settings import resolve
+from tinyoss.tokenizer import Tokenizer
+
+log = logging.getLogger("tinyoss")
+
+SINKS_ENV = "TINYOSS_ATTENTION_SINKS"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def checkpoint_folder(config: EngineConfig) -> Path | None:
+    """The checkpoint's folder (written or downloaded on first use), or None for a random-weight
+    preset made from its config alone."""
+    if config.load_format == "dummy" and config.model.removeprefix("openai/") in PRESETS:
+        return None
+    return resolve_model(config.model, config.revision)
+
+
+def load_model_config(folder: Path | None, config: EngineConfig) -> ModelConfig:
+    if folder is not None:
+        return ModelConfig.from_folder(folder)
+    return ModelConfig.from_dict(preset_config(config.model), GENERATION_CONFIG)
+
+
+def load_tokenizer(folder: Path | None) -> Tokenizer:
+    if folder is not None:
+        return Tokenizer.from_folder(folder)
+    from tinyoss.tools.o200k import tokenizer_dir
+
+    return Tokenizer.from_folder(tokenizer_dir())
+
+
+def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore:
+    """The engine core for `config`; `folder`: the checkpoint, when the caller resolved it."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for, but torch finds no CUDA GPU here")
+    dtype = _DTYPES.get(config.dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    folder = folder if folder is not None else checkpoint_folder(config)
+    model_config = load_model_config(folder, config)
+    max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    backends = select_backends(
+        device, config.attention_backend, config.mxfp4_backend, dtype=dtype,
+        max_num_tokens=max_step_tokens,
+    )
+    sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
+    t0 = time.perf_counter()
+    model = load_model(
+        folder, model_config, dtype=dtype, device=device, kernels=backends.kernels,
+        load_format=config.load_format, seed=config.seed,
+    )
+    log.info(
+        "loaded %s in %.1f s (%s, %s)", config.model, time.perf_counter() - t0, device,
+        str(dtype).removeprefix("torch."),
+    )
+    if sinks.value == "false":
+        disable_attention_sinks(model)
+        log.warning(
+            "attention sinks DISABLED (attention_sinks=false, from %s): the softmax runs without "
+            "the sink column; gpt-oss was trained with sinks and its output degrades without "
+            "them (debugging only)",
+            sinks.source,
+        )
+    quantize_layers(model, parse_mxfp4_layers(config.mxfp4_layers))
+
+    layout = CacheLayout.for_model(model_config)
+    per_block = kv_bytes_per_block(layout, config.block_size, model_config, dtype)
+    num_blocks = _num_kv_blocks(config, device, per_block)
+    max_model_len = _max_model_len(config, model_config, layout, num_blocks)
+    model.init_runtime(max_model_len, device)
+    # One block more than the manager hands out: padded CUDA-graph rows write there.
+    kv_tensors = allocate_kv_tensors(
+        layout, num_blocks + 1, config.block_size, model_config, dtype, device
+    )
+    kv = KVCacheManager(
+        num_blocks, config.block_size, layout.windows, config.enable_prefix_caching
+    )
+    if device.type == "cuda":  # nothing to tune or compile on the CPU
+        warm_up_moe(model, backends, model_config, max_step_tokens, dtype, device)
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
+    attention = _attention(
+        config, model_config, backends, layout, kv_tensors, num_blocks, sizes, max_model_len
+    )
+    graphs = None
+    if use_graphs:
+        graphs = CudaGraphRunner(model, attention, sizes, len(layout.windows), device)
+        graphs.capture()
+    executor = Executor(model, attention, len(layout.windows), device, graphs)
+    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    summary = (
+        f"model {config.model} on {device}, {str(dtype).removeprefix('torch.')}; backends: "
+        f"{backends.describe()}; CUDA graphs {'on' if graphs is not None else 'off'}; KV cache: "
+        f"{num_blocks * config.block_size} token slots ({num_blocks} blocks of "
+        f"{config.block_size}, {num_blocks * per_block / 2**30:.2f} GiB); max_model_len "
+        f"{max_model_len}; max_num_seqs {config.max_num_seqs}"
+    )
+    info = EngineInfo(
+        config.model, max_model_len, model_config.vocab_size, model_config.eos_token_ids,
+        num_blocks, config.block_size, summary,
+    )
+    log.info(summary)
+    core = EngineCore(info, scheduler, executor)
+    core.async_scheduling = config.async_scheduling
+    return core
+
+
+def _attention(
+    config: EngineConfig,
+    m: ModelConfig,
+    backends: BackendChoice,
+    layout: CacheLayout,
+    kv_tensors: list,
+    num_blocks: int,
+    sizes: list[int],
+    max_model_len: int,
+):
+    if backends.attention == "torch":
+        windows = [layout.windows[g] for g in layout.layer_group]
+        return TorchAttention(kv_tensors, layout.layer_group, windows, m.head_dim**-0.5)
+    from tinyoss.kernels.attention_flashinfer import FlashInferAttention
+
+    return FlashInferAttention(
+        kv_tensors,
+        layout.layer_group,
+        layout.windows,
+        m.num_attention_heads,
+        m.num_key_value_heads,
+        m.head_dim,
+        config.block_size,
+        dummy_block=num_blocks,
+        max_num_tokens=max(config.max_num_batched_tokens, max(sizes, default=1)),
+        max_num_seqs=max(config.max_num_seqs, max(sizes, default=1)),
+        max_model_len=max_model_len,
+    )
+
+
+@torch.inference_mode()
+def warm_up_moe(
+    model, backends: BackendChoice, m: ModelConfig, tokens: int, dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Runs every layer's experts once on the most tokens a step can hold, routed so that every
+    expert gets tokens: autotuners (inside `Kernels.moe_warmup`, sized for this many tokens) and
+    lazy JIT builds see every expert and the largest shape before serving and before CUDA-graph
+    capture."""
+    ids = uniform_routing(tokens, m.num_experts_per_tok, m.num_local_experts, device)
+    weights = torch.full(ids.shape, 1 / ids.shape[1], dtype=torch.float32, device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(tokens, m.hidden_size, generator=gen, device=device).to(dtype)
+    t0 = time.perf_counter()
+    with backends.kernels.moe_warmup():
+        for layer in model.model.layers:
+            layer.mlp.experts(x, weights, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info("MoE warm-up: %d tokens over all experts in %.1f s", tokens, time.perf_counter() - t0)
+
+
+def uniform_routing(
+    num_tokens: int, top_k: int, num_experts: int, device: torch.device
+) -> torch.Tensor:
+    """topk_ids [T, K] dealing experts round-robin: K distinct experts per token (K <= E), and
+    every expert picked once T * K >= E."""
+    return torch.arange(num_tokens * top_k, device=device).remainder(num_experts).view(-1, top_k)
+
+
+def _num_kv_blocks(config: EngineConfig, device: torch.device, per_block: int) -> int:
+    if config.kv_cache_tokens is not None or device.type != "cuda":
+        tokens = config.kv_cache_tokens or 65536
+        return max(1, -(-tokens // config.block_size))
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = total * (1 - config.gpu_memory_utilization) + 2 * 2**30  # activations, graphs
+    blocks = int((free - reserve) // per_block)
+    if blocks < 1:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB after loading the weights); raise gpu_memory_utilization "
+            "or use a smaller model"
+        )
+    return blocks
+
+
+def _max_model_len(
+    config: EngineConfig, m: ModelConfig, layout: CacheLayout, num_blocks: int
+) -> int:
+    limit = config.max_model_len or m.max_position_embeddings
+    if limit > m.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {limit} exceeds the model's max_position_embeddings "
+            f"({m.max_position_embeddings})"
+        )
+    lo, hi = 1, limit
+    while lo < hi:  # the longest sequence the cache can hold on its own
+        mid = (lo + hi + 1) // 2
+        fits = blocks_needed(layout.windows, config.block_size, mid) <= num_blocks
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    if lo < limit:
+        if config.max_model_len:
+            raise ValueError(
+                f"max_model_len {limit} does not fit in the KV cache ({num_blocks} blocks hold "
+                f"one sequence of at most {lo} tokens); lower it or give the cache more memory"
+            )
+        log.info("max_model_len lowered to %d tokens to fit the KV cache", lo)
+    return lo

@@ -1,0 +1,217 @@
+"""The engine core: requests of token ids in, per-step deltas out.
+
+request -> scheduler -> step plan -> executor -> model -> sampler -> deltas. One `step()` runs
+one forward pass for everything the scheduler picked and returns what each sequence gained in
+it: new token ids, their logprobs, and a finish reason once it ends. Text is the front end's
+business (`output_processor.py`), so nothing here costs more as an output grows.
+
+With async scheduling (the default) a decode step is launched before the previous one's tokens
+reach the host (`Scheduler.chain`); the host handles the previous step's results while the GPU
+runs. A sequence that stopped meanwhile has its extra token dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from tinyoss.engine.executor import Executor, LaunchedStep
+from tinyoss.engine.scheduler import Scheduler
+from tinyoss.engine.sequence import Sequence
+from tinyoss.engine.step import StepPlan, TokenLogprob
+from tinyoss.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineInfo:
+    """What a front end needs to know of a built engine (plain data)."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_kv_blocks: int
+    block_size: int
+    summary: str  # one line: device, dtype, backends, graphs, cache
+
+
+@dataclass
+class CoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclass
+class SeqDelta:
+    """What one sequence gained in a step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CoreStats:
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finished_requests: int = 0
+    num_preemptions: int = 0
+
+
+def check_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, info: EngineInfo
+) -> int:
+    """Validates a prompt for this engine; returns the request's effective max_tokens."""
+    ids = prompt_token_ids
+    if not ids:
+        raise ValueError("prompt is empty: give at least one token")
+    vocab = info.vocab_size
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if len(ids) >= info.max_model_len:
+        raise ValueError(
+            f"prompt is {len(ids)} tokens long, but max_model_len is "
+            f"{info.max_model_len} (prompt plus at least one generated token)"
+        )
+    room = info.max_model_len - len(ids)
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+class EngineCore:
+    def __init__(self, info: EngineInfo, scheduler: Scheduler, executor: Executor) -> None:
+        self.info = info
+        self.scheduler = scheduler
+        self.executor = executor
+        self.async_scheduling = True
+        self.requests: dict[str, list[Sequence]] = {}
+        self.stats = CoreStats()
+        self._seq_ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}
+        self._in_flight: tuple[StepPlan, LaunchedStep] | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, request: CoreRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_tokens = check_prompt(request.prompt_token_ids, request.params, self.info)
+        num_groups = len(self.scheduler.kv.windows)
+        seqs = [
+            Sequence(
+                next(self._seq_ids),
+                request.request_id,
+                i,
+                request.prompt_token_ids,
+                request.params,
+                max_tokens,
+                num_groups,
+                self.info.eos_token_ids,
+            )
+            for i in range(request.params.n)
+        ]
+        self.requests[request.request_id] = seqs
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Stops a request (or one of its sequences) now and frees its blocks; False if it is
+        unknown or already done."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if (index is None or seq.index == index) and not seq.finished:
+                seq.finish("abort")
+                self._drop(seq)
+        self._retire(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    def current_stats(self) -> CoreStats:
+        running = {s.request_id for s in self.scheduler.running}
+        s = self.stats
+        s.num_requests_running = len(running)
+        s.num_requests_waiting = max(0, len(self.requests) - len(running))
+        s.kv_cache_usage = self.scheduler.kv.usage()
+        s.num_preemptions = self.scheduler.num_preemptions
+        return s
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[SeqDelta]:
+        """Takes the results of one step (launching it first unless it already runs) and
+        returns what changed; with async scheduling the next step is launched before those
+        results are read."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return []
+            launched = (plan, self.executor.launch(plan))
+        if self.async_scheduling and launched[1].tokens is not None:
+            chained = self.scheduler.chain(launched[0])
+            if chained is not None:
+                self._in_flight = (chained, self.executor.launch(chained))
+        return self._finish(*launched)
+
+    def _finish(self, plan: StepPlan, launched: LaunchedStep) -> list[SeqDelta]:
+        result = self.executor.result(launched)
+        max_len = self.info.max_model_len
+        deltas = []
+        for item in plan.seqs:
+            seq = self._seqs.get(item.seq_id)
+            if seq is None or seq.finished:  # stopped or aborted meanwhile: its token is dropped
+                continue
+            tokens = result.sampled.get(item.seq_id, [])
+            prompt_lps = result.prompt_logprobs.get(item.seq_id)
+            for token in tokens:
+                seq.append(token, max_len)
+                if seq.finished:
+                    break
+            if tokens or prompt_lps:
+                self.stats.generation_tokens += len(tokens)
+                lps = result.logprobs.get(item.seq_id)
+                deltas.append(
+                    SeqDelta(
+                        seq.request_id,
+                        seq.index,
+                        tokens,
+                        lps,
+                        prompt_lps,
+                        seq.finish_reason,
+                        seq.stop_reason,
+                        seq.num_cached_prompt,
+                    )
+                )
+            if seq.finished:
+                self._drop(seq)
+                self._retire(seq.request_id)
+            else:
+                self.scheduler.stepped(seq)
+        return deltas
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        del self._seqs[seq.seq_id]
+
+    def _retire(self, request_id: str) -> None:
+        seqs = self.requests[request_id]
+        if all(s.finished for s in seqs):
+            del self.requests[request_id]
+            self.stats.finished_requests += 1
+            self.stats.cached_prompt_tokens += min(s.num_cached_prompt for s in seqs)

@@ -1,0 +1,207 @@
+"""Runs a `StepPlan`: the flat batch, attention metadata, one forward pass, sampling.
+
+Sequences' tokens go back to back into one flat batch with their positions; each cache group
+gets block tables and the cache slot of every new token. Logits are computed only where needed
+(each sampling sequence's last token, and prompt positions whose logprobs were asked for), then
+one batched sampler call picks every sequence's next token.
+
+`launch` only queues work: the sampled tokens stay on the device, where a chained step takes
+them as its input ids before the host has seen them, and come back to the host in the
+background (`result` waits for them). The executor keeps each sequence's sampler state (its
+seeded generator, the tokens penalties count) between steps, keyed by sequence id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyoss.engine.cuda_graphs import CudaGraphRunner
+from tinyoss.engine.sampler import Sampler, SamplingBatch, compute_logprobs
+from tinyoss.engine.step import NewSeq, StepPlan, StepResult, TokenLogprob
+from tinyoss.engine.transfer import HostCopy, to_device
+from tinyoss.kernels.attention import AttentionMetadata, GroupMetadata
+from tinyoss.model.gpt_oss import GptOssForCausalLM
+from tinyoss.sampling_params import SamplingParams
+
+_PENDING = -1  # an output token sampled by a launched step, not yet on the host
+
+
+class SamplerState:
+    """What the sampler reads of one sequence (`SamplingRowLike`)."""
+
+    __slots__ = ("params", "prompt_token_ids", "output_token_ids", "generator")
+    __slots__ += ("min_tokens_stop_ids",)
+
+    def __init__(self, new: NewSeq, device: torch.device) -> None:
+        self.params: SamplingParams = new.params
+        self.prompt_token_ids = new.prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.min_tokens_stop_ids = new.min_tokens_stop_ids
+        self.generator: torch.Generator | None = None
+        if new.params.seed is not None:  # a seeded request samples the same tokens in any batch
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(new.params.seed + new.index * 1_000_003)
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+
+
+def build_batch(
+    plan: StepPlan, num_groups: int, device: torch.device, input_ids: torch.Tensor | None = None
+) -> FlatBatch:
+    """The flat batch of a step. `input_ids` (on the device) replaces the token ids when they
+    are not known on the host yet: a chained step. Everything the host builds goes up in one
+    non-blocking copy."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]
+    tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+    starts: list[list[int]] = [[] for _ in range(num_groups)]
+    query_lens, seq_lens = [], []
+    for s in plan.seqs:
+        if input_ids is None:
+            ids.extend(s.token_ids)
+        positions.extend(range(s.start, s.start + s.num_tokens))
+        query_lens.append(s.num_tokens)
+        seq_lens.append(s.start + s.num_tokens)
+        for g in range(num_groups):
+            tables[g].append(s.block_tables[g])
+            starts[g].append(s.block_starts[g])
+            slots[g].extend(s.slots[g])
+    t = len(positions)
+    flat = to_device(torch.tensor(ids + positions + sum(slots, []), dtype=torch.long), device)
+    if input_ids is None:
+        input_ids, flat = flat[:t], flat[t:]
+    groups = [
+        GroupMetadata(tables[g], starts[g], flat[(g + 1) * t : (g + 2) * t])
+        for g in range(num_groups)
+    ]
+    return FlatBatch(input_ids, flat[:t], AttentionMetadata(query_lens, seq_lens, groups))
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose GPU work is queued: its sampled tokens stay on the device (`tokens`, one row
+    per sampling sequence, in `seq_ids` order) and travel to the host meanwhile."""
+
+    seq_ids: list[int]  # the sequence of each sampled row
+    tokens: torch.Tensor | None  # [len(seq_ids)] on the device
+    host: HostCopy | None  # token ids, logprobs, top ids, top logprobs
+    prompt_logprobs: dict[int, list[TokenLogprob]]
+    placeholders: list[tuple[SamplerState, int]]  # where each row's token goes in its state
+
+
+class Executor:
+    def __init__(
+        self,
+        model: GptOssForCausalLM,
+        attention,
+        num_groups: int,
+        device: torch.device,
+        graphs: CudaGraphRunner | None = None,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.num_groups = num_groups
+        self.device = device
+        self.graphs = graphs
+        self.sampler = Sampler()
+        self.states: dict[int, SamplerState] = {}
+        self._last: LaunchedStep | None = None  # the step a chained plan reads its tokens from
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queues the step's forward pass and sampling; nothing here waits for the GPU (prompt
+        logprobs excepted)."""
+        for seq_id in plan.finished:
+            self.states.pop(seq_id, None)
+        for new in plan.new:
+            self.states[new.seq_id] = SamplerState(new, self.device)
+        batch = build_batch(plan, self.num_groups, self.device, self._chained_ids(plan))
+        if self.graphs is not None and plan.is_decode and self.graphs.bucket(len(plan.seqs)):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            launched = self._sample([s.seq_id for s in plan.seqs], logits, {})
+        else:
+            launched = self._eager(plan, batch)
+        self._last = launched
+        return launched
+
+    def _chained_ids(self, plan: StepPlan) -> torch.Tensor | None:
+        """A chained plan's input ids: the previous step's sampled tokens, on the device."""
+        if not plan.seqs or plan.seqs[0].token_ids is not None:
+            return None
+        last = self._last
+        assert last is not None and last.tokens is not None, "a chained step follows a sample"
+        row_of = {seq_id: row for row, seq_id in enumerate(last.seq_ids)}
+        rows = torch.tensor([row_of[s.seq_id] for s in plan.seqs])
+        return last.tokens.index_select(0, to_device(rows, last.tokens.device))
+
+    def _eager(self, plan: StepPlan, batch: FlatBatch) -> LaunchedStep:
+        self.attention.plan(batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention)
+        rows, seq_ids, prompt = [], [], {}
+        offset = 0
+        for s in plan.seqs:
+            if s.prompt_logprobs is not None:
+                first, end = s.prompt_logprobs
+                index = [offset + p - 1 - s.start for p in range(first, end)]
+                k = self.states[s.seq_id].params.prompt_logprobs
+                prompt[s.seq_id] = self._prompt_logprobs(hidden[index], s.prompt_targets, k)
+            if s.num_sampled > 1:
+                raise NotImplementedError("sampling several tokens of one sequence in a step")
+            if s.num_sampled:
+                rows.append(offset + s.num_tokens - 1)
+                seq_ids.append(s.seq_id)
+            offset += s.num_tokens
+        if not rows:
+            return LaunchedStep([], None, None, prompt, [])
+        index = to_device(torch.tensor(rows), self.device)
+        return self._sample(seq_ids, self.model.compute_logits(hidden[index]), prompt)
+
+    def _sample(
+        self, seq_ids: list[int], logits: torch.Tensor, prompt: dict[int, list[TokenLogprob]]
+    ) -> LaunchedStep:
+        states = [self.states[i] for i in seq_ids]
+        out = self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], logits.device))
+        host = HostCopy.start([out.token_ids, out.logprobs, out.top_ids, out.top_logprobs])
+        placeholders = []
+        for state in states:
+            placeholders.append((state, len(state.output_token_ids)))
+            state.output_token_ids.append(_PENDING)
+        return LaunchedStep(seq_ids, out.token_ids, host, prompt, placeholders)
+
+    def result(self, launched: LaunchedStep) -> StepResult:
+        """Waits for the step's tokens (and logprobs) on the host."""
+        out = StepResult(prompt_logprobs=launched.prompt_logprobs)
+        if launched.host is None:
+            return out
+        tokens, logprobs, top_ids, top_lps = (
+            None if t is None else t.tolist() for t in launched.host.wait()
+        )
+        for row, (seq_id, (state, at)) in enumerate(zip(launched.seq_ids, launched.placeholders)):
+            state.output_token_ids[at] = tokens[row]
+            out.sampled[seq_id] = [tokens[row]]
+            k = state.params.logprobs
+            if k is not None:
+                top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k and top_ids else []
+                out.logprobs[seq_id] = [TokenLogprob(tokens[row], logprobs[row], top)]
+        return out
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, targets: list[int], k: int
+    ) -> list[TokenLogprob]:
+        """Logprobs of `targets`, each predicted by its row of `hidden`."""
+        logits = self.model.compute_logits(hidden)
+        ids = torch.tensor(targets, device=hidden.device)
+        lp, top_ids, top_lps = compute_logprobs(logits, ids, k)
+        lp, top_ids, top_lps = lp.tolist(), top_ids.tolist(), top_lps.tolist()
+        return [
+            TokenLogprob(t, lp[j], list(zip(top_ids[j], top_lps[j])))
+            for j, t in enumerate(targets)
+        ]

@@ -1,0 +1,227 @@
+"""The front end's half of a request: engine deltas -> text, stop strings, outputs.
+
+The engine core sends what each sequence gained in a step (token ids, logprobs, a finish
+reason). Here they are detokenized incrementally and checked for stop strings, and each step
+yields a fresh `RequestOutput` carrying that step's deltas; the cumulative token ids and text
+grow in place. Every call costs O(what the step added), never O(output so far).
+
+A stop string found here ends the sequence at once; the caller tells the core to drop it
+(`process` returns those sequences), and tokens the core produced meanwhile are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tinyoss.engine.core import SeqDelta
+from tinyoss.engine.step import TokenLogprob
+from tinyoss.sampling_params import SamplingParams
+from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence after a step. `delta_*` hold what the step added; `token_ids` and
+    `logprobs` are the whole output so far, shared with later outputs of the same sequence
+    (copy them to keep a snapshot)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list, repr=False)  # the text, as it came
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+class StopStrings:
+    """Finds stop strings in streamed text. The last (longest stop - 1) characters are held
+    back, since they could still begin one (as vLLM does), so a feed costs O(new text)."""
+
+    def __init__(self, stops: list[str], include: bool = False) -> None:
+        self.stops, self.include = stops, include
+        self.keep = max(len(s) for s in stops) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """(text safe to pass on, the stop string found or None)."""
+        self.pending += text
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            out = self.pending[: i + len(s) if self.include else i]
+            self.pending = ""
+            return out, s
+        cut = max(0, len(self.pending) - self.keep)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+class _Seq:
+    """Front-end state of one sequence."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        stops = params.stop or []
+        self.stops = StopStrings(stops, params.include_stop_str_in_output) if stops else None
+        self.min_tokens = params.min_tokens
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.pieces: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_cached = 0
+
+    def output(self, index: int, text: str = "", ids=(), lps=()) -> CompletionOutput:
+        return CompletionOutput(
+            index, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason, text,
+            list(ids), list(lps), self.pieces,
+        )
+
+    def apply(self, d: SeqDelta) -> tuple[str, bool]:
+        """Takes a delta in; returns the new text and whether a stop string ended it."""
+        self.token_ids += d.token_ids
+        if self.logprobs is not None and d.logprobs:
+            self.logprobs += d.logprobs
+        self.num_cached = d.num_cached_tokens
+        text = self.detok.add(d.token_ids)
+        stopped = False
+        if self.stops is not None and len(self.token_ids) > self.min_tokens:
+            text, hit = self.stops.feed(text)
+            if hit is not None:
+                self.finish_reason, self.stop_reason, stopped = "stop", hit, True
+        if d.finish_reason is not None and not stopped:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+            tail = self.detok.flush()
+            if self.stops is not None:
+                more, hit = self.stops.feed(tail)
+                tail = more if hit is not None else more + self.stops.flush()
+                if hit is not None:
+                    self.finish_reason, self.stop_reason = "stop", hit
+            text += tail
+        if text:
+            self.pieces.append(text)
+        return text, stopped
+
+
+class _Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        arrival_time: float,
+    ) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.seqs = [_Seq(i, tokenizer, params) for i in range(params.n)]
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self, changed: dict[int, CompletionOutput]) -> RequestOutput:
+        outputs = [changed.get(i) or s.output(i) for i, s in enumerate(self.seqs)]
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+            self.prompt_logprobs, min(s.num_cached for s in self.seqs), self.arrival_time,
+            self.first_token_time,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _Request] = {}
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.requests[request_id] = _Request(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forgets a request, marking what is unfinished as aborted; its last output."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for s in request.seqs:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        return request.output({})
+
+    def process(
+        self, deltas: list[SeqDelta]
+    ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """(the outputs of the requests that changed, the sequences a stop string ended: the
+        core must drop them)."""
+        changed: dict[str, dict[int, CompletionOutput]] = {}
+        stopped: list[tuple[str, int]] = []
+        now = time.monotonic()
+        for d in deltas:
+            request = self.requests.get(d.request_id)
+            if request is None:
+                continue
+            seq = request.seqs[d.index]
+            if seq.finish_reason is not None:  # ended by a stop string: later tokens are dropped
+                continue
+            if d.prompt_logprobs and request.prompt_logprobs is not None and d.index == 0:
+                request.prompt_logprobs += d.prompt_logprobs
+            text, by_stop = seq.apply(d)
+            if d.token_ids and request.first_token_time is None:
+                request.first_token_time = now
+            if by_stop and d.finish_reason is None:
+                stopped.append((d.request_id, d.index))
+            changed.setdefault(d.request_id, {})[d.index] = seq.output(
+                d.index, text, d.token_ids, d.logprobs or ()
+            )
+        outputs = []
+        for request_id, seqs in changed.items():
+            request = self.requests[request_id]
+            outputs.append(request.output(seqs))
+            if request.finished:
+                del self.requests[request_id]
+        return outputs, stopped

@@ -1,0 +1,79 @@
+"""What crosses between the scheduler and the executor: plain, picklable data.
+
+The scheduler decides a step and writes it down as a `StepPlan` (token ids, positions, block
+tables and cache slots, which rows sample); the executor runs it and answers with a
+`StepResult`. Neither holds the other's objects, so an executor could live in another process
+(tensor parallelism) and a test can script one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyoss.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the `top` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class NewSeq:
+    """A sequence the executor has not seen yet: what its sampler state is made from."""
+
+    seq_id: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    index: int  # within its request: a seeded request's sequences draw different noise
+    min_tokens_stop_ids: list[int]  # masked until min_tokens outputs
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's part of a step: query tokens at positions [start, start + num_tokens)."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    # The query tokens; None when they are the tokens the previous step sampled for this
+    # sequence, which the executor takes on the device (a step launched before they are known).
+    token_ids: list[int] | None
+    # Logit rows at the end of the query that are sampled: 1 when the step reaches the last
+    # known token, else 0. Room for k + 1 when a step verifies k drafted tokens.
+    num_sampled: int
+    block_tables: list[list[int]]  # per cache group: the blocks the sequence still holds
+    block_starts: list[int]  # per cache group: the first position its table covers
+    slots: list[list[int]]  # per cache group: the cache slot of each query token
+    # Prompt positions [begin, end) whose next-token logprobs this step computes (or None).
+    prompt_logprobs: tuple[int, int] | None = None
+    prompt_targets: list[int] = field(default_factory=list)  # the tokens those predict
+
+
+@dataclass
+class StepPlan:
+    seqs: list[ScheduledSeq]
+    new: list[NewSeq] = field(default_factory=list)  # before the step: create sampler state
+    finished: list[int] = field(default_factory=list)  # before the step: drop sampler state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_decode(self) -> bool:
+        """One sampled token per sequence: a step CUDA graphs can replay."""
+        return all(s.num_tokens == 1 and s.num_sampled == 1 for s in self.seqs)
+
+
+@dataclass
+class StepResult:
+    """Per sequence that sampled: its new tokens, with logprobs where asked for."""
+
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
