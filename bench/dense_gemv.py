@@ -1,6 +1,5 @@
 """Times the dense bf16 decode GEMV (tinyoss.kernels.linear_triton) against cuBLAS (F.linear) at
-gpt-oss shapes, alone and as a chain of 24 layers (q/k/v then o) in one CUDA graph with and
-without programmatic dependent launch, on one GPU.
+gpt-oss shapes, alone and as a chain of 24 layers (q/k/v then o) in one CUDA graph, on one GPU.
 
     python bench/dense_gemv.py --m 1,2,4 --configs 8/512/4/3,16/256/4/3
 """
@@ -17,7 +16,6 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tinyoss.kernels import launch  # noqa: E402
 from tinyoss.kernels import linear_triton as lt  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "router": (32, 2880), "lm_head": (201088, 2880)}
@@ -38,10 +36,10 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", default="1,2,4")
     p.add_argument("--configs", default="8/512/4/3,16/256/4/3,4/512/2/3,8/256/2/4",
-                   help="block_n/block_k/warps/stages, each with block_m from gemv_config")
+                   help="block_n/block_k/warps/stages (K steps through shared memory), each "
+                        "with block_m from gemv_config")
     args = p.parse_args()
     dev = torch.device("cuda")
-    launch.enable_pdl(False)
     for name, (n, k) in SHAPES.items():
         sets = 4 if n < 100000 else 1  # rotate weight sets so L2 does not hold them
         ws = [torch.randn(n, k, device=dev).to(torch.bfloat16) * 0.02 for _ in range(sets)]
@@ -77,10 +75,8 @@ def main() -> None:
     row = [f"chain 24 x (qkv, o) {mb:.0f} MB"]
     us = graph_time(lambda: chain(F.linear))
     row.append(f"cublas {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
-    for pdl in (False, True):
-        launch.enable_pdl(pdl)
-        us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, w)))
-        row.append(f"triton pdl={pdl} {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+    us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, w)))
+    row.append(f"triton {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
     print(" | ".join(row), flush=True)
 
 

@@ -25,11 +25,9 @@ from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch  # noqa: E402
 from tinyoss.model.layout import TensorSpec  # noqa: E402
 from tinyoss.model.synthetic import random_experts  # noqa: E402
 
-# block_n1/block_n2/block_k/warps/stages, "/f" for the f16x2 kernel
-# (the last four read longer runs of each row a step, 512 B to 1 KB, as the dense GEMV that
-# reaches 3.0 TB/s does; not yet measured)
-GEMV_CONFIGS = ("16/16/512/2/4,16/16/512/2/4/f,8/8/1024/2/4,4/4/2048/2/4,4/4/1024/1/4,"
-                "8/8/1024/1/4")
+# block_n1/block_n2/block_k/warps/stages; on a GPU the Gluon kernel runs them, which takes
+# block_k 256-1024 (`moe_gemv_gluon.check`)
+GEMV_CONFIGS = "8/8/1024/1/4,8/8/512/1/4,16/16/512/2/4,4/4/1024/1/4"
 GEMM_CONFIGS = "16/4,32/8,64/8,128/8"  # block_m/warps
 
 
@@ -41,6 +39,19 @@ def weights(seed: int, e: int, h: int, i: int) -> ExpertWeights:
                             seed, dev)
     return ExpertWeights(gb, gs, torch.randn(e, 2 * i, device=dev) * 0.1, db, ds,
                          torch.randn(e, h, device=dev) * 0.1)
+
+
+def call_sets(t: int, ws: list[ExpertWeights]) -> list[tuple]:
+    """(x, topk weights, top-4 ids, experts) of T random bf16 tokens for each weight set."""
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    sets = []
+    for w in ws:
+        e, h = w.gate_up_blocks.shape[0], w.down_blocks.shape[1]
+        x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:4] for _ in range(t)])
+        wts = torch.softmax(torch.randn(t, 4, device="cuda", generator=gen), -1)
+        sets.append((x, wts, ids, w))
+    return sets
 
 
 def timed(fn, sets) -> float:
@@ -58,8 +69,7 @@ def candidates(t: int, e: int, args: argparse.Namespace) -> list[tuple[str, obje
     out: list[tuple[str, object]] = [("default", mt.moe_triton)]
     if t <= args.gemv_max:
         for c in args.gemv_configs.split(","):
-            fields = c.split("/")
-            cfg = mt.GemvConfig(*map(int, fields[:5]), f16x2=fields[5:] == ["f"])
+            cfg = mt.GemvConfig(*map(int, c.split("/")))
             out.append((f"gemv {c}", lambda *a, cfg=cfg: mt.moe_gemv(*a, cfg)))
     base = mt.prefill_config(t, e, 4)
     for c in args.gemm_configs.split(","):
@@ -82,14 +92,7 @@ def main() -> None:
     ws = [weights(s, e, h, i) for s in range(4)]
     expert_mb = (2 * i * h + h * i) * (0.5 + 1 / 32) / 1e6
     for t in map(int, args.tokens.split(",")):
-        gen = torch.Generator(device="cuda").manual_seed(t)
-        sets = []
-        for w in ws:
-            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:4]
-                               for _ in range(t)])
-            wts = torch.softmax(torch.randn(t, 4, device="cuda", generator=gen), -1)
-            sets.append((x, wts, ids, w))
+        sets = call_sets(t, ws)
         ref = moe_torch(*sets[0])
         mb = len(torch.unique(sets[0][2])) * expert_mb
         row = [f"T={t:<4} experts hit {mb:6.1f} MB"]

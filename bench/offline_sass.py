@@ -60,35 +60,28 @@ def kernels() -> dict:
                    N=5760, K=2880, stride_qe=5760 * 1440, stride_q=1440, stride_se=5760 * 90,
                    stride_s=90, alpha=F32, limit=F32, x_div=4)
     pair = dict(experts, x_ptr="*bf16", out_ptr="*fp32")
-    pair16 = dict(experts, xp_ptr="*i32", xe_ptr="*i32", out_ptr="*i32")
     gv = moe_triton.GemvConfig()
-    lin = dict(x_ptr="*bf16", xp_ptr="*i32", xe_ptr="*i32", q_ptr="*u8", s_ptr="*u8",
-               b_ptr="*bf16", out_ptr="*bf16", M=1, N=201088, K=2880, stride_q=1440, stride_s=90)
+    lin = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", out_ptr="*bf16", M=1,
+               N=201088, K=2880, stride_q=1440, stride_s=90)
     lv = linear_mxfp4_triton.gemv_config(1, 201088)
     bf = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M=1, N=5120, K=2880)
     bv = linear_triton.gemv_config(1, 5120)
     pair_opts = dict(num_warps=gv.num_warps, num_stages=gv.num_stages)
-    lin_cx = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k, USE_PDL=True)
-    lin_opts = dict(num_warps=lv.num_warps, num_stages=lv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
-                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k, USE_PDL=True),
+                      dict(SWIGLU=True, BLOCK_N=gv.block_n1, BLOCK_K=gv.block_k),
                       pair_opts,
                       gv.block_n1 * gv.block_k),
         "pair_gemv_gluon": (moe_gemv_gluon._pair_gemv_gluon, pair,
                             dict(SWIGLU=True, HALF_N=gv.block_n1 // 2, BLOCK_K=gv.block_k,
                                  WARPS=gv.num_warps), pair_opts, gv.block_n1 * gv.block_k),
-        "pair_gemv_f16x2": (moe_triton._pair_gemv_f16x2, pair16,
-                            dict(SWIGLU=True, X_EBITS=0, BLOCK_N=gv.block_n1,
-                                 BLOCK_K=gv.block_k, ASM=True, USE_PDL=True), pair_opts,
-                            gv.block_n1 * gv.block_k),
-        "linear_mxfp4": (linear_mxfp4_triton._gemv, lin, lin_cx, lin_opts,
+        "linear_mxfp4": (linear_mxfp4_triton._gemv, lin,
+                         dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=lv.block_n, BLOCK_K=lv.block_k),
+                         dict(num_warps=lv.num_warps, num_stages=lv.num_stages),
                          lv.block_n * lv.block_k),
-        "linear_mxfp4_f16x2": (linear_mxfp4_triton._gemv_f16x2, lin, dict(lin_cx, ASM=True),
-                               lin_opts, lv.block_n * lv.block_k),
         "linear_bf16": (linear_triton._gemv, bf,
                         dict(HAS_BIAS=True, BLOCK_M=1, BLOCK_N=bv.block_n, BLOCK_K=bv.block_k,
-                             STAGES=bv.num_stages, USE_PDL=True),
+                             STAGES=bv.num_stages),
                         dict(num_warps=bv.num_warps, num_stages=bv.num_stages),
                         bv.block_n * bv.block_k),
     }
@@ -125,9 +118,10 @@ def loop_mix(sass: str) -> tuple[collections.Counter, int]:
     return mix, sum(mix.values())
 
 
-def compile_sass(name: str) -> tuple[str, str]:
-    """Kernel `name` of `kernels()` compiled for sm_90: (resource usage line, SASS)."""
-    fn, example, constexprs, opts, _ = kernels()[name]
+def compile_sass(name: str, entry: tuple | None = None) -> tuple[str, str]:
+    """Kernel `name` of `kernels()` (or `entry`, in its form) compiled for sm_90: (resource
+    usage line, SASS)."""
+    fn, example, constexprs, opts, _ = entry or kernels()[name]
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     k = triton.compile(spec(fn, example, constexprs), target=GPUTarget("cuda", 90, 32),
                        options=opts)
@@ -147,18 +141,23 @@ def main() -> None:
     p.add_argument("--kernel", default="all")
     p.add_argument("--dump", default=None, help="write the SASS of the (last) kernel here")
     args = p.parse_args()
-    for name, (_, _, _, opts, weights) in kernels().items():
-        if args.kernel not in ("all", name):
-            continue
-        usage, sass = compile_sass(name)
-        if args.dump:
-            Path(args.dump).write_text(sass)
-        mix, total = loop_mix(sass)
-        threads = 32 * opts["num_warps"]
-        print(f"{name}: {usage}")
-        print(f"  K loop: {total} instructions a thread a step, "
-              f"{total * threads / weights:.2f} a weight")
-        print("  " + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
+    for name, entry in kernels().items():
+        if args.kernel in ("all", name):
+            report(name, entry, args.dump)
+
+
+def report(name: str, entry: tuple, dump: str | None = None) -> None:
+    """Compiles one kernel (`kernels()`'s form) and prints its resources and K-loop mix."""
+    _, _, _, opts, weights = entry
+    usage, sass = compile_sass(name, entry)
+    if dump:
+        Path(dump).write_text(sass)
+    mix, total = loop_mix(sass)
+    threads = 32 * opts["num_warps"]
+    print(f"{name}: {usage}")
+    print(f"  K loop: {total} instructions a thread a step, "
+          f"{total * threads / weights:.2f} a weight")
+    print("  " + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
 
 
 if __name__ == "__main__":

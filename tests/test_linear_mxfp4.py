@@ -1,8 +1,7 @@
 """Triton MXFP4 linear (GEMV and GEMM paths) against the `mxfp4_linear_torch` reference.
 
 On CPU the kernels run in the Triton interpreter in fp32 and agree with the reference to fp32
-rounding (~1e-7 relative measured; TOL 1e-5); the f16x2 GEMV to the fp16 rounding of its packed
-activations (TOL_F16X2). Small shapes with ragged tails: N = 40 against
+rounding (~1e-7 relative measured; TOL 1e-5). Small shapes with ragged tails: N = 40 against
 row tiles of 16, K = 160 against K tiles of 64, M = 3 and 17 against token tiles of 4 and 16.
 Outputs start as NaN, so a row nobody wrote shows. The GPU tests (skipped without CUDA) run the
 real gpt-oss shapes in bf16, and one decode-size call inside a CUDA graph.
@@ -26,7 +25,6 @@ CUDA = torch.cuda.is_available()
 # The small fp32 cases check kernel logic in the interpreter; on a GPU the real shapes below run.
 interpreter = pytest.mark.skipif(CUDA, reason="small fp32 cases run in the Triton interpreter")
 TOL = 1e-5  # ||out - ref|| / ||ref||, fp32 in the interpreter
-TOL_F16X2 = 1e-3  # the f16x2 GEMV's activations go in as fp16 (2**-11 relative rounding)
 GPU_TOL = 1e-2  # bf16 activations and outputs
 N, K = 40, 160
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -37,9 +35,6 @@ SMALL = {
     ),
     "gemv_m1": lambda x, b, s, bias: lt.linear_gemv(
         x, b, s, bias, lt.GemvConfig(block_m=1, block_n=16, block_k=64)
-    ),
-    "gemv_f16x2": lambda x, b, s, bias: lt.linear_gemv(
-        x, b, s, bias, lt.GemvConfig(block_m=4, block_n=16, block_k=128, f16x2=True)
     ),
     "gemm": lambda x, b, s, bias: lt.linear_gemm(
         x, b, s, bias, lt.GemmConfig(block_m=16, block_n=16, block_k=64, num_warps=4)
@@ -82,18 +77,18 @@ def test_matches_reference(path: str, m: int, with_bias: bool) -> None:
     ref = mxfp4_linear_torch(x, blocks, scales, bias)
     assert out.shape == (m, N) and out.dtype == x.dtype
     assert not out.isnan().any()
-    assert rel(out, ref) < (TOL_F16X2 if path == "gemv_f16x2" else TOL)
+    assert rel(out, ref) < TOL
 
 
 @interpreter
-@pytest.mark.parametrize("path", ["gemv", "gemv_f16x2", "gemm"])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
 def test_wide_dynamic_range(path: str) -> None:
     """Tiny weights (scale bytes far below 127) and large activations keep full precision."""
     blocks, scales, bias = weights(N, K, std=1e-4)
     x = 300 * torch.randn(2, K, generator=torch.Generator().manual_seed(5))
     ref = mxfp4_linear_torch(x, blocks, scales, bias)
     out = SMALL[path](x, blocks, scales, bias)
-    assert rel(out, ref) < (TOL_F16X2 if path == "gemv_f16x2" else TOL)
+    assert rel(out, ref) < TOL
 
 
 def test_no_rows() -> None:
@@ -140,14 +135,10 @@ def test_real_shapes_gpu(layer: str, m: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("path", ["gemv", "gemv_f16x2", "gemm"])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
 def test_both_paths_any_m_gpu(path: str) -> None:
     blocks, scales, bias = weights(2880, 2880, device="cuda", std=0.02)
-    fn = {
-        "gemv": lt.linear_gemv,
-        "gemv_f16x2": lambda *a: lt.linear_gemv(*a, config=lt.GemvConfig(f16x2=True)),
-        "gemm": lt.linear_gemm,
-    }[path]
+    fn = {"gemv": lt.linear_gemv, "gemm": lt.linear_gemm}[path]
     for m in (1, 5, 33):
         x = torch.randn(m, 2880, device="cuda").to(torch.bfloat16)
         ref = mxfp4_linear_torch(x.float(), blocks, scales, bias)

@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options
-from tinyoss.kernels.pdl_triton import pdl_start
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
 MAX_SPLITS = 64  # splits per sequence at most, so the grid stays small for long contexts
@@ -52,10 +50,9 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     max_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    FINAL: tl.constexpr, USE_PDL: tl.constexpr):
+                    FINAL: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
     (every range fits one split): the attention output itself, sink included, into out."""
-    pdl_start(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -176,5 +173,5 @@ class DecodeAttention:
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, SPLIT=self.split,
-            BLOCK_KV=BLOCK_KV, FINAL=final, **common, **pdl_options(q))
+            BLOCK_KV=BLOCK_KV, FINAL=final, **common)
         return out

@@ -3,44 +3,28 @@
 CPU: the torch reference everywhere. NVIDIA GPU: fused Triton kernels for the per-layer ops,
 the MXFP4 MoE kernel `moe_backends` picks for the GPU, FlashInfer sink attention, and the bf16
 dense layers (q/k/v, o, router, lm_head) at one token on the Triton decode GEMV (`linear_triton`,
-cuBLAS above one token): measured on the H100, 385 against 419 us for lm_head and 13.7 against
-17.1 for o_proj (bench/results/2026-11-23_h100_kernels_e5bac60.txt). Env TINYOSS_DENSE_BACKEND
-(`triton` or `torch`) forces one. Any choice can be forced (tests, debugging); a forced choice
-the machine cannot run fails at start-up with the reason.
-
-Kernel variants that are correct but not (yet) better everywhere are off by default; env
-TINYOSS_EXPERIMENTAL (a comma list) turns them on, for the benchmark to compare. Measured on the
-H100, gpt-oss-20b (bench/results/*_d4beb31.json):
-* "pdl": programmatic dependent launch for every Triton decode kernel (Hopper and newer). Same
-  tokens as without; 2.679 ms/step either way at batch 1, 7.66 against 7.81 at 8 (d4beb31,
-  when it also moved the dense layers to `linear_triton`); 2.525 against 2.519 at e5bac60;
-  2.456 against 2.324 at 75501ec (bench/results/2026-11-24_h100_kernels_d090dd4.txt).
-* "f16x2": the MXFP4 GEMVs (MoE pair GEMV, dense MXFP4 layers) with two fp16 products an
-  instruction (`mxfp4_dot_triton`): 6.90 against 7.81 ms/step at batch 8, but 2.77 against
-  2.68 at batch 1, and less exact (greedy tokens part from the reference on the tiny model).
+cuBLAS above one token), which streams the weights faster than cuBLAS does at one token
+(bench/results/2026-11-23_h100_kernels_e5bac60.txt). Env TINYOSS_DENSE_BACKEND (`triton` or
+`torch`) forces one. Any choice can be forced (tests, debugging); a forced choice the machine
+cannot run fails at start-up with the reason.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from tinyoss.config import ATTENTION_BACKENDS
 from tinyoss.kernels import Kernels
-from tinyoss.kernels.launch import enable_pdl, pdl_available
 from tinyoss.kernels.moe_backends import Platform, choose, install
 from tinyoss.settings import resolve
 
 log = logging.getLogger("tinyoss")
 
-ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 DENSE_BACKENDS = ("auto", "triton", "torch")
 DENSE_ENV = "TINYOSS_DENSE_BACKEND"
-EXPERIMENTAL_ENV = "TINYOSS_EXPERIMENTAL"
-EXPERIMENTAL = ("pdl", "f16x2")
 
 
 @dataclass
@@ -90,7 +74,6 @@ def select_backends(
                              mxfp4_linear="triton")
     _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
-    _experimental(kernels, device, moe.backend)
     if attention == "auto":
         attention = "flashinfer" if on_gpu and _has_flashinfer() else "torch"
         if on_gpu and attention == "torch":
@@ -119,41 +102,6 @@ def _dense(kernels: Kernels, on_gpu: bool) -> None:
 
         kernels.linear = linear_triton
     kernels.names["linear"] = backend
-
-
-def experimental_features() -> tuple[str, ...]:
-    """The names in env TINYOSS_EXPERIMENTAL; an unknown one is an error that lists them."""
-    names = [n.strip() for n in os.environ.get(EXPERIMENTAL_ENV, "").split(",") if n.strip()]
-    unknown = [n for n in names if n not in EXPERIMENTAL]
-    if unknown:
-        raise ValueError(
-            f"{EXPERIMENTAL_ENV}={os.environ[EXPERIMENTAL_ENV]!r}: unknown {', '.join(unknown)}; "
-            f"choose from {', '.join(EXPERIMENTAL)}"
-        )
-    return tuple(names)
-
-
-def _experimental(kernels: Kernels, device: torch.device, moe_backend: str) -> None:
-    """Turns on what TINYOSS_EXPERIMENTAL names (GPU only; PDL only where the GPU has it)."""
-    names = experimental_features()  # checked everywhere, so a typo never passes silently
-    if device.type != "cuda":
-        names = ()
-    pdl = "pdl" in names and pdl_available(device)
-    enable_pdl(pdl)
-    if pdl:
-        kernels.names["pdl"] = "on"
-    if "f16x2" in names:
-        from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
-        from tinyoss.kernels.moe_triton import F16X2_GEMV, moe_norm_triton, moe_triton
-
-        kernels.mxfp4_linear = functools.partial(mxfp4_linear, f16x2=True)
-        kernels.names["mxfp4_linear"] = "triton-f16x2"
-        if moe_backend == "triton":
-            kernels.moe = functools.partial(moe_triton, gemv=F16X2_GEMV)
-            kernels.moe_norm = functools.partial(moe_norm_triton, gemv=F16X2_GEMV)
-            kernels.names["moe"] = "triton-f16x2"
-    if names:
-        log.warning("%s=%s: experimental kernels on", EXPERIMENTAL_ENV, ",".join(names))
 
 
 def _has_flashinfer() -> bool:

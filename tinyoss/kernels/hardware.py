@@ -5,10 +5,9 @@ one it asks the current CUDA device (and answers False, or None, when there is n
 
 Families: Hopper is SM90. "Blackwell-class" is every Blackwell-generation part: SM10x (B200 sm_100,
 B300 sm_103), SM11x (Thor sm_110) and SM12x (RTX 50 / RTX PRO sm_120, GB10 / DGX Spark sm_121).
-All of them have FP4 tensor cores, but they do not share kernels: FlashInfer's trtllm-gen MoE
-cubins exist for SM100/SM103/SM107 only, and its CUTLASS MXFP4 MoE has one build for Hopper
-(bf16 activations) and one for Blackwell-class (MXFP8 activations). The tables below are read
-from FlashInfer 0.7.2 (`fused_moe/api.py`: `_TRTLLM_ROUTED_ARCHS`, `_CUTLASS_W4A16_ARCHS`,
+All of them have FP4 tensor cores, but they do not share kernels: FlashInfer's CUTLASS MXFP4 MoE
+has one build for Hopper (bf16 activations) and one for Blackwell-class (MXFP8 activations).
+The tables below are read from FlashInfer 0.7.2 (`fused_moe/api.py`: `_CUTLASS_W4A16_ARCHS`,
 `_CUTLASS_MXFP8_MXFP4_ARCHS`).
 """
 
@@ -18,7 +17,6 @@ import torch
 
 Capability = tuple[int, int]
 
-TRTLLM_GEN_MOE = frozenset({(10, 0), (10, 3), (10, 7)})
 CUTLASS_W4A16_MOE = frozenset({(9, 0)})  # bf16 activations x MXFP4 weights
 CUTLASS_MXFP8_MXFP4_MOE = frozenset({(10, 0), (10, 3), (10, 7), (11, 0), (12, 0), (12, 1)})
 
@@ -66,12 +64,6 @@ def is_blackwell_class(cap: Capability | None = None) -> bool:
 def has_fp4_tensor_cores(cap: Capability | None = None) -> bool:
     """Native FP4 (E2M1) tensor-core math: the Blackwell generation, not Hopper or older."""
     return is_blackwell_class(cap)
-
-
-def has_trtllm_gen_moe(cap: Capability | None = None) -> bool:
-    """FlashInfer's trtllm-gen MoE kernels: SM100, SM103 and SM107 only (not SM11x or SM12x)."""
-    cap = _cap(cap)
-    return cap in TRTLLM_GEN_MOE
 
 
 def cutlass_moe_variant(cap: Capability | None = None) -> str | None:

@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options
-from tinyoss.kernels.pdl_triton import pdl_start
 
 
 @triton.jit
@@ -29,9 +27,7 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -66,7 +62,6 @@ def rms_norm_triton(
         eps,
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(cols),
-        **pdl_options(x),
     )
     return out, res_out
 
@@ -96,9 +91,7 @@ def _rope_kernel(
     n_k_heads,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -127,7 +120,6 @@ def rope_triton(
             hk,
             HALF=d // 2,
             BLOCK_H=triton.next_power_of_2(max(hq, hk)),
-            **pdl_options(q),
         )
     return q, k
 
@@ -135,9 +127,7 @@ def rope_triton(
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride, v_stride, ROW: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cols = tl.arange(0, ROW)
@@ -163,7 +153,6 @@ def store_kv_triton(
     if t:
         _store_kv_kernel[(t,)](
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row,
-            **pdl_options(k),
         )
 
 
@@ -182,9 +171,7 @@ def _topk_softmax(x, e, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.conste
 @triton.jit
 def _router_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, BLOCK_E: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf")).to(
@@ -201,8 +188,7 @@ def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
     if t:
-        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e),
-                                  **pdl_options(logits))
+        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e))
     return weights, ids
 
 
@@ -216,12 +202,11 @@ NORM_ROUTE_PROGRAMS = 16  # programs a token (at most): each takes E / 16 router
 def _norm_route_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
     ids_ptr, n_cols, n_experts, eps, EPB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
     stores it and the new residual), router logits of experts g*EPB.. into logits [T, E]; the
     last program of t to finish (a ticket in count [t], reset by it) takes the top-k."""
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -290,6 +275,5 @@ def norm_route_triton(
         _norm_route_kernel[(t, triton.cdiv(e, epb))](
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
             _ticket_counters(x.device), weights, ids, h, e, eps, EPB=epb, K=k,
-            BLOCK=triton.next_power_of_2(h), BLOCK_E=triton.next_power_of_2(e), num_warps=4,
-            **pdl_options(x))
+            BLOCK=triton.next_power_of_2(h), BLOCK_E=triton.next_power_of_2(e), num_warps=4)
     return out, res_out, weights, ids

@@ -2,9 +2,8 @@
 
 W [N, K] is `blocks` [N, K/32, 16] uint8 (two E2M1 codes a byte) and `scales` [N, K/32] uint8
 (UE8M0), the layout `mxfp4.quantize` writes; no dequantized copy of W ever exists. The
-dequantization tricks are `moe_triton`'s: the GEMV uses its pair GEMV's arithmetic (fp32, or
-with `GemvConfig(f16x2=True)` the packed fp16 products of `mxfp4_dot_triton`, not yet run on a
-GPU), the GEMM calls its `_mx_gemm` in "dot" mode.
+dequantization tricks are `moe_triton`'s: the GEMV uses its pair GEMV's fp32 arithmetic, the
+GEMM calls its `_mx_gemm`.
 
 Two paths, chosen by the static row count M (never by data). Nothing syncs with the host and
 every grid has a static size, so decode steps that call them can be captured in CUDA graphs.
@@ -19,24 +18,18 @@ every grid has a static size, so decode steps that call them can be captured in 
 
 Limits inherited from the tricks: activations below 2**64 in magnitude (GEMV) and scale bytes
 up to 240 (GEMM); `mxfp4.quantize` of real weights stays far inside both. On CPU the kernels run
-in the Triton interpreter with fp32 operands and match `mxfp4_linear_torch` to fp32 rounding
-(the f16x2 GEMV to the fp16 rounding of its packed activations).
+in the Triton interpreter with fp32 operands and match `mxfp4_linear_torch` to fp32 rounding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options
-from tinyoss.kernels.pdl_triton import pdl_start
-from tinyoss.kernels.moe_triton import (MODES, _dot_dtype, _e2m1_fp32, _mx_gemm, _phases,
-                                         _ue8m0_fp32)
-from tinyoss.kernels.mxfp4_dot_triton import (group_dot, group_scale, load_groups, pack_pairs,
-                                              use_asm)
+from tinyoss.kernels.moe_triton import _dot_dtype, _e2m1_fp32, _mx_gemm, _phases, _ue8m0_fp32
 
 GEMV_MAX_M = 4  # up to this many rows the CUDA-core GEMV runs, above it the tensor-core GEMM
 
@@ -51,7 +44,6 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 2
     num_stages: int = 4
-    f16x2: bool = False  # `_gemv_f16x2` (moe_triton's f16x2 pair GEMV arithmetic; opt-in)
 
 
 @dataclass(frozen=True)
@@ -91,14 +83,12 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def _gemv(
     x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     """out[toks, rows] = x[toks] @ W[rows].T (+ b[rows]), for this program's tokens and rows.
 
     As moe_triton's `_pair_gemv` (`_e2m1_fp32` dequantization, activations pre-scaled by 2**64,
     each word's scale elementwise, one reduction over K after the loop); the dequantized tile
     serves all BLOCK_M tokens."""
-    pdl_start(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,46 +122,10 @@ def _gemv(
 
 
 @triton.jit
-def _gemv_f16x2(
-    xp_ptr, xe_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ASM: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """out[toks, rows] = x[toks] @ W[rows].T (+ b[rows]), for this program's tokens and rows.
-
-    x comes packed (`pack_pairs`); each weight tile is loaded once for the BLOCK_M tokens and
-    multiplied two products an instruction (`group_dot`), one reduction over K after the loop."""
-    pdl_start(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    tok0 = tl.program_id(1) * BLOCK_M
-    r64 = rows.to(tl.int64)[:, None]
-    qp = q_ptr.to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
-    sp = s_ptr + r64 * stride_s
-    ms = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        g, g_ok, q, sc = load_groups(qp, sp, row_ok, k0, K, BLOCK_K)
-        for m in tl.static_range(BLOCK_M):
-            tok = tl.minimum(tok0 + m, M - 1).to(tl.int64)  # past M: a valid row, not stored
-            ebits = tl.load(xe_ptr + tok * (K // 32) + g, mask=g_ok, other=0)[None, :]
-            part = group_dot(q, xp_ptr + tok * (K // 2), g, g_ok, ASM) * group_scale(sc, ebits)
-            acc += tl.where(ms[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    toks = tok0 + ms
-    tl.store(
-        out_ptr + toks.to(tl.int64)[:, None] * N + rows[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(toks < M)[:, None] & row_ok[None, :],
-    )
-
-
-@triton.jit
 def _gemm(
     x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of out = x @ W.T (+ b). Token tiles are grid axis 0, so the
     programs that run together share a weight tile (read from L2, not DRAM, by all but one)."""
@@ -181,7 +135,7 @@ def _gemm(
     row_ok = rows < N
     acc = _mx_gemm(
         tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_ptr, toks, tok_ok, K, q_ptr, s_ptr,
-        stride_q, stride_s, rows, row_ok, BLOCK_K, MODE, DOT_DTYPE,
+        stride_q, stride_s, rows, row_ok, BLOCK_K, DOT_DTYPE,
     )
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -231,18 +185,14 @@ def linear_gemv(
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     # Row strides go in as ints, in bytes: Triton sees that a row's K/2 bytes start 16-byte
     # aligned (K/2 is a multiple of 16) and vectorizes. A missing bias passes a dummy pointer.
-    args = (blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
-            blocks.stride(0), scales.stride(0))
-    meta = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **pdl_options(x))
-    if cfg.f16x2:
-        _gemv_f16x2[grid](*pack_pairs(x), *args, ASM=use_asm(x), **meta)
-    else:
-        _gemv[grid](x.contiguous(), *args, **meta)
+    _gemv[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
+        x.contiguous(), blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
+        blocks.stride(0), scales.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
 
 
@@ -266,7 +216,7 @@ def linear_gemm(
     _gemm[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
         x.contiguous(), blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
         blocks.stride(0), scales.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MODE=MODES["dot"], DOT_DTYPE=_dot_dtype(x),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_DTYPE=_dot_dtype(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -277,12 +227,10 @@ def mxfp4_linear(
     blocks: torch.Tensor,
     scales: torch.Tensor,
     bias: torch.Tensor | None,
-    f16x2: bool = False,
 ) -> torch.Tensor:
     """Drop-in for `mxfp4_linear_torch`: x [M, K] -> [M, N] in x.dtype, fp32 accumulation.
 
     The path depends only on the static M, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_M:
-        config = replace(gemv_config(x.shape[0], blocks.shape[0]), f16x2=f16x2)
-        return linear_gemv(x, blocks, scales, bias, config)
+        return linear_gemv(x, blocks, scales, bias)
     return linear_gemm(x, blocks, scales, bias)

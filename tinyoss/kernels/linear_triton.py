@@ -3,14 +3,10 @@
 At batch 1 a decode step reads every dense weight once (q/k/v, o, the router and lm_head are
 ~2.4 GB of gpt-oss-20b's ~3.7 GB a token), so these GEMVs are bandwidth-bound. A plain
 CUDA-core GEMV streams each weight row once, through shared memory with Triton's pipeliner
-(cp.async, a few K steps ahead), and reduces over K after the loop. More rows of x than
-GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused.
-
-Measured on the H100 at M=1 (bench/dense_gemv.py, bench/results/2026-11-23_h100_kernels_e5bac60.txt):
-lm_head 385 us (3.0 TB/s) against 419 through cuBLAS, o 13.7 against 17.1, q/k/v 15.9 against
-16.4; loading the next step into registers instead (num_stages 1) gave 405, 15.8 and 17.0.
-With programmatic dependent launch (`launch.pdl_options`, TINYOSS_EXPERIMENTAL=pdl) a GEMV
-starts while the kernel before it drains.
+(cp.async, a few K steps ahead), and reduces over K after the loop. At one row it reads the
+weights faster than cuBLAS; loading the next K step into registers instead of shared memory was
+slower (bench/dense_gemv.py; bench/results/2026-11-23_h100_kernels_e5bac60.txt). More rows of x
+than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused.
 """
 
 from __future__ import annotations
@@ -22,10 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options
-from tinyoss.kernels.pdl_triton import pdl_start
 
-# At M=2 and 4 cuBLAS won everywhere on the H100 (bench/results/2026-11-23_h100_dense_gemv.txt).
+# From two rows on cuBLAS is faster (bench/results/2026-11-23_h100_dense_gemv.txt).
 GEMV_MAX_M = 1
 
 
@@ -37,7 +31,7 @@ class GemvConfig:
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
-    num_stages: int = 4  # 1: next step prefetched into registers; more: through shared memory
+    num_stages: int = 4  # K steps in flight through shared memory (num_stages - 1 ahead)
 
 
 def gemv_config(m: int, n: int) -> GemvConfig:
@@ -48,11 +42,9 @@ def gemv_config(m: int, n: int) -> GemvConfig:
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-          USE_PDL: tl.constexpr):
-    """STAGES 1: the next K step's weights are loaded into registers before this step's math
-    (and the first ones before the PDL wait); STAGES > 1: Triton's pipeliner streams them
-    through shared memory (cp.async), STAGES - 1 steps ahead."""
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Triton's pipeliner streams the weights through shared memory (cp.async), STAGES - 1 K
+    steps ahead of the math."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,20 +53,10 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M
     wp = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
     xp = x_ptr + toks.to(tl.int64)[:, None] * K + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-    if STAGES == 1:
-        w = tl.load(wp, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)  # before the wait
-        pdl_start(USE_PDL)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            nxt = k0 + BLOCK_K + cols
-            w = tl.load(wp + k0 + BLOCK_K, mask=row_ok[:, None] & (nxt < K)[None, :], other=0.0)
-    else:
-        pdl_start(USE_PDL)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            w = tl.load(wp + k0, mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
-            x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        w = tl.load(wp + k0, mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+        x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, 2)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -97,7 +79,7 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             x.contiguous(), weight.contiguous(), out if bias is None else bias, out, m, n, k,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl_options(x))
+            num_stages=cfg.num_stages)
     return out
 
 

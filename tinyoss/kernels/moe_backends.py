@@ -5,13 +5,10 @@ best one for the GPU at hand.
 * triton: tinyoss's Triton kernels on the checkpoint layout (any CUDA GPU; the decode GEMV is
   their Gluon twin, `moe_gemv_gluon`, run so far on Hopper only).
 * cutlass: FlashInfer's CUTLASS fused MoE (Hopper: bf16 x MXFP4; Blackwell-class: MXFP8 x MXFP4).
-* trtllm: FlashInfer's trtllm-gen MoE (SM100/SM103/SM107). Named so that asking for it gets a
-  precise answer; tinyoss has no trtllm-gen path yet, so it never runs.
 
-auto: no GPU -> torch; Hopper -> triton; Blackwell-class -> trtllm where it runs, else cutlass,
-else triton (FlashInfer missing: a warning says so); any other GPU -> triton. A backend that was
-asked for and cannot run stops start-up with the GPU and what would run instead: no silent
-fallback.
+auto: no GPU -> torch; Hopper -> triton; Blackwell-class -> cutlass where it runs, else triton
+(FlashInfer missing: a warning says so); any other GPU -> triton. A backend that was asked for
+and cannot run stops start-up with the GPU and what would run instead: no silent fallback.
 """
 
 from __future__ import annotations
@@ -21,22 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyoss.config import MXFP4_BACKENDS
 from tinyoss.kernels import Kernels
 from tinyoss.kernels.hardware import (
     CUTLASS_MXFP8_MXFP4_MOE,
     CUTLASS_W4A16_MOE,
-    TRTLLM_GEN_MOE,
     Capability,
     capability,
     cutlass_moe_variant,
     family,
-    has_trtllm_gen_moe,
     is_blackwell_class,
     sm_name,
 )
 from tinyoss.settings import resolve
 
-MXFP4_BACKENDS = ("auto", "triton", "cutlass", "trtllm", "torch")
 ENV = "TINYOSS_MXFP4_BACKEND"
 INSTALL_FLASHINFER = "the flashinfer package is not installed (pip install 'tinyoss[cuda]')"
 
@@ -96,14 +91,10 @@ def unavailable(backend: str, p: Platform) -> str | None:
             f"FlashInfer's CUTLASS MXFP4 MoE has kernels for {_sms(CUTLASS_W4A16_MOE)} "
             f"(bf16 activations) and {_sms(CUTLASS_MXFP8_MXFP4_MOE)} (MXFP8 activations) only"
         )
-    if backend == "trtllm" and not has_trtllm_gen_moe(p.capability):
-        return f"FlashInfer's trtllm-gen MoE kernels exist for {_sms(TRTLLM_GEN_MOE)} only"
     if not p.flashinfer:
         return INSTALL_FLASHINFER
     if p.dtype != torch.bfloat16:
         return f"it needs bfloat16 activations (dtype=bfloat16), not {_dtype_name(p.dtype)}"
-    if backend == "trtllm":
-        return "tinyoss has no trtllm-gen MoE path yet (cutlass runs the same weights here)"
     return None
 
 
@@ -117,10 +108,9 @@ def _auto(p: Platform) -> MoEChoice:
     gpu = f"{family(p.capability)} {sm_name(p.capability)}"
     if not is_blackwell_class(p.capability):
         return MoEChoice("triton", f"auto: {gpu} -> triton")
-    for backend in ("trtllm", "cutlass"):
-        if unavailable(backend, p) is None:
-            return MoEChoice(backend, f"auto: {gpu} -> {backend}")
     why = unavailable("cutlass", p)
+    if why is None:
+        return MoEChoice("cutlass", f"auto: {gpu} -> cutlass")
     return MoEChoice("triton", f"auto: {gpu}, cutlass cannot run ({why}) -> triton", True)
 
 

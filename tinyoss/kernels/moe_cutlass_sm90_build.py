@@ -1,13 +1,13 @@
 """A smaller build of FlashInfer's SM90 CUTLASS fused MoE: only what gpt-oss on Hopper runs.
 
 FlashInfer 0.7.2's `gen_cutlass_fused_moe_sm90_module` JIT-compiles ~248 CUDA sources (220
-generated CUTLASS kernel files, every activation/weight dtype pair): about an hour on a 16-core
-machine, each heavy file ~7 GB of compiler memory. tinyoss needs one pair, bf16 activations x
-MXFP4 weights (W4A16 group scaling, `moe_cutlass`'s "w4a16"), and of its 184 GEMM tiles only
-those whose K tile divides gpt-oss's padded K (2944 = 23 x 128): K tile 128, 44 kernels, plus
-the one FlashInfer launches to size its workspace. This module builds that: 20 translation units
-(6 of them CUTLASS kernels; ~16 minutes on 2 cores, ~6 on 16), and plugs it into FlashInfer's
-own Python, so `cutlass_fused_moe`, the weight interleave and the autotuner are unchanged.
+generated CUTLASS kernel files, every activation/weight dtype pair), each heavy file several GB
+of compiler memory. tinyoss needs one pair, bf16 activations x MXFP4 weights (W4A16 group
+scaling, `moe_cutlass`'s "w4a16"), and of its 184 GEMM tiles only those whose K tile divides
+gpt-oss's padded K (2944 = 23 x 128): K tile 128, 44 kernels, plus the one FlashInfer launches
+to size its workspace. This module builds that: 20 translation units (6 of them CUTLASS
+kernels), minutes instead of the full build's hour, and plugs it into FlashInfer's own Python,
+so `cutlass_fused_moe`, the weight interleave and the autotuner are unchanged.
 
 Three files are tinyoss's: a copy of FlashInfer's binding whose runner selection keeps only
 `CutlassMoeFCRunner<bf16, Fp4Type>` (the patch fails loudly if the source moves), a one-runner
@@ -15,8 +15,8 @@ instantiation file, and a stub file giving the other 139 tiles the dispatcher re
 that raises (the autotuner skips tactics that raise; for gpt-oss's K they are never offered).
 Everything else is FlashInfer's source and its kernel generator.
 
-On the H100: the build took 5 min 17 s on 16 cores and tests/test_moe_cutlass_gpu.py passes
-(bench/results/2026-11-23_h100_moe_kernels_d4beb31.txt).
+Built and verified on the H100 (tests/test_moe_cutlass_gpu.py; build time in
+bench/results/2026-11-23_h100_moe_kernels_d4beb31.txt).
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ Each 32-bit word of eight E2M1 codes covers activations x[8w .. 8w+7]. The Trito
 x as a row and splits it into eight phases, and Triton moves them into the weights' layout
 through shared memory (16 barriers a K step). Here one 3-D layout [rows, words, 8] places a
 thread's eight activations of each of its words in its own registers: x loads as [words, 8] in
-16-byte vectors and the phases split off in registers, with no barrier. On the H100 at 20b
-shapes (bench/results/2026-11-24_h100_moe_gemv_gluon.txt): 38.7 us at T=1 against 44.1 for the
-Triton kernel, 66.0 against 75.0 at T=2, 201 against 249 at T=8.
+16-byte vectors and the phases split off in registers, with no barrier. It is faster than the
+Triton kernel at every measured token count (bench/results/2026-11-24_h100_moe_gemv_gluon.txt).
 
 A program takes two tiles of HALF_N rows (gate_up: the gate rows and the up rows of HALF_N
 interleaved pairs, so the clamped SwiGLU needs no shuffle; down: two consecutive halves).

@@ -20,12 +20,12 @@ top-k sum, the residual add and the next layer's RMSNorm in one launch.
 
 Both dequantize without a table: three integer ops a value on 32-bit words of eight codes put
 the code's bits into a float (see `_mx_gemm` and `_pair_gemv`). The GEMV multiplies on the CUDA
-cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs' MODE picks "dot"
-(dequantized to bf16, `tl.dot` on the tensor cores, scale bytes up to 240) or "scaled"
-(`tl.dot_scaled`, Triton's own MXFP4 path). Real checkpoints are far inside these limits.
+cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs dequantize tiles to
+bf16 for `tl.dot` on the tensor cores (scale bytes up to 240). Real checkpoints are far inside
+these limits.
 
 On CPU the kernels run in the Triton interpreter with fp32 operands (bf16 `tl.dot` is wrong
-there), so the GEMV and "dot" match `moe_torch` to fp32 rounding.
+there), so both paths match `moe_torch` to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -36,14 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.launch import pdl_options
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
-from tinyoss.kernels.pdl_triton import pdl_start
 from tinyoss.kernels.moe_torch import ExpertWeights
-from tinyoss.kernels.mxfp4_dot_triton import (ACT_EBITS, EXP_BIAS, group_dot, group_scale,
-                                              load_groups, pack_pairs, pair_position, use_asm)
-
-MODES = {"dot": 1, "scaled": 2}
 
 
 @dataclass(frozen=True)
@@ -51,7 +45,6 @@ class PrefillConfig:
     """Tiles of the grouped GEMMs: a 64-row token tile keeps the padding per expert small;
     K tiles of 128 are the least the eight per-phase dots of 16 allow."""
 
-    mode: str = "dot"
     block_m: int = 64
     block_n1: int = 128
     block_n2: int = 128
@@ -62,8 +55,8 @@ class PrefillConfig:
 
 def prefill_config(num_tokens: int, num_experts: int, top_k: int) -> PrefillConfig:
     """Token tiles sized to the rows an expert gets on average (T * K / E): a 64-row tile over
-    8 rows is mostly padding. Measured on the H100 at 20b shapes: 16-row tiles take 358 us at
-    T=32 against 1172 us with 64-row ones; 128-row tiles win at T=2048 (2702 against 5235 us)."""
+    8 rows is mostly padding, so small batches take 16-row tiles; large prefills gain from
+    128-row ones, which reuse each weight tile for more tokens."""
     rows = max(1, num_tokens * top_k // num_experts)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     return PrefillConfig(block_m=block_m, num_warps=4 if block_m <= 16 else 8)
@@ -75,7 +68,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 # ------------------------------------------------------------------------------------------------
-# Tile helpers (the K loop lives in `_mx_gemm`: the interpreter pays ~1 ms per helper call)
+# Tile helpers (the K loop lives in `_mx_gemm`: the interpreter pays for every helper call)
 
 
 @triton.jit
@@ -92,30 +85,21 @@ def _mx_load(
     row_ok,
     k0,
     BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
 ):
-    """One K tile: activations a [M, BLOCK_K], weights q and scales s [N, BLOCK_K/32]. q is the
-    bytes [N, BLOCK_K/2] for "scaled", else 32-bit words [N, BLOCK_K/8] of eight E2M1 codes.
+    """One K tile: activations a [M, BLOCK_K], weights q as 32-bit words [N, BLOCK_K/8] of eight
+    E2M1 codes and scales s [N, BLOCK_K/32].
 
     A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
     thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
     kk = k0 + tl.arange(0, BLOCK_K)
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     r = rows.to(tl.int64)[:, None]
-    if MODE == 2:
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        q = tl.load(
-            q_ptr + r * stride_q + kb[None, :],
-            other=0,
-            mask=row_ok[:, None] & (kb // 16 < K // 32)[None, :],
-        )
-    else:
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        q = tl.load(
-            q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
-            mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
-            other=0,
-        )
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    q = tl.load(
+        q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
+        mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
+        other=0,
+    )
     s = tl.load(
         s_ptr + r * stride_s + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0
     )
@@ -150,7 +134,6 @@ def _mx_gemm(
     rows,
     row_ok,
     BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T.
@@ -168,7 +151,7 @@ def _mx_gemm(
     """
     a_off = a_rows.to(tl.int64)[:, None] * K
     nxt = _mx_load(
-        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K, MODE
+        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K
     )
     for k0 in range(0, K, BLOCK_K):
         a, q, s = nxt
@@ -185,26 +168,22 @@ def _mx_gemm(
             row_ok,
             k0 + BLOCK_K,
             BLOCK_K,
-            MODE,
         )
-        if MODE == 2:
-            acc = tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", tl.trans(q), s, "e2m1", acc)
-        else:
-            # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
-            # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
-            # s <= 240 (weights up to 6 * 2**113; checkpoints stay far below). Eight dots of
-            # K = BLOCK_K/8, one per phase, share the accumulator.
-            phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
-            sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
-            sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
-            sc = sc.reshape(q.shape)  # each word's scale
-            for j in tl.static_range(8):
-                w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
-                w = w.to(tl.float16, bitcast=True).to(tl.float32) * sc
-                if DOT_DTYPE == tl.float32:
-                    acc = tl.dot(phase[j], tl.trans(w), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(phase[j], tl.trans(w.to(DOT_DTYPE)), acc)
+        # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
+        # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
+        # s <= 240 (weights up to 6 * 2**113; checkpoints stay far below). Eight dots of
+        # K = BLOCK_K/8, one per phase, share the accumulator.
+        phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
+        sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
+        sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
+        sc = sc.reshape(q.shape)  # each word's scale
+        for j in tl.static_range(8):
+            w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
+            w = w.to(tl.float16, bitcast=True).to(tl.float32) * sc
+            if DOT_DTYPE == tl.float32:
+                acc = tl.dot(phase[j], tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(phase[j], tl.trans(w.to(DOT_DTYPE)), acc)
     return acc
 
 
@@ -261,7 +240,6 @@ def _prefill_gate_up(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile."""
@@ -287,7 +265,6 @@ def _prefill_gate_up(
         rows,
         row_ok,
         BLOCK_K,
-        MODE,
         DOT_DTYPE,
     )
     bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -321,7 +298,6 @@ def _prefill_down(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32."""
@@ -346,7 +322,6 @@ def _prefill_down(
         rows,
         row_ok,
         BLOCK_K,
-        MODE,
         DOT_DTYPE,
     )
     bias = tl.load(b_ptr + e * H + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -359,10 +334,8 @@ def _prefill_down(
 
 
 @triton.jit
-def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-             USE_PDL: tl.constexpr):
+def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[t] = sum over k of y[t*TOPK + k], in slot order (deterministic)."""
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < H
@@ -374,11 +347,10 @@ def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _combine_norm(y_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
-                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK: tl.constexpr):
     """Token t (program 0): moe = sum over k of y[t*TOPK + k], rounded to the activation dtype
     as `_combine` stores it; x = moe + res[t] (rounded likewise) over res[t]; out[t] =
     w * x * rsqrt(mean(x^2) + eps), as `layer_ops_triton._add_rms_norm_kernel` computes it."""
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -431,8 +403,7 @@ def _combine_pairs(y: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, H] = the sum of each token's K rows of y [T * K, H] (`_combine`)."""
     t, h = out.shape
     if t:
-        _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=y.shape[0] // t, BLOCK_N=1024,
-                                            **pdl_options(out))
+        _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=y.shape[0] // t, BLOCK_N=1024)
 
 
 def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -450,15 +421,13 @@ def _dot_dtype(x: torch.Tensor) -> tl.dtype:
 
 
 def _check_tiles(
-    x: torch.Tensor, mode: str, block_t: int, rows: tuple[int, ...], ks: tuple[int, ...]
+    x: torch.Tensor, block_t: int, rows: tuple[int, ...], ks: tuple[int, ...]
 ) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if any(n % 2 for n in rows) or any(k % 32 for k in ks):
         raise ValueError(f"row tiles must be even and K tiles multiples of 32: {rows}, {ks}")
     if x.is_cuda and (min(block_t, *rows) < 16 or min(ks) < 128):
         raise ValueError(
-            f"tensor-core mode {mode!r} needs row tiles >= 16 and K tiles >= 128 "
+            f"tensor cores need row tiles >= 16 and K tiles >= 128 "
             f"(8 dots of K/8 >= 16), got {block_t}, {rows}, {ks}"
         )
 
@@ -482,7 +451,7 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by grouped GEMMs."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
-    _check_tiles(x, cfg.mode, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
+    _check_tiles(x, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
     pairs = t * k
     y = _empty((pairs, h), torch.float32, x.device)
     if t == 0:
@@ -497,7 +466,6 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         "E_PAD": triton.next_power_of_2(e),
         "BLOCK_M": cfg.block_m,
         "BLOCK_K": cfg.block_k,
-        "MODE": MODES[cfg.mode],
         "DOT_DTYPE": _dot_dtype(x),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
@@ -541,26 +509,19 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 
 # ------------------------------------------------------------------------------------------------
 # Pair GEMV: a few tokens. Every (token, expert) pair gets its own programs, so even one token
-# fills the GPU: gate_up has pairs x 2I/BLOCK_N programs, down pairs x H/BLOCK_N. Two kernels:
-# `_pair_gemv` multiplies in fp32 (verified and timed on the H100); `_pair_gemv_f16x2` two
-# products an instruction in fp16 on packed activations (`mxfp4_dot_triton`): 3.25 SASS
-# instructions a weight against 5.1 (bench/offline_sass.py). Measured on the H100 at 20b shapes
-# (bench/results/2026-11-23_h100_moe_kernels_d4beb31.txt): 50 us against 45 at T=1, 78 against
-# 75 at T=2, 206 against 247 at T=8, at a relative error of 2e-3 against 1e-6; so it is chosen
-# only by `F16X2_GEMV` (or any `GemvConfig(f16x2=True)`).
+# fills the GPU: gate_up has pairs x 2I/BLOCK_N programs, down pairs x H/BLOCK_N. `_pair_gemv`
+# multiplies in fp32; on a GPU its Gluon twin (`moe_gemv_gluon`) runs instead.
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """A program streams BLOCK_N rows of one expert, BLOCK_K values (BLOCK_K/2 bytes) of each
-    row per step. On a GPU the pair GEMV is the Gluon kernel (`moe_gemv_gluon`): 8 rows x 1024
-    values on one warp, 4 KB a step, 128 bytes a thread, was the best of its sweep on the H100
-    at 20b shapes (38.7 us at T=1, 201 at T=8; 8 x 512 on one or two warps 42 us; 16 x 1024 on
-    one warp 55; bench/results/2026-11-24_h100_moe_gemv_gluon.txt). The Triton kernel (CPU
-    interpreter, or a Triton without Gluon) was best at 8 x 512 on one warp (45.0 us against
-    45.7 for 16 x 512 on two); loading the next step ahead measured slower for it, into
-    registers (126 registers, 51 us) or through shared memory with Triton's pipeliner
-    (`tl.range(num_stages=)`, 62-67 us), so `num_stages` changes nothing
+    row per step. The defaults are the best tile of the Gluon kernel's sweep at 20b shapes: 8 rows
+    x 1024 values on one warp, 4 KB a step, 128 bytes a thread
+    (bench/results/2026-11-24_h100_moe_gemv_gluon.txt). The Triton kernel (CPU interpreter, or a
+    Triton without Gluon) was best at 8 x 512 on one warp; loading the next step ahead, into
+    registers or through shared memory with Triton's pipeliner, made it slower, so its loop is
+    not pipelined and `num_stages` changes nothing
     (bench/results/2026-11-23_h100_kernels_e5bac60.txt)."""
 
     block_n1: int = 8
@@ -568,15 +529,10 @@ class GemvConfig:
     block_k: int = 1024
     num_warps: int = 1
     num_stages: int = 4
-    f16x2: bool = False  # `_pair_gemv_f16x2` instead of `_pair_gemv`
 
 
-# The f16x2 kernel's tiles, as measured against the fp32 one (d4beb31)
-F16X2_GEMV = GemvConfig(block_n1=16, block_n2=16, block_k=512, num_warps=2, f16x2=True)
-
-
-# Up to this many tokens the pair GEMV runs (shared experts are re-read; measured on the H100 at
-# 20b shapes: 46 us at T=1, 80 at T=2, 247 at T=8; the grouped GEMMs take 328 us at T=16).
+# Up to this many tokens the pair GEMV runs. It reads an expert once for every token that picks
+# it; from a few more tokens on, the grouped GEMMs, which read it once a token tile, are faster.
 GEMV_MAX_TOKENS = 8
 
 
@@ -598,15 +554,13 @@ def _ue8m0_fp32(s):
 @triton.jit
 def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                stride_qe, stride_q, stride_se, stride_s, alpha, limit,
-               SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_PDL: tl.constexpr):
+               SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
     clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out [pairs, N].
 
     Dequantization without a table (`_e2m1_fp32`: three integer ops a value); activations are
     pre-scaled by 2**64 so every product is normal; each word's scale multiplies elementwise,
     and the one reduction over K happens after the loop."""
-    pdl_start(USE_PDL)
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -645,54 +599,10 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
         tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
 
 
-@triton.jit
-def _pair_gemv_f16x2(xp_ptr, xe_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N,
-                     K, stride_qe, stride_q, stride_se, stride_s, alpha, limit,
-                     SWIGLU: tl.constexpr, X_EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then the
-    clamped SwiGLU into out [pairs, N/2] as packed fp16 pairs (scaled by 2**(EXP_BIAS -
-    ACT_EBITS), what the down projection reads), or the routing weight into out [pairs, N] fp32.
-
-    x comes packed (`pack_pairs`): pairs [*, K/2] int32 and per-group ebits [*, K/32] from
-    xe_ptr, or the constant X_EBITS when nonzero."""
-    pdl_start(USE_PDL)
-    pair = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = (pair // x_div).to(tl.int64)
-    xp_row = xp_ptr + x_row * (K // 2)
-    r64 = rows.to(tl.int64)[:, None]
-    qp = (q_ptr + e * stride_qe).to(tl.pointer_type(tl.int32)) + r64 * (stride_q // 4)
-    sp = s_ptr + e * stride_se + r64 * stride_s
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 32), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        g, g_ok, q, sc = load_groups(qp, sp, row_ok, k0, K, BLOCK_K)
-        if X_EBITS:
-            ebits = X_EBITS
-        else:
-            ebits = tl.load(xe_ptr + x_row * (K // 32) + g, mask=g_ok, other=0)[None, :]
-        acc += group_dot(q, xp_row, g, g_ok, ASM) * group_scale(sc, ebits)
-    h = tl.sum(acc, 1) + tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if SWIGLU:
-        gate, up = tl.split(h.reshape(BLOCK_N // 2, 2))
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1) * gate * tl.sigmoid(alpha * gate) * 2.0 ** (EXP_BIAS - ACT_EBITS)
-        half = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        out16 = out_ptr.to(tl.pointer_type(tl.float16)) + pair.to(tl.int64) * (N // 2)
-        tl.store(out16 + pair_position(half), act.to(tl.float16), mask=half < N // 2)
-    else:
-        wt = tl.load(wts_ptr + pair).to(tl.float32)
-        tl.store(out_ptr + pair.to(tl.int64) * N + rows, h * wt, mask=row_ok)
-
-
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w: ExpertWeights, config: GemvConfig | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """The pair-GEMV path: x [T, H] -> [T, H]; three launches (four with f16x2, which packs
-    x first), no host synchronisation."""
+    """The pair-GEMV path: x [T, H] -> [T, H]; three launches, no host synchronisation."""
     out = _output(x, out)
     _combine_pairs(_gemv_pairs(x, topk_weights, topk_ids, w, config), out)
     return out
@@ -711,31 +621,20 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return y
     ids = topk_ids.contiguous().view(-1)
     wts = topk_weights.contiguous().view(-1)
-    launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-              **pdl_options(x)}
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
-    grid_gu = (pairs, triton.cdiv(2 * i, cfg.block_n1))
-    grid_dn = (pairs, triton.cdiv(h, cfg.block_n2))
-    if cfg.f16x2:
-        xp, xe = pack_pairs(x)
-        act = _empty((pairs, i // 2), torch.int32, x.device)  # fp16 pairs
-        launch["ASM"] = use_asm(x)
-        _pair_gemv_f16x2[grid_gu](
-            xp, xe, k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha, w.limit,
-            SWIGLU=True, X_EBITS=0, BLOCK_N=cfg.block_n1, **launch)
-        _pair_gemv_f16x2[grid_dn](
-            act, act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit,
-            SWIGLU=False, X_EBITS=ACT_EBITS.value, BLOCK_N=cfg.block_n2, **launch)
-    elif x.is_cuda and GLUON:
-        act = _empty((pairs, i), torch.float32, x.device)
+    act = _empty((pairs, i), torch.float32, x.device)
+    if x.is_cuda and GLUON:
         tiles = {"block_k": cfg.block_k, "num_warps": cfg.num_warps}
         pair_gemv_gluon(x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, w.alpha, w.limit,
                         swiglu=True, block_n=cfg.block_n1, **tiles)
         pair_gemv_gluon(act, 1, ids, *dn, wts, y, h, i, w.alpha, w.limit, swiglu=False,
                         block_n=cfg.block_n2, **tiles)
     else:
-        act = _empty((pairs, i), torch.float32, x.device)
+        launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps,
+                  "num_stages": cfg.num_stages}
+        grid_gu = (pairs, triton.cdiv(2 * i, cfg.block_n1))
+        grid_dn = (pairs, triton.cdiv(h, cfg.block_n2))
         _pair_gemv[grid_gu](
             x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha,
             w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
@@ -786,5 +685,5 @@ def moe_norm_triton(
     normed = _empty((t, h), x.dtype, x.device)
     if t:
         _combine_norm[(t,)](y, residual, norm_weight, normed, h, eps, TOPK=topk_ids.shape[1],
-                            BLOCK=triton.next_power_of_2(h), num_warps=8, **pdl_options(x))
+                            BLOCK=triton.next_power_of_2(h), num_warps=8)
     return normed, residual

@@ -1,45 +1,13 @@
-"""TINYOSS_EXPERIMENTAL: unknown names are errors everywhere; on a GPU each name swaps in its
-kernels (checked here with the GPU's answers stubbed); on the CPU nothing changes."""
+"""Kernel choice (`backends.select_backends`): it needs no Triton on a CPU, and the dense
+layers' backend follows env TINYOSS_DENSE_BACKEND."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 
-from tinyoss.kernels import backends, launch
+from tinyoss.kernels import backends
 from tinyoss.kernels.linear_triton import linear_triton
-
-
-def test_unknown_name_is_an_error(monkeypatch):
-    monkeypatch.setenv(backends.EXPERIMENTAL_ENV, "pdl,warp-speed")
-    with pytest.raises(ValueError, match="unknown warp-speed; choose from pdl, f16x2"):
-        backends.select_backends(torch.device("cpu"))
-
-
-def test_cpu_ignores_it(monkeypatch):
-    monkeypatch.setenv(backends.EXPERIMENTAL_ENV, "pdl,f16x2")
-    choice = backends.select_backends(torch.device("cpu"))
-    assert choice.kernels.linear is torch.nn.functional.linear
-    assert "pdl" not in choice.kernels.names and choice.kernels.names["moe"] == "torch"
-
-
-def test_gpu_wiring(monkeypatch):
-    monkeypatch.setenv(backends.EXPERIMENTAL_ENV, " f16x2 , pdl ")
-    monkeypatch.setattr(backends, "pdl_available", lambda device: True)
-    kernels = backends.Kernels()
-    try:
-        backends._experimental(kernels, torch.device("cuda"), "triton")
-        assert launch.pdl_options(torch.empty(0)) == {"USE_PDL": False}  # CPU tensors: never
-        assert launch._enabled
-    finally:
-        launch.enable_pdl(False)
-    assert kernels.names["pdl"] == "on"
-    assert isinstance(kernels.moe, functools.partial) and kernels.moe.keywords["gemv"].f16x2
-    assert kernels.moe_norm.keywords["gemv"].f16x2
-    assert kernels.mxfp4_linear.keywords == {"f16x2": True}
-    assert kernels.names["moe"] == "triton-f16x2" and kernels.names["pdl"] == "on"
 
 
 def test_engine_starts_without_triton(tiny_dir):

@@ -1,5 +1,8 @@
 """MXFP4 weights times activations on the CUDA cores, two fp16 products per instruction.
 
+An experiment, out of the product (bench/experiments/README.md says why); the GEMVs built on it
+are in `gemv_f16x2`.
+
 At batch 1 a GEMV over MXFP4 weights is bound by the instructions that unpack the 4-bit codes,
 not by memory: one fp32 multiply-add per weight plus three integer ops to unpack it reached 46 us
 for a gpt-oss-20b MoE layer on the H100, against 18 us at the bandwidth floor. Here each 32-bit
@@ -30,9 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from tinyoss.kernels.launch import pdl_options
-from tinyoss.kernels.pdl_triton import pdl_start
 
 # The biased exponent of the largest |x| of a group fixes its scale 2**(EXP_BIAS - ebits), which
 # puts that magnitude in [2**14, 2**15). (constexpr: kernels read them; the host uses .value)
@@ -183,11 +183,9 @@ def pair_position(k):
 
 
 @triton.jit
-def _pack_pairs_kernel(x_ptr, xp_ptr, xe_ptr, K, GROUPS: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+def _pack_pairs_kernel(x_ptr, xp_ptr, xe_ptr, K, GROUPS: tl.constexpr):
     """One row: per group of 32, ebits of its largest |x|, then x * 2**(EXP_BIAS - ebits) as
     fp16 halves in pair order."""
-    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     ok = g < K // 32
@@ -212,7 +210,7 @@ def pack_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         groups = 16
         _pack_pairs_kernel[(m, triton.cdiv(k // 32, groups))](
-            x.contiguous(), xp, xe, k, GROUPS=groups, **pdl_options(x)
+            x.contiguous(), xp, xe, k, GROUPS=groups
         )
     return xp, xe
 

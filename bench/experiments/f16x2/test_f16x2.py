@@ -1,13 +1,18 @@
-"""The packed-fp16 MXFP4 dot core (`mxfp4_dot_triton`): activation packing, the group dot and its
-scale, against direct decoding of the codes.
+"""The f16x2 experiment: the packed-fp16 MXFP4 dot core (`mxfp4_dot_triton`: activation packing,
+the group dot and its scale, the PTX itself), and the GEMVs built on it against tinyoss's
+references. On CPU `group_dot` runs its exact fp32 emulation in the Triton interpreter; on a GPU
+the PTX (fp16 products summed in fp16) is held to the emulation within fp16 rounding. The PTX
+also compiles for sm_90 without a GPU (`--sass`).
 
-On CPU `group_dot` runs its exact fp32 emulation in the Triton interpreter; on a GPU the PTX
-(fp16 products summed in fp16) is held to the emulation within fp16 rounding.
+    python -m pytest bench/experiments/f16x2
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +23,16 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
-from tinyoss.kernels import mxfp4_dot_triton as md
+from bench.experiments.f16x2 import gemv_f16x2 as gf
+from bench.experiments.f16x2 import mxfp4_dot_triton as md
+from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
+from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
 from tinyoss.model import mxfp4
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def unpack_halves(xp: torch.Tensor) -> torch.Tensor:
@@ -188,3 +198,69 @@ def test_group_asm_computes_the_group_dot():
         want = float((e2m1[codes].double() * x.double()).sum()) * 2.0**-14
         assert abs(got - want) <= 2e-3 * (e2m1[codes].abs().double() @ x.abs().double()) * 2**-14
     assert seen == set(range(16))
+
+
+# -- The GEMVs against tinyoss's references -----------------------------------------------------
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Workspaces and outputs start as NaN (both fp16 halves of an int32 pair too)."""
+    def full(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else 0x7E007E00
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(gf, "_empty", full)
+
+
+def experts(seed: int, e: int = 8, h: int = 96, i: int = 64) -> ExpertWeights:
+    """Float experts quantized to MXFP4, biases of the same spread; H = 96 leaves K tiles of 64
+    ragged."""
+    gen = torch.Generator().manual_seed(seed)
+    gb, gs = mxfp4.quantize(torch.randn(e, 2 * i, h, generator=gen) * 0.4)
+    db, ds = mxfp4.quantize(torch.randn(e, h, i, generator=gen) * 0.2)
+    return ExpertWeights(*(t.to(DEVICE) for t in (
+        gb, gs, torch.randn(e, 2 * i, generator=gen), db, ds, torch.randn(e, h, generator=gen))))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_pair_gemv_f16x2_matches_moe_torch(t):
+    """fp16 activations and SwiGLU outputs: 2**-11 relative rounding each."""
+    w = experts(200 + t)
+    gen = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, 96, generator=gen) * 2).to(DEVICE, DTYPE)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(t)]).to(DEVICE)
+    wts = torch.softmax(torch.randn(t, 4, generator=gen), -1).to(DEVICE)
+    cfg = gf.TILES if CUDA else gf.mt.GemvConfig(block_n1=16, block_n2=16, block_k=64)
+    out = gf.moe_gemv_f16x2(x, wts, ids, w, cfg)
+    assert rel(out, moe_torch(x, wts, ids, w)) < (1e-2 if CUDA else 2e-3)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_linear_gemv_f16x2_matches_reference(m):
+    gen = torch.Generator().manual_seed(m)
+    blocks, scales = mxfp4.quantize(torch.randn(40, 160, generator=gen) * 0.05)
+    bias = torch.randn(40, generator=gen)
+    x = 300 * torch.randn(m, 160, generator=gen)  # large activations keep full precision
+    cfg = gf.lt.GemvConfig(block_m=4, block_n=16, block_k=128)
+    ref = mxfp4_linear_torch(x, blocks, scales, bias)
+    dev = [t.to(DEVICE) for t in (x, blocks, scales, bias)]
+    if CUDA:
+        dev[0], dev[3] = dev[0].to(torch.bfloat16), dev[3].to(torch.bfloat16)
+    out = gf.linear_gemv_f16x2(*dev, config=cfg)
+    assert out.shape == (m, 40) and rel(out.cpu(), ref) < (1e-2 if CUDA else 1e-3)
+
+
+def test_kernels_compile_for_sm90():
+    """Triton's ptxas takes the PTX and the kernels compile for the H100, no GPU needed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real
+    out = subprocess.run([sys.executable, "-m", "bench.experiments.f16x2.gemv_f16x2", "--sass"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pair_gemv_f16x2: " in out.stdout and "linear_mxfp4_f16x2: " in out.stdout
+    assert "LOCAL:0" in out.stdout, out.stdout  # no spills
