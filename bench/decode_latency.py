@@ -27,8 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tinyoss import LLM, SamplingParams  # noqa: E402
-from tinyoss.config import ModelConfig  # noqa: E402
-from tinyoss.model.quant_linear import parse_mxfp4_layers  # noqa: E402
+from tinyoss.engine.core import CoreRequest  # noqa: E402
+from tinyoss.config import MXFP4_BACKENDS, ModelConfig  # noqa: E402
+from tinyoss.config import parse_mxfp4_layers  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, reps: int = 20) -> float:
@@ -118,14 +119,14 @@ def run(args: argparse.Namespace) -> dict:
     for it in range(args.warmup + args.iters):
         for b in range(args.batch_size):
             ids = [rng.randrange(199998) for _ in range(args.input_len)]
-            engine.add_request(f"it{it}-{b}", ids, params)
+            engine.add(CoreRequest(f"it{it}-{b}", ids, params))
         t0 = time.perf_counter()
         started: set[str] = set()
         while len(started) < args.batch_size:  # prefill until every sequence has a first token
-            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+            started.update(d.request_id for d in engine.step() if d.token_ids)
         ttft = time.perf_counter() - t0
         times = []
-        while engine.has_unfinished():
+        while engine.has_work():
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth = copy_bandwidth(device)
     context = args.input_len + args.output_len // 2
     layers = parse_mxfp4_layers(args.mxfp4_layers)
-    need = bytes_per_step(engine.model_config, args.batch_size, context, mxfp4_layers=layers)
+    config = engine.executor.model.config
+    need = bytes_per_step(config, args.batch_size, context, mxfp4_layers=layers)
     median = statistics.median(steps)
     record = {
         "gpu": torch.cuda.get_device_name(device),
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "iterations": args.iters,
-        "backends": engine.backends.describe(),
+        "engine": engine.info.summary,
         "mxfp4_layers": ",".join(("moe", *layers)),
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": not args.no_async_scheduling,
@@ -176,10 +178,10 @@ def profile(engine, args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for b in range(args.batch_size):
-        engine.add_request(f"prof-{b}", [1] * args.input_len, params)
-    while any(s.num_computed < s.num_prompt for r in engine.requests.values() for s in r.seqs):
+        engine.add(CoreRequest(f"prof-{b}", [1] * args.input_len, params))
+    while any(s.num_computed < s.num_prompt for r in engine.requests.values() for s in r):
         engine.step()
-    graphs = engine.runner.graphs
+    graphs = engine.executor.graphs
     if graphs is not None:
         graph = graphs.graphs[graphs.bucket(args.batch_size)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -200,7 +202,7 @@ def profile(engine, args: argparse.Namespace) -> None:
         engine.step()
     host.disable()
     pstats.Stats(host).sort_stats("tottime").print_stats(18)
-    while engine.has_unfinished():
+    while engine.has_work():
         engine.step()
 
 
@@ -231,7 +233,7 @@ def main() -> None:
     p.add_argument(
         "--mxfp4-backend",
         default=None,
-        choices=("auto", "triton", "cutlass", "trtllm", "torch"),
+        choices=MXFP4_BACKENDS,
         help="MoE kernel (default: env TINYOSS_MXFP4_BACKEND, else auto)",
     )
     p.add_argument(

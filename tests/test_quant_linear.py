@@ -19,7 +19,8 @@ from tinyoss.kernels import Kernels
 from tinyoss.model import mxfp4, quant_linear
 from tinyoss.model.gpt_oss import GptOssForCausalLM
 from tinyoss.model.presets import GENERATION_CONFIG, preset_config
-from tinyoss.model.quant_linear import MXFP4Linear, parse_mxfp4_layers, quantize_layers
+from tinyoss.config import parse_mxfp4_layers
+from tinyoss.model.quant_linear import MXFP4Linear, quantize_layers
 from tinyoss.sampling_params import SamplingParams
 
 

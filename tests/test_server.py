@@ -1,16 +1,19 @@
-"""`tinyoss serve` end to end: a live uvicorn server on loopback, the tiny model on the CPU, and
-the official `openai` client.
+"""`tinyoss serve` end to end: a live uvicorn server on loopback, its engine core in a process of
+its own (the tiny model on the CPU), and the official `openai` client.
 
 The tiny model has random weights, so its text is random. To test reasoning and tool calls, a
-test-only hook wraps the engine's model runner: when a prompt contains a script's marker, the
-sampled tokens are replaced by the script's harmony tokens (every other step of the engine,
-scheduler and KV cache runs for real).
+test-only hook (`tests/core_hooks.py`, loaded in the core's process) wraps the executor: when a
+prompt contains a script's marker, the sampled tokens are replaced by the script's harmony
+tokens (every other step of the engine, scheduler and KV cache runs for real).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -20,17 +23,14 @@ import openai
 import pytest
 import uvicorn
 
+from tests.core_hooks import ANSWER, SLOW, WEATHER
 from tinyoss import harmony
-from tinyoss.engine.llm_engine import PENDING_TOKEN, EngineConfig, LLMEngine
-from tinyoss.engine.sequence import TokenLogprob
-from tinyoss.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
+from tinyoss.config import EngineConfig
+from tinyoss.engine.core_process import HOOK_ENV
 from tinyoss.server.app import EventStream, create_app
 
 KEY = "test-key"
 MAX_LEN = 512
-WEATHER = "[[weather]]"  # a user message that makes the model call get_weather
-ANSWER = "[[answer]]"  # ... that makes it think, then answer
-SLOW = "[[slow]]"  # ... that makes each engine step take 20 ms (for disconnects)
 TOOLS = [
     {
         "type": "function",
@@ -45,58 +45,24 @@ TOOLS = [
         },
     }
 ]
+TINY = EngineConfig(
+    model="tiny", device="cpu", dtype="float32", kv_cache_tokens=8192, max_model_len=MAX_LEN
+)
 
 
-def harmony_ids(tokenizer, *parts: int | str) -> list[int]:
-    return [i for p in parts for i in ([p] if isinstance(p, int) else tokenizer.encode(p))]
-
-
-class Scripted:
-    """Test hook on `engine.runner.launch`: scripted prompts sample their script's tokens."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        tok = engine.tokenizer
-        self.scripts = {
-            tuple(tok.encode(WEATHER)): harmony_ids(
-                tok, CHANNEL, "analysis", MESSAGE, "think", END, START, "assistant", CHANNEL,
-                "commentary to=functions.get_weather ", CONSTRAIN, "json", MESSAGE,
-                '{"city":"Paris"}', CALL,
-            ),
-            tuple(tok.encode(ANSWER)): harmony_ids(
-                tok, CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant",
-                CHANNEL, "final", MESSAGE, "Hello there, Paris!", RETURN,
-            ),
-        }  # fmt: skip
-        self.slow = tuple(tok.encode(SLOW))
-        self.prompts: list[str] = []  # decoded prompts of scripted requests, latest last
-        self._launch, self._tok = engine.runner.launch, tok
-        engine.runner.launch = self.launch
-
-    @staticmethod
-    def _has(ids: list[int], marker: tuple[int, ...]) -> bool:
-        return any(tuple(ids[i : i + len(marker)]) == marker for i in range(len(ids)))
-
-    def launch(self, scheduled, input_ids=None):
-        launched = self._launch(scheduled, input_ids)
-        if any(self._has(item.seq.prompt_token_ids, self.slow) for item in scheduled):
-            time.sleep(0.02)
-        result = launched.result
-        launched.result = lambda: self._script(scheduled, result())
-        return launched
-
-    def _script(self, scheduled, result):
-        for i, (token, lp) in list(result.sampled.items()):
-            seq = scheduled[i].seq
-            # outputs so far, not counting a placeholder for a token a later step samples
-            done = seq.num_output - (seq.token_ids[-1] == PENDING_TOKEN)
-            for marker, script in self.scripts.items():
-                if self._has(seq.prompt_token_ids, marker) and done < len(script):
-                    token = script[done]
-                    lp = lp and TokenLogprob(token, lp.logprob, lp.top)
-                    result.sampled[i] = (token, lp)
-                    if done == 0:
-                        self.prompts.append(self._tok.decode(seq.prompt_token_ids))
-        return result
+@contextlib.contextmanager
+def environ(**values: str):
+    """Sets environment variables for the engine core spawned inside (it copies them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Served:
@@ -114,32 +80,38 @@ class Served:
             time.sleep(0.01)
         assert self.server.started
 
+    def state_of(self):
+        return self.server.config.app.state.server
+
     def close(self) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(20)
 
 
-def tiny_engine() -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model="tiny", device="cpu", dtype="float32", kv_cache_tokens=8192, max_model_len=MAX_LEN
-        )
-    )
+def wait_healthy(served: Served, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(served.url + "/health").status_code == 200:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not healthy after {timeout} s: {httpx.get(served.url + '/health').text}")
 
 
 @pytest.fixture(scope="module")
-def srv():
-    engine = tiny_engine()
-    hook = Scripted(engine)
-    app = create_app(lambda: engine, model_name="tiny", api_key=KEY)
-    served = Served(app)
-    for _ in range(500):
-        if httpx.get(served.url + "/health").status_code == 200:
-            break
-        time.sleep(0.01)
-    served.engine, served.hook, served.state = engine, hook, app.state.server
-    yield served
-    served.close()
+def srv(tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("server") / "prompts.jsonl"
+    prompts.touch()
+    # the whole module long: a restarted core must find its hook too
+    with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
+        app = create_app(TINY, model_name="tiny", api_key=KEY)
+        served = Served(app)
+        wait_healthy(served)
+        served.state = app.state.server
+        served.client = served.state.client
+        served.tokenizer = served.client.tokenizer
+        served.prompts = lambda: [json.loads(line) for line in prompts.read_text().splitlines()]
+        yield served
+        served.close()
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +165,7 @@ def test_health_version_models(srv, client):
 
 def test_chat_length_and_exact_usage(srv, client):
     r = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=7, seed=1)
-    prompt = harmony.render_prompt(user("hi"), srv.engine.tokenizer.encode)
+    prompt = harmony.render_prompt(user("hi"), srv.tokenizer.encode)
     assert r.object == "chat.completion" and len(r.choices) == 1
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.role == "assistant"
@@ -224,13 +196,13 @@ def test_reasoning_and_answer(srv, client):
     r = client.chat.completions.create(
         model="tiny", messages=user(ANSWER), reasoning_effort="high", max_tokens=64
     )
-    assert "Reasoning: high" in srv.hook.prompts[-1]
+    assert "Reasoning: high" in srv.prompts()[-1]
     msg = r.choices[0].message
     assert msg.content == "Hello there, Paris!"
     assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] == "Let me think."
     assert r.choices[0].finish_reason == "stop" and not msg.tool_calls
     joined, _ = stream_chat(client, messages=user(ANSWER), reasoning_effort="low", max_tokens=64)
-    assert "Reasoning: low" in srv.hook.prompts[-1]
+    assert "Reasoning: low" in srv.prompts()[-1]
     assert joined["content"] == msg.content and joined["finish"] == "stop"
     assert joined["reasoning"] == joined["reasoning_content"] == "Let me think."
 
@@ -248,7 +220,7 @@ def test_stop_strings_cut_the_answer_only(client):
 def test_tool_call_and_tool_result(srv, client):
     kw = {"messages": user(WEATHER), "tools": TOOLS, "seed": 5, "max_tokens": 64}
     r = client.chat.completions.create(model="tiny", **kw)
-    assert "namespace functions" in srv.hook.prompts[-1]
+    assert "namespace functions" in srv.prompts()[-1]
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.model_extra["reasoning"] == "think"
@@ -270,7 +242,7 @@ def test_tool_call_and_tool_result(srv, client):
     client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=64)
     assert (
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 21}'
-        in srv.hook.prompts[-1]
+        in srv.prompts()[-1]
     )
 
 
@@ -290,8 +262,8 @@ def test_tool_choice_reaches_the_prompt(srv, client, choice, present, absent):
     client.chat.completions.create(
         model="tiny", messages=user(WEATHER), tools=TOOLS, tool_choice=choice, max_tokens=64
     )
-    assert all(s in srv.hook.prompts[-1] for s in present)
-    assert not any(s in srv.hook.prompts[-1] for s in absent)
+    assert all(s in srv.prompts()[-1] for s in present)
+    assert not any(s in srv.prompts()[-1] for s in absent)
 
 
 def test_n_and_seed_reproducibility(client):
@@ -306,7 +278,7 @@ def test_n_and_seed_reproducibility(client):
 
 
 def test_completions_prompt_forms_and_echo(srv, client):
-    ids = srv.engine.tokenizer.encode("Hello")
+    ids = srv.tokenizer.encode("Hello")
     r = client.completions.create(
         model="tiny", prompt=["Hello", "World"], n=2, max_tokens=4, seed=3, temperature=0.8
     )
@@ -399,7 +371,7 @@ def test_context_length_errors(srv, client):
     assert err["code"] == "context_length_exceeded"
     assert f"maximum context length is {MAX_LEN} tokens" in err["message"]
     assert f"resulted in {MAX_LEN} tokens" in err["message"]
-    prompt = harmony.render_prompt(user("hi"), srv.engine.tokenizer.encode)
+    prompt = harmony.render_prompt(user("hi"), srv.tokenizer.encode)
     body = {"messages": user("hi"), "max_tokens": MAX_LEN}
     err = error(post(srv, "/v1/chat/completions", body), 400)
     total = len(prompt) + MAX_LEN
@@ -420,12 +392,18 @@ def test_context_length_errors(srv, client):
 
 
 def wait_idle(srv) -> None:
+    """Until the core reports no request and no KV block held (it reports when it goes idle)."""
     deadline = time.monotonic() + 10
-    while srv.engine.requests and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        stats = srv.client.stats
+        if not (stats.num_requests_running or stats.num_requests_waiting) and (
+            stats.kv_cache_usage == 0.0
+        ):
+            break
         time.sleep(0.01)
-    time.sleep(0.05)  # the engine thread may be finishing the step that saw the abort
-    assert not srv.engine.requests
-    assert srv.engine.kv.num_free == srv.engine.kv.num_blocks
+    assert srv.client.stats.num_requests_running == srv.client.stats.num_requests_waiting == 0
+    assert srv.client.stats.kv_cache_usage == 0.0
+    assert not srv.client.processor.requests
 
 
 def metric(srv, name: str) -> float:
@@ -440,7 +418,9 @@ def test_disconnect_mid_stream_frees_blocks(srv):
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert srv.engine.requests and srv.engine.kv.num_free < srv.engine.kv.num_blocks
+        next(lines), next(lines)  # a step or two: the core has reported its running state
+        assert srv.client.stats.num_requests_running == 1
+        assert srv.client.stats.kv_cache_usage > 0
     wait_idle(srv)
     body["stream"] = False
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
@@ -521,64 +501,98 @@ def test_50_concurrent_streams(srv):
     wait_idle(srv)
 
 
-def test_health_503_while_loading_and_after_a_failed_load():
-    gate = threading.Event()
-
-    def load():
-        gate.wait(10)
-        raise RuntimeError("no weights here")
-
-    served = Served(create_app(load, model_name="tiny"))
+def test_health_503_while_loading_and_after_a_failed_load(tmp_path, monkeypatch):
+    gate = tmp_path / "gate"
+    fatal: list[str] = []
+    monkeypatch.setenv(HOOK_ENV, "tests.core_hooks:gated_failure")
+    monkeypatch.setenv("TINYOSS_TEST_GATE", str(gate))
+    served = Served(create_app(TINY, model_name="tiny", on_fatal=fatal.append))
     try:
+        deadline = time.monotonic() + 30
+        while served.state_of().client is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the tokenizer loads, then the core is spawned
         r = httpx.get(served.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "loading"
         err = error(httpx.post(served.url + "/v1/completions", json={"prompt": "a"}), 503)
         assert "loading" in err["message"]
-        gate.set()
-        for _ in range(200):
+        gate.touch()
+        for _ in range(3000):
             if httpx.get(served.url + "/health").json()["status"] != "loading":
                 break
             time.sleep(0.01)
         r = httpx.get(served.url + "/health")
         assert r.status_code == 503 and "no weights here" in r.json()["message"]
+        assert fatal and "no weights here" in fatal[0]  # the CLI exits non-zero on this
     finally:
         served.close()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_engine_failure_is_a_500_and_health_turns_503():
-    engine = tiny_engine()
-    launch, calls = engine.runner.launch, []
+def stream_events(url: str, body: dict) -> list[dict]:
+    text = httpx.post(url + "/v1/completions", json=body, timeout=60).text
+    assert text.endswith("data: [DONE]\n\n")
+    return [json.loads(e[6:]) for e in text.split("\n\n")[:-2]]
 
-    def failing(scheduled, input_ids=None):
-        launched = launch(scheduled, input_ids)
-        result = launched.result
 
-        def fail_third():
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("injected engine failure")
-            return result()
-
-        launched.result = fail_third
-        return launched
-
-    engine.runner.launch = failing
-    served = Served(create_app(lambda: engine, model_name="tiny"))
+def test_a_failing_step_fails_its_requests_and_the_core_restarts(tmp_path, monkeypatch):
+    monkeypatch.setenv(HOOK_ENV, "tests.core_hooks:fail_once")
+    monkeypatch.setenv("TINYOSS_TEST_MARK", str(tmp_path / "mark"))
+    served = Served(create_app(TINY, model_name="tiny"))
     try:
-        for _ in range(500):
-            if httpx.get(served.url + "/health").status_code == 200:
-                break
-            time.sleep(0.01)
-        body = {"prompt": "a", "max_tokens": 50, "stream": True}
-        stream = httpx.post(served.url + "/v1/completions", json=body)
-        events = [json.loads(e[6:]) for e in stream.text.split("\n\n")[:-2]]
+        wait_healthy(served)
+        events = stream_events(served.url, {"prompt": "a", "max_tokens": 50, "stream": True})
         assert [len(e.get("choices", [])) for e in events] == [1, 1, 0]
-        assert "injected engine failure" in events[-1]["error"]["message"]
-        assert stream.text.endswith("data: [DONE]\n\n")
-        err = error(httpx.post(served.url + "/v1/completions", json={"prompt": "a"}), 500)
-        assert "injected engine failure" in err["message"]
+        err = events[-1]["error"]
+        assert "injected engine failure" in err["message"] and err["code"] == "engine_unavailable"
+        r = httpx.get(served.url + "/health")
+        assert r.status_code == 503 or r.json() == {"status": "ok"}  # restarting, or done
+        wait_healthy(served)
+        assert served.state_of().client.restarts == 1
+        ok = httpx.post(served.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    finally:
+        served.close()
+
+
+def test_killing_the_core_fails_open_and_queued_requests_at_once_and_it_restarts(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(HOOK_ENV, "tests.core_hooks:scripted")
+    monkeypatch.setenv("TINYOSS_TEST_PROMPTS", str(tmp_path / "prompts.jsonl"))
+    served = Served(create_app(TINY, model_name="tiny", api_key=KEY))
+    try:
+        wait_healthy(served)
+        client = served.state_of().client
+        body = {"prompt": SLOW, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        results: dict[int, list[dict]] = {}
+
+        def run(i: int) -> None:
+            with httpx.stream("POST", served.url + "/v1/completions", json=body,
+                              headers=headers, timeout=60) as r:
+                results[i] = [json.loads(line[6:]) for line in r.iter_lines()
+                              if line.startswith("data: {")]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while client.stats.num_requests_running < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        old = client.pid
+        os.kill(old, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert time.monotonic() - killed < 5  # every stream ended within seconds, none hangs
+        for events in results.values():
+            assert "the engine core stopped" in events[-1]["error"]["message"]
+            assert all(e.get("choices", [{}])[0].get("finish_reason") is None for e in events)
+        assert len(results) == 3
         assert httpx.get(served.url + "/health").status_code == 503
-        assert httpx.get(served.url + "/version").status_code == 200
+        wait_healthy(served)
+        assert client.pid != old and client.restarts == 1
+        r = httpx.post(served.url + "/v1/completions", headers=headers,
+                       json={"prompt": "b", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     finally:
         served.close()

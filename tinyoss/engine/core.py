@@ -13,7 +13,6 @@ runs. A sequence that stopped meanwhile has its extra token dropped.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 from tinyoss.engine.executor import Executor, LaunchedStep
@@ -41,7 +40,6 @@ class CoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = 0.0
 
 
 @dataclass

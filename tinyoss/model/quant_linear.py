@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -22,22 +21,7 @@ from tinyoss.model.gpt_oss import GptOssForCausalLM
 
 log = logging.getLogger("tinyoss")
 
-DENSE_LAYERS = ("qkv", "o", "lm_head")  # what `mxfp4_layers` can add to the experts ("moe")
-MXFP4_LAYER_NAMES = ("moe", *DENSE_LAYERS, "all")
 _QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time: bounds the temporaries (~200 MB)
-
-
-def parse_mxfp4_layers(spec: str | Iterable[str]) -> tuple[str, ...]:
-    """`moe`, `all` or a comma list (or a list) of moe, qkv, o, lm_head -> the dense layers to
-    quantize, in DENSE_LAYERS order. The experts are MXFP4 in any case: `moe` adds nothing."""
-    names = {str(part).strip() for part in (spec.split(",") if isinstance(spec, str) else spec)}
-    unknown = sorted(names - set(MXFP4_LAYER_NAMES))
-    if unknown or not names:
-        raise ValueError(
-            f"invalid mxfp4_layers {spec!r} (unknown: {', '.join(map(repr, unknown))}): give a "
-            f"comma list of {', '.join(MXFP4_LAYER_NAMES[:-1])}, or all"
-        )
-    return tuple(n for n in DENSE_LAYERS if n in names or "all" in names)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP app: routes, API key, errors, streaming, background loading.
 
-The model loads in a worker thread after the socket is listening, so /health can say 503
-until it is ready. A request's engine generators are always closed explicitly (client gone,
-stream closed, answer complete), which aborts what is unfinished and frees its KV blocks.
+The engine core starts in its own process once the socket is listening, so /health can say
+503 until it is ready (and while a core that died is restarted). This process parses,
+renders, tokenizes, detokenizes and streams; the core only schedules and steps. A request's
+engine generators are always closed explicitly (client gone, stream closed, answer complete),
+which aborts what is unfinished and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from tinyoss import __version__
-from tinyoss.engine.async_engine import AsyncEngine
-from tinyoss.engine.llm_engine import LLMEngine, RequestOutput
+from tinyoss.config import EngineConfig
+from tinyoss.engine.builder import checkpoint_folder, load_tokenizer
+from tinyoss.engine.core_client import CoreClient, EngineDeadError, EngineUnavailable
+from tinyoss.engine.output_processor import RequestOutput
 from tinyoss.server.metrics import Metrics
 from tinyoss.server.protocol import APIError, Prepared, parse_chat, parse_completion
 from tinyoss.server.responses import ChatChoice, TextChoice
@@ -35,27 +39,42 @@ Choice = ChatChoice | TextChoice
 
 
 class ServerState:
-    def __init__(self, load: Callable[[], LLMEngine], model_name: str, api_key: str | None) -> None:
-        self.load, self.model_name, self.api_key = load, model_name, api_key
-        self.engine: AsyncEngine | None = None
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        api_key: str | None,
+        on_fatal: Callable[[str], None] | None,
+    ) -> None:
+        self.config, self.model_name, self.api_key = config, model_name, api_key
+        self.on_fatal = on_fatal
+        self.client: CoreClient | None = None
         self.load_error: BaseException | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
 
     async def start(self) -> None:
         try:
-            self.engine = AsyncEngine(await asyncio.to_thread(self.load))
-            log.info("ready: serving %r", self.model_name)
+            folder = await asyncio.to_thread(checkpoint_folder, self.config)
+            tokenizer = await asyncio.to_thread(load_tokenizer, folder)
+            self.client = CoreClient(self.config, folder, tokenizer, self.on_fatal)
+            info = await self.client.start()
+            log.info("ready: serving %r (%s)", self.model_name, info.summary)
         except Exception as e:  # the server stays up and /health says why
             self.load_error = e
             log.exception("loading the model failed")
+            if self.on_fatal is not None:
+                self.on_fatal(str(e))
 
-    def ready(self) -> AsyncEngine:
+    def ready(self) -> CoreClient:
+        client = self.client
         if self.load_error is not None:
             raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
-        if self.engine is None:
+        if client is None or client.state == "loading":
             raise APIError(503, "the model is still loading, retry shortly", code="loading")
-        return self.engine
+        if client.state != "ready":
+            raise APIError(503, f"the engine is {client.state}: {client.error}", code="unavailable")
+        return client
 
 
 class EventStream(StreamingResponse):
@@ -85,9 +104,9 @@ class Run:
 
     async def updates(self) -> AsyncIterator[list[dict]]:
         """The changed chunk choices after each engine output."""
-        engine, metrics, n = self.state.ready(), self.state.metrics, self.prep.params.n
+        client, metrics, n = self.state.ready(), self.state.metrics, self.prep.params.n
         gens = [
-            engine.generate(p, self.prep.params, f"{self.rid}-{i}")
+            client.generate(p, self.prep.params, f"{self.rid}-{i}")
             for i, p in enumerate(self.prep.prompts)
         ]
         start, last = time.monotonic(), {}
@@ -146,7 +165,7 @@ class Run:
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleaves engine streams, tagged with their index; closing it cancels the pumps, and a
-    cancelled `AsyncEngine.generate` aborts its request."""
+    cancelled `CoreClient.generate` aborts its request."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
@@ -179,7 +198,11 @@ def _sse(obj: dict) -> str:
 
 
 def _error(e: Exception) -> APIError:
-    return e if isinstance(e, APIError) else APIError(500, f"the engine failed: {e}")
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (EngineDeadError, EngineUnavailable)):
+        return APIError(503, str(e), code="engine_unavailable")
+    return APIError(500, f"the engine failed: {e}")
 
 
 async def _drain_unless_gone(request: Request, run: Run) -> bool:
@@ -208,10 +231,15 @@ async def _drain_unless_gone(request: Request, run: Run) -> bool:
 
 
 def create_app(
-    load: Callable[[], LLMEngine], *, model_name: str, api_key: str | None = None
+    config: EngineConfig,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    on_fatal: Callable[[str], None] | None = None,
 ) -> Starlette:
-    """The server app; `load` builds the engine (in a worker thread, once the app starts)."""
-    state = ServerState(load, model_name, api_key)
+    """The server app; its engine core starts in a process of its own once the app starts.
+    `on_fatal` is called when no core can run (a failed load, a failed restart)."""
+    state = ServerState(config, model_name, api_key, on_fatal)
 
     def endpoint(handler: Callable, *, auth: bool = True) -> Callable:
         async def wrapped(request: Request) -> Response:
@@ -259,8 +287,9 @@ def create_app(
         return JSONResponse(run.answer())
 
     async def chat(request: Request) -> Response:
-        prep = parse_chat(await body_of(request), state.ready().engine)
-        tok, seed, lp = state.engine.engine.tokenizer, prep.params.seed, prep.params.logprobs
+        client = state.ready()
+        prep = parse_chat(await body_of(request), client.tokenizer, client.info)
+        tok, seed, lp = client.tokenizer, prep.params.seed, prep.params.logprobs
         choices: list[Choice] = [
             ChatChoice(
                 i, tok, prep.content_stop, seed if seed is None else seed + i, lp is not None
@@ -270,8 +299,9 @@ def create_app(
         return await respond(request, Run(state, prep, "chat.completion", choices))
 
     async def completions(request: Request) -> Response:
-        prep = parse_completion(await body_of(request), state.ready().engine)
-        tok, n, lp = state.engine.engine.tokenizer, prep.params.n, prep.params.logprobs
+        client = state.ready()
+        prep = parse_completion(await body_of(request), client.tokenizer, client.info)
+        tok, n, lp = client.tokenizer, prep.params.n, prep.params.logprobs
         choices: list[Choice] = [
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None)
             for p in range(len(prep.prompts))
@@ -282,23 +312,27 @@ def create_app(
     async def models(request: Request) -> Response:
         card = {"id": state.model_name, "object": "model", "created": state.created}
         card["owned_by"] = "tinyoss"
-        if state.engine is not None:
-            card["max_model_len"] = state.engine.engine.max_model_len
+        if state.client is not None and state.client.info is not None:
+            card["max_model_len"] = state.client.info.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        engine, error = state.engine, state.load_error
-        if engine is not None and engine.healthy:
+        client, error = state.client, state.load_error
+        if client is not None and client.state == "ready":
             return JSONResponse({"status": "ok"})
-        if engine is None and error is None:
+        if error is None and (client is None or client.state == "loading"):
             return JSONResponse({"status": "loading"}, 503)
-        return JSONResponse({"status": "error", "message": str(error or "the engine failed")}, 503)
+        if client is not None and client.state == "restarting":
+            return JSONResponse({"status": "restarting", "message": client.error}, 503)
+        why = str(error) if error is not None else client.error if client else None
+        return JSONResponse({"status": "error", "message": why or "the engine failed"}, 503)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": __version__})
 
     async def metrics(request: Request) -> Response:
-        text = state.metrics.render(state.engine.engine if state.engine is not None else None)
+        client = state.client
+        text = state.metrics.render(client.stats if client is not None else None)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -310,8 +344,8 @@ def create_app(
         loading = asyncio.create_task(state.start())
         yield
         loading.cancel()
-        if state.engine is not None:
-            state.engine.shutdown()
+        if state.client is not None:
+            await state.client.shutdown()
 
     routes = [
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),

@@ -27,24 +27,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def describe(engine) -> str:
-    """The start-up summary: what runs where, and how much the KV cache holds."""
-    c = engine.config
-    return (
-        f"model {c.model} on {engine.device}, {str(engine.dtype).removeprefix('torch.')}; "
-        f"backends: {engine.backends.describe()}; CUDA graphs "
-        f"{'on' if engine.runner.graphs is not None else 'off'}; "
-        f"KV cache: {engine.kv.num_blocks * c.block_size} token slots "
-        f"({engine.kv.num_blocks} blocks of {c.block_size}); max_model_len "
-        f"{engine.max_model_len}; max_num_seqs {c.max_num_seqs}"
-    )
-
-
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tinyoss.cli import default_model, engine_kwargs
-    from tinyoss.engine.llm_engine import EngineConfig, LLMEngine
+    from tinyoss.config import EngineConfig
     from tinyoss.server.app import create_app
 
     model = args.model
@@ -52,20 +39,16 @@ def serve(args: argparse.Namespace) -> None:
         model = default_model()
         why = "a GPU is present" if model != "tiny" else "no GPU: the built-in random-weight model"
         log.info("no MODEL given: serving %s (%s)", model, why)
-    kwargs = engine_kwargs(args)
+    config = EngineConfig(model=model, **engine_kwargs(args))
     api_key = args.api_key or os.environ.get("TINYOSS_API_KEY") or None
+    fatal: list[str] = []
 
-    def load() -> LLMEngine:
-        try:
-            engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        except Exception:
-            server.should_exit = True  # from the command line, a model that cannot load ends it
-            raise
-        log.info(describe(engine))
-        return engine
+    def on_fatal(why: str) -> None:  # no engine core can run: stop, non-zero, for a supervisor
+        fatal.append(why)
+        server.should_exit = True
 
     name = args.served_model_name or model
-    app = create_app(load, model_name=name, api_key=api_key)
+    app = create_app(config, model_name=name, api_key=api_key, on_fatal=on_fatal)
     log.info(
         "serving %r on http://%s:%d/v1 (API key %s); the model loads in the background, "
         "GET /health answers 200 once it is ready",
@@ -75,6 +58,9 @@ def serve(args: argparse.Namespace) -> None:
         "required" if api_key else "off",
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
-    server.run()
-    if app.state.server.load_error is not None:
-        raise SystemExit(f"tinyoss serve: the model failed to load: {app.state.server.load_error}")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down in order
+        pass
+    if fatal:
+        raise SystemExit(f"tinyoss serve: the engine could not run: {fatal[0]}")

@@ -1,7 +1,7 @@
 """`GET /metrics` in the Prometheus text format (version 0.0.4), written by hand.
 
-Engine numbers (queue, tokens, KV usage, preemptions, prefix-cache hits) are read at scrape
-time; latencies and request outcomes are recorded by the server as outputs reach it. Twenty
+Engine numbers (queue, tokens, KV usage, preemptions, prefix-cache hits) are the engine core's,
+sent with each step's deltas; latencies and request outcomes are recorded by the server as outputs reach it. Twenty
 lines of formatting do not justify a dependency on prometheus_client.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 
-from tinyoss.engine.llm_engine import LLMEngine
+from tinyoss.engine.core import CoreStats
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -51,21 +51,20 @@ class Metrics:
             _ITL_BUCKETS,
         )
 
-    def render(self, engine: LLMEngine | None) -> str:
+    def render(self, stats: CoreStats | None) -> str:
         values: dict[str, float] = {
             "requests_finished_total": self.finished,
             "requests_aborted_total": self.aborted,
         }
-        if engine is not None:
-            running = len({s.request_id for s in list(engine.scheduler.running)})
+        if stats is not None:  # the core's, as of its last step
             values |= {
-                "num_requests_running": running,
-                "num_requests_waiting": max(0, len(engine.requests) - running),
-                "kv_cache_usage_ratio": engine.kv.usage(),
-                "prompt_tokens_total": engine.stats.prompt_tokens,
-                "generation_tokens_total": engine.stats.generation_tokens,
-                "prefix_cache_hit_tokens_total": engine.stats.cached_prompt_tokens,
-                "num_preemptions_total": engine.scheduler.num_preemptions,
+                "num_requests_running": stats.num_requests_running,
+                "num_requests_waiting": stats.num_requests_waiting,
+                "kv_cache_usage_ratio": stats.kv_cache_usage,
+                "prompt_tokens_total": stats.prompt_tokens,
+                "generation_tokens_total": stats.generation_tokens,
+                "prefix_cache_hit_tokens_total": stats.cached_prompt_tokens,
+                "num_preemptions_total": stats.num_preemptions,
             }
         out = []
         for name, value in values.items():

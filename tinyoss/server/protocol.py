@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinyoss import harmony
-from tinyoss.engine.llm_engine import LLMEngine
+from tinyoss.engine.core import EngineInfo
 from tinyoss.sampling_params import SamplingParams
+from tinyoss.tokenizer import Tokenizer
 
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed")  # passed on as they are
 _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_SAMPLING += ("ignore_eos", "min_tokens")  # vLLM's extensions
 _EFFORTS = ("low", "medium", "high")
 
 
@@ -49,7 +51,7 @@ class Prepared:
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
 
 
-def parse_chat(body: dict, engine: LLMEngine) -> Prepared:
+def parse_chat(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prepared:
     messages = body.get("messages")
     ok = isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
     _require(ok, "messages", "messages must be a non-empty list of message objects")
@@ -72,7 +74,7 @@ def parse_chat(body: dict, engine: LLMEngine) -> Prepared:
     )
     try:
         options = {"tools": tools, "tool_choice": choice or "auto", "reasoning_effort": effort}
-        ids = harmony.render_prompt(messages, engine.tokenizer.encode, **options)
+        ids = harmony.render_prompt(messages, tokenizer.encode, **options)
     except KeyError as e:
         raise APIError(400, f"invalid messages: missing field {e}", param="messages") from e
     except (ValueError, TypeError, AttributeError) as e:
@@ -87,11 +89,11 @@ def parse_chat(body: dict, engine: LLMEngine) -> Prepared:
         stop=body.get("stop"),
     )
     stops, params.stop = params.stop, []
-    _check_length(len(ids), params.max_tokens, engine.max_model_len, "messages")
+    _check_length(len(ids), params.max_tokens, info.max_model_len, "messages")
     return Prepared([ids], params, *_streaming(body), content_stop=stops)
 
 
-def parse_completion(body: dict, engine: LLMEngine) -> Prepared:
+def parse_completion(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prepared:
     _require(not body.get("suffix"), "suffix", "suffix is not supported: gpt-oss has no FIM mode")
     echo = _flag(body, "echo")
     _require(
@@ -112,13 +114,13 @@ def parse_completion(body: dict, engine: LLMEngine) -> Prepared:
     )
     texts, prompts = [], []
     for p in _prompt_list(body.get("prompt")):
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else p
+        ids = tokenizer.encode(p) if isinstance(p, str) else p
         _require(ids, "prompt", "prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < engine.model_config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
         _require(not bad, "prompt", f"prompt token id {bad[:1]} is outside the vocabulary")
-        _check_length(len(ids), params.max_tokens, engine.max_model_len, "prompt")
+        _check_length(len(ids), params.max_tokens, info.max_model_len, "prompt")
         prompts.append(ids)
-        texts.append(p if isinstance(p, str) else engine.tokenizer.decode(p))
+        texts.append(p if isinstance(p, str) else tokenizer.decode(p))
     return Prepared(prompts, params, *_streaming(body), echo=texts if echo else None)
 
 

@@ -1,9 +1,9 @@
 """Engine outputs to OpenAI choices, for streams and whole answers alike.
 
-Each choice keeps its own state and reads the engine's cumulative fields (token_ids, text,
-logprobs), not the per-step `delta_*` ones: with n > 1 a sequence that was not scheduled in a
-step keeps its previous deltas. Stream chunks and the final answer come from the same state,
-so a stream joins up to exactly the non-streaming answer.
+Each choice keeps its own state and reads the engine's cumulative fields (token_ids, text
+pieces, logprobs: shared lists that grow), from where it stopped last time, so an update costs
+what the step added even when outputs queue up. Stream chunks and the final answer come from
+the same state, so a stream joins up to exactly the non-streaming answer.
 """
 
 from __future__ import annotations
@@ -11,34 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from tinyoss import harmony
-from tinyoss.engine.sequence import CompletionOutput, TokenLogprob
+from tinyoss.engine.output_processor import CompletionOutput, StopStrings
+from tinyoss.engine.step import TokenLogprob
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _FLOOR = -9999.0  # OpenAI's stand-in for a log-probability of -inf (JSON has no infinities)
-
-
-class StopFilter:
-    """Cuts text at the first stop string, holding back a tail that may yet start one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops, self.pending = stops, ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to send, whether a stop string was found)."""
-        text = self.pending + text
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            return text[: min(hits)], True
-        keep = max(
-            (n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0
-        )
-        self.pending = text[len(text) - keep :]
-        return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        text, self.pending = self.pending, ""
-        return text
 
 
 def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -69,9 +46,9 @@ class ChatChoice:
         self.parser = harmony.HarmonyStreamParser(
             tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer), seed=seed
         )
-        self.stop = StopFilter(stops) if stops else None
+        self.stop = StopStrings(stops) if stops else None
         self.num_tokens = 0
-        self.text: dict[str, str] = {"reasoning": "", "content": ""}
+        self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}  # joined at the end
         self.calls: list[dict] = []
         self.logprobs: list[dict] | None = [] if logprobs else None
         self.finish_reason: str | None = None
@@ -107,11 +84,12 @@ class ChatChoice:
         return _choice(self.index, self.finish_reason, delta=delta, logprobs=lps_field)
 
     def final(self) -> dict:
+        content, reasoning = ("".join(self.parts[k]) or None for k in ("content", "reasoning"))
         message = {
             "role": "assistant",
-            "content": self.text["content"] or None,
-            "reasoning": self.text["reasoning"] or None,
-            "reasoning_content": self.text["reasoning"] or None,
+            "content": content,
+            "reasoning": reasoning,
+            "reasoning_content": reasoning,
         }
         if self.calls:
             message["tool_calls"] = self.calls
@@ -125,7 +103,7 @@ class ChatChoice:
             if d.kind == "content" and self.stop is not None and not final:
                 text, hit = self.stop.feed(d.text)
                 d = harmony.Delta("content", text)
-                if hit:
+                if hit is not None:
                     self.finish_reason = "stop"
             if d.kind == "tool_call":
                 call = {"name": d.name, "arguments": ""}
@@ -133,7 +111,7 @@ class ChatChoice:
             elif d.kind == "arguments":
                 self.calls[d.index]["function"]["arguments"] += d.text
             elif d.text:
-                self.text[d.kind] += d.text
+                self.parts[d.kind].append(d.text)
             kept.append(d)
             if self.finish_reason is not None:
                 break
@@ -176,8 +154,8 @@ class TextChoice:
     def __init__(self, index: int, tokenizer: Tokenizer, echo: str | None, logprobs: bool) -> None:
         self.index, self.tokenizer = index, tokenizer
         self.prefix = echo or ""  # sent with the first update
-        self.text = ""  # the echo and the engine's text so far
-        self.seen = 0  # characters of the engine's text already taken
+        self.parts: list[str] = []  # the echo and the engine's text so far
+        self.seen = 0  # pieces of the engine's text already taken
         self.num_tokens = 0
         self.offset = 0
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
@@ -189,8 +167,9 @@ class TextChoice:
     def update(self, out: CompletionOutput) -> dict | None:
         if self.finish_reason is not None:
             return None
-        new, self.prefix, self.seen = self.prefix + out.text[self.seen :], "", len(out.text)
-        self.text += new
+        new = self.prefix + "".join(out.pieces[self.seen :])
+        self.prefix, self.seen = "", len(out.pieces)
+        self.parts.append(new)
         start, self.num_tokens = self.num_tokens, len(out.token_ids)
         lps = None
         if self.logprobs is not None and out.logprobs is not None:
@@ -209,7 +188,8 @@ class TextChoice:
         return _choice(self.index, self.finish_reason, text=new, logprobs=lps)
 
     def final(self) -> dict:
-        return _choice(self.index, self.finish_reason, text=self.text, logprobs=self.logprobs)
+        text = "".join(self.parts)
+        return _choice(self.index, self.finish_reason, text=text, logprobs=self.logprobs)
 
 
 def _text_logprobs() -> dict:

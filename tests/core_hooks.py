@@ -1,0 +1,114 @@
+"""Test-only hooks, loaded inside the engine core's process through TINYOSS_CORE_HOOK.
+
+The server runs its engine core in another process, so tests cannot patch it; a hook gets the
+built core there and wraps its executor instead. Hooks talk back through files named by
+environment variables (the child inherits them at spawn).
+
+- `scripted`: prompts containing a marker sample their script's harmony tokens instead of the
+  model's (the scheduler, KV cache and everything else run for real); prompts with SLOW make
+  each step take 20 ms. The decoded prompt of each scripted request is appended to the file in
+  TINYOSS_TEST_PROMPTS, one JSON string a line.
+- `fail_once`: the third step's result raises, once per TINYOSS_TEST_MARK file (the restarted
+  core, finding the file, runs normally).
+- `gated_failure`: start-up waits for the file in TINYOSS_TEST_GATE, then fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tinyoss.engine.builder import load_tokenizer
+from tinyoss.engine.core import EngineCore
+from tinyoss.engine.step import TokenLogprob
+from tinyoss.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
+from tinyoss.tools.make_checkpoint import ensure_tiny
+
+WEATHER = "[[weather]]"  # a user message that makes the model call get_weather
+ANSWER = "[[answer]]"  # ... that makes it think, then answer
+SLOW = "[[slow]]"  # ... that makes each engine step take 20 ms (for disconnects)
+
+
+def harmony_ids(tokenizer, *parts: int | str) -> list[int]:
+    return [i for p in parts for i in ([p] if isinstance(p, int) else tokenizer.encode(p))]
+
+
+def _has(ids: list[int], marker: tuple[int, ...]) -> bool:
+    return any(tuple(ids[i : i + len(marker)]) == marker for i in range(len(ids)))
+
+
+def scripted(core: EngineCore) -> None:
+    tok = load_tokenizer(ensure_tiny())
+    scripts = {
+        tuple(tok.encode(WEATHER)): harmony_ids(
+            tok, CHANNEL, "analysis", MESSAGE, "think", END, START, "assistant", CHANNEL,
+            "commentary to=functions.get_weather ", CONSTRAIN, "json", MESSAGE,
+            '{"city":"Paris"}', CALL,
+        ),
+        tuple(tok.encode(ANSWER)): harmony_ids(
+            tok, CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant",
+            CHANNEL, "final", MESSAGE, "Hello there, Paris!", RETURN,
+        ),
+    }  # fmt: skip
+    slow = tuple(tok.encode(SLOW))
+    log = Path(os.environ["TINYOSS_TEST_PROMPTS"])
+    executor = core.executor
+    launch, result = executor.launch, executor.result
+    script_of: dict[int, list[int]] = {}  # seq id -> its script
+    given: dict[int, int] = {}  # seq id -> scripted tokens so far
+    slow_seqs: set[int] = set()
+
+    def scripted_launch(plan):
+        for new in plan.new:
+            ids = new.prompt_token_ids
+            if _has(ids, slow):
+                slow_seqs.add(new.seq_id)
+            for marker, script in scripts.items():
+                if _has(ids, marker):
+                    script_of[new.seq_id] = script
+                    with log.open("a") as f:
+                        f.write(json.dumps(tok.decode(ids)) + "\n")
+        if any(s.seq_id in slow_seqs for s in plan.seqs):
+            time.sleep(0.02)
+        return launch(plan)
+
+    def scripted_result(launched):
+        out = result(launched)
+        for seq_id, tokens in out.sampled.items():
+            script, done = script_of.get(seq_id), given.get(seq_id, 0)
+            if script is None or done >= len(script):
+                continue
+            out.sampled[seq_id] = [script[done]]
+            given[seq_id] = done + 1
+            if seq_id in out.logprobs:
+                lp = out.logprobs[seq_id][0]
+                out.logprobs[seq_id] = [TokenLogprob(script[done], lp.logprob, lp.top)]
+        return out
+
+    executor.launch, executor.result = scripted_launch, scripted_result
+
+
+def fail_once(core: EngineCore) -> None:
+    mark = Path(os.environ["TINYOSS_TEST_MARK"])
+    if mark.exists():
+        return
+    result, calls = core.executor.result, []
+
+    def fail_third(launched):
+        calls.append(1)
+        if len(calls) == 3:
+            mark.touch()
+            raise RuntimeError("injected engine failure")
+        return result(launched)
+
+    core.executor.result = fail_third
+
+
+def gated_failure(core: EngineCore) -> None:
+    gate = Path(os.environ["TINYOSS_TEST_GATE"])
+    deadline = time.monotonic() + 60
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise RuntimeError("no weights here")

@@ -1,0 +1,234 @@
+"""The server's handle on the engine core, which runs in its own process (`core_process.py`).
+
+It is the engine client interface the server and its metrics use: `generate` (add, then stream
+outputs; leaving early aborts), `abort`, `stats`, `state`. Tokens come back as per-step deltas
+and are turned into text here, in the front end (`OutputProcessor`), on the event loop.
+
+Lifecycle: `start` spawns the core and waits until it has built the engine (its start-up error
+is raised here). If the core dies later, every request in flight or queued fails at once with
+`EngineDeadError`, `state` says "restarting", and a new core is started; a core that cannot
+start again leaves `state` "failed" and calls `on_fatal` (the CLI then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from tinyoss.config import EngineConfig
+from tinyoss.engine.core import CoreRequest, CoreStats, EngineInfo, check_prompt
+from tinyoss.engine.core_process import run_core
+from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
+from tinyoss.sampling_params import SamplingParams
+from tinyoss.tokenizer import Tokenizer
+
+log = logging.getLogger("tinyoss.server")
+
+_SHUTDOWN_WAIT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped while a request was running or queued."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine core is not ready for requests (still starting, restarting, or failed)."""
+
+
+class _Core:
+    """One core process and its two sockets."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, config: EngineConfig, folder: Path | None):
+        base = Path(tempfile.gettempdir()) / f"tinyoss-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        inbox, outbox = f"ipc://{base}-in", f"ipc://{base}-out"
+        self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.push.bind(inbox)
+        self.pull.bind(outbox)
+        self.paths = [Path(f"{base}-in"), Path(f"{base}-out")]
+        spawn = multiprocessing.get_context("spawn")
+        args = (config, None if folder is None else str(folder), inbox, outbox, os.getpid())
+        self.process = spawn.Process(target=run_core, args=args, name="tinyoss-core", daemon=True)
+        self.process.start()
+
+    def send(self, *msg: object) -> None:
+        self.push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+
+    async def stop(self, timeout: float) -> None:
+        """Asks the process to stop, kills it after `timeout` s, and closes the sockets."""
+        if self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self.send("shutdown")
+        await asyncio.to_thread(self._reap, timeout)
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+
+    def _reap(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+class CoreClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        folder: Path | None,
+        tokenizer: Tokenizer,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config, self.folder, self.tokenizer = config, folder, tokenizer
+        self.on_fatal = on_fatal
+        self.info: EngineInfo | None = None
+        self.stats = CoreStats()
+        self.state = "loading"  # loading | ready | restarting | failed | stopped
+        self.error: str | None = None  # why the state is failed (or the last core died)
+        self.restarts = 0
+        self.processor = OutputProcessor(tokenizer)
+        self._ctx = zmq.asyncio.Context()
+        self._core: _Core | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._core is None else self._core.process.pid
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> EngineInfo:
+        """Starts the core and waits until it is ready; raises its start-up error."""
+        self._core = _Core(self._ctx, self.config, self.folder)
+        while True:
+            msg = await self._receive(self._core)
+            if msg is None or msg[0] == "failed":
+                why = "the engine core exited while starting" if msg is None else msg[1]
+                self.state, self.error = "failed", why
+                await self._core.stop(0)
+                raise RuntimeError(why)
+            if msg[0] == "ready":
+                self.info, self.state = msg[1], "ready"
+                break
+        self._reader = asyncio.create_task(self._read(self._core))
+        return self.info
+
+    async def shutdown(self) -> None:
+        self.state = "stopped"
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._core is not None:
+            await self._core.stop(_SHUTDOWN_WAIT_S)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._ctx.term()
+
+    async def _receive(self, core: _Core) -> tuple | None:
+        """The core's next message, or None once its process is gone."""
+        while True:
+            if await core.pull.poll(200):
+                return pickle.loads(await core.pull.recv())
+            if not core.process.is_alive():
+                return None
+
+    async def _read(self, core: _Core) -> None:
+        while True:
+            msg = await self._receive(core)
+            if msg is None or msg[0] == "dead":
+                why = f"exit code {core.process.exitcode}" if msg is None else msg[1]
+                await self._restart(f"the engine core stopped ({why})")
+                return
+            if msg[0] == "step":
+                self.stats = msg[2]
+                self._deliver(msg[1])
+            elif msg[0] == "reject":
+                self._put(msg[1], ValueError(msg[2]))
+
+    async def _restart(self, why: str) -> None:
+        log.error("%s: failing %d request(s) and starting a new core", why, len(self._queues))
+        self.state, self.error = "restarting", why
+        self._fail_all(EngineDeadError(f"{why}; it is restarting, retry shortly"))
+        old, self._core = self._core, None
+        await old.stop(1.0)
+        self.restarts += 1
+        try:
+            await self.start()
+        except Exception as e:  # noqa: BLE001 - reported through state and on_fatal
+            log.error("the engine core could not be restarted: %s", e)
+            if self.on_fatal is not None:
+                self.on_fatal(str(e))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._queues):
+            self._put(request_id, error)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.stats = CoreStats()
+
+    def _deliver(self, deltas: list) -> None:
+        outputs, stopped = self.processor.process(deltas)
+        for request_id, index in stopped:
+            self._send("abort", request_id, index)
+        for out in outputs:
+            self._put(out.request_id, out)
+
+    def _put(self, request_id: str, item: object) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    def _send(self, *msg: object) -> None:
+        if self._core is not None:
+            self._core.send(*msg)
+
+    # -- requests ---------------------------------------------------------------------------
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError if the engine would refuse this prompt."""
+        if self.info is not None:
+            check_prompt(prompt_token_ids, params, self.info)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output after every step that changes it; the last is finished.
+        Leaving the iteration early (a cancelled task, a closed stream) aborts the request."""
+        if self.state != "ready" or self.info is None:
+            raise EngineUnavailable(self.error or f"the engine is {self.state}")
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        check_prompt(prompt_token_ids, params, self.info)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self.processor.add(request_id, prompt, prompt_token_ids, params)
+        self._send("add", CoreRequest(request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, Exception):
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self.processor.abort(request_id) is not None:
+            self._send("abort", request_id, None)
