@@ -247,7 +247,7 @@ def main() -> None:
     need = record["bytes_per_step"]
     print(
         f"{record['gpu']} | {record['model']} | batch {args.batch_size} | in {args.input_len} "
-        f"out {args.output_len} | {record['backends']} | graphs {record['cuda_graphs']} | "
+        f"out {args.output_len} | {record['engine']} | graphs {record['cuda_graphs']} | "
         f"async scheduling {record['async_scheduling']}"
     )
     print(

@@ -456,6 +456,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--burst-input-len", type=int, default=64, help="prompt tokens in the burst")
     p.add_argument("--burst-output-len", type=int, default=64, help="output tokens in the burst")
     p.add_argument("--json", default=None, help="write the record to this file")
+    p.add_argument("--commit", default=None,
+                   help="the commit to record (default: git HEAD; a copy without history)")
     p.add_argument("--offline-worker", default=None, metavar="PATH",
                    help="internal: run the offline part in this process, its JSON to PATH")
     args = p.parse_args()
@@ -496,7 +498,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    commit, dirty = git_state()
+    commit, dirty = (args.commit, False) if args.commit else git_state()
     levels = []
     for i, (c, s) in enumerate(zip(args.concurrency, served["levels"])):
         level = {"concurrency": c, "served": s}

@@ -596,3 +596,11 @@ def test_killing_the_core_fails_open_and_queued_requests_at_once_and_it_restarts
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     finally:
         served.close()
+
+
+def test_stream_events_never_hold_a_line_break_that_splitlines_sees():
+    from tinyoss.server.app import _sse
+
+    event = _sse({"text": "a\u2028b\x85c\u2029d\re\nf"})
+    assert event.endswith("\n\n") and len(event.splitlines()) == 2
+    assert json.loads(event.splitlines()[0][6:])["text"] == "a\u2028b\x85c\u2029d\re\nf"

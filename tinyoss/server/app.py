@@ -193,8 +193,13 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# Characters JSON leaves raw that str.splitlines() (and so httpx's aiter_lines) takes for line
+# breaks: escaped, so that no client splits an event inside a string.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def _error(e: Exception) -> APIError:

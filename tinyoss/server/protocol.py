@@ -120,7 +120,8 @@ def parse_completion(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prep
         _require(not bad, "prompt", f"prompt token id {bad[:1]} is outside the vocabulary")
         _check_length(len(ids), params.max_tokens, info.max_model_len, "prompt")
         prompts.append(ids)
-        texts.append(p if isinstance(p, str) else tokenizer.decode(p))
+        if echo:
+            texts.append(p if isinstance(p, str) else tokenizer.decode(p))
     return Prepared(prompts, params, *_streaming(body), echo=texts if echo else None)
 
 
