@@ -305,9 +305,19 @@ def run_offline(args: argparse.Namespace) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
                "--offline-worker", str(out)]
         print("offline run:", shlex.join(cmd), flush=True)
-        if subprocess.run(cmd, check=False, cwd=ROOT).returncode != 0:
+        if subprocess.run(cmd, check=False, cwd=ROOT, env=child_env(args)).returncode != 0:
             raise SystemExit("bench/serve.py: the offline run failed (its output is above)")
         return json.loads(out.read_text())
+
+
+def child_env(args: argparse.Namespace) -> dict:
+    """The offline worker's and the server's environment: each starts with an empty Triton
+    cache (as on a first start) unless --warm-triton-cache, so that what the engine compiles on
+    first use shows in the start-up burst instead of hiding in what an earlier run cached."""
+    env = dict(os.environ)
+    if not args.warm_triton_cache:
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyoss-triton-")
+    return env
 
 
 def free_port() -> int:
@@ -327,10 +337,10 @@ class Server:
     """`tinyoss serve` as a child in a session of its own, so that its whole process group can
     be signalled at the end (and Ctrl-C reaches this script only); its output goes to a log."""
 
-    def __init__(self, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, cmd: list[str], log_path: Path, env: dict) -> None:
         self.log_path = log_path
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=die_with_parent)  # noqa: PLW1509
 
@@ -456,6 +466,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--burst-input-len", type=int, default=64, help="prompt tokens in the burst")
     p.add_argument("--burst-output-len", type=int, default=64, help="output tokens in the burst")
     p.add_argument("--json", default=None, help="write the record to this file")
+    p.add_argument("--warm-triton-cache", action="store_true",
+                   help="let the engine processes share the user's Triton cache (default: each "
+                   "starts with an empty one, as on a first start)")
     p.add_argument("--commit", default=None,
                    help="the commit to record (default: git HEAD; a copy without history)")
     p.add_argument("--offline-worker", default=None, metavar="PATH",
@@ -490,7 +503,7 @@ def main() -> None:
                           str(port), "--host", "127.0.0.1", *engine_flags(args)]
             log_path = Path(args.server_log or f"{tempfile.gettempdir()}/tinyoss-serve-{port}.log")
             print(f"server: {shlex.join(server_cmd)}\nserver log: {log_path}", flush=True)
-            server = Server(server_cmd, log_path)
+            server = Server(server_cmd, log_path, child_env(args))
             startup_s = server.wait_healthy(base_url, args.startup_timeout)
             print(f"server healthy after {startup_s:.1f} s", flush=True)
         model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]

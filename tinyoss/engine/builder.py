@@ -7,13 +7,14 @@ logged.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 
 import torch
 
 from tinyoss.config import EngineConfig, ModelConfig, parse_mxfp4_layers
-from tinyoss.engine.core import EngineCore, EngineInfo
+from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.executor import Executor
 from tinyoss.engine.kv_cache import (
@@ -29,6 +30,7 @@ from tinyoss.kernels.backends import BackendChoice, select_backends
 from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
 from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
 from tinyoss.model.quant_linear import quantize_layers
+from tinyoss.sampling_params import SamplingParams
 from tinyoss.settings import resolve
 from tinyoss.tokenizer import Tokenizer
 
@@ -134,7 +136,35 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     log.info(summary)
     core = EngineCore(info, scheduler, executor)
     core.async_scheduling = config.async_scheduling
+    if device.type == "cuda":
+        warm_up_steps(core, config)
     return core
+
+
+# (prompts, prompt tokens) of the warm-up requests: every MoE token-tile size, integer arguments
+# that are 1, multiples of 16 and neither (Triton compiles a variant for each), multi-sequence
+# prefills, and the largest step.
+_WARM_UP_SHAPES = [(1, 1), (1, 17), (1, 100), (1, 250), (1, 500), (3, 37), (16, 64), (64, 64)]
+
+
+def warm_up_steps(core: EngineCore, config: EngineConfig) -> None:
+    """Runs requests of assorted shapes through the whole core before it serves, so that what
+    Triton compiles, FlashInfer plans and the caching allocator grows on first use is paid at
+    start-up, not by the first burst of traffic; then resets the core's counters."""
+    t0 = time.perf_counter()
+    rng = random.Random(0)
+    limit = core.info.max_model_len - 4
+    shapes = _WARM_UP_SHAPES + [(1, config.max_num_batched_tokens + 17)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    for i, (n, length) in enumerate(shapes):
+        for j in range(n):
+            ids = [rng.randrange(1000, 150000) for _ in range(min(length, limit))]
+            core.add(CoreRequest(f"warm-up-{i}-{j}", ids, params))
+        while core.has_work():
+            core.step()
+    core.stats = CoreStats()
+    core.scheduler.num_preemptions = 0
+    log.info("warm-up: %d requests in %.1f s", sum(n for n, _ in shapes), time.perf_counter() - t0)
 
 
 def _attention(
