@@ -76,9 +76,10 @@ def check_prompt(
     if not ids:
         raise ValueError("prompt is empty: give at least one token")
     vocab = info.vocab_size
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    # C loops (set, map, min, max): this runs on every request's every prompt token
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
+        bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
     if len(ids) >= info.max_model_len:
         raise ValueError(
             f"prompt is {len(ids)} tokens long, but max_model_len is "

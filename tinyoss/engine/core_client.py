@@ -110,18 +110,24 @@ class CoreClient:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
         """Starts the core and waits until it is ready; raises its start-up error."""
-        self._core = _Core(self._ctx, self.config, self.folder)
+        core = self._core = _Core(self._ctx, self.config, self.folder)
+        receiving = asyncio.ensure_future(core.pull.recv())
         while True:
-            msg = await self._receive(self._core)
+            done, _ = await asyncio.wait({receiving}, timeout=0.2)
+            if not done and core.process.is_alive():
+                continue
+            msg = pickle.loads(receiving.result()) if done else None
             if msg is None or msg[0] == "failed":
                 why = "the engine core exited while starting" if msg is None else msg[1]
                 self.state, self.error = "failed", why
-                await self._core.stop(0)
+                receiving.cancel()
+                await core.stop(0)
                 raise RuntimeError(why)
             if msg[0] == "ready":
                 self.info, self.state = msg[1], "ready"
                 break
-        self._reader = asyncio.create_task(self._read(self._core))
+            receiving = asyncio.ensure_future(core.pull.recv())
+        self._reader = asyncio.create_task(self._read(core))
         return self.info
 
     async def shutdown(self) -> None:
@@ -133,26 +139,33 @@ class CoreClient:
         self._fail_all(EngineDeadError("the server is shutting down"))
         self._ctx.term()
 
-    async def _receive(self, core: _Core) -> tuple | None:
-        """The core's next message, or None once its process is gone."""
-        while True:
-            if await core.pull.poll(200):
-                return pickle.loads(await core.pull.recv())
-            if not core.process.is_alive():
-                return None
-
     async def _read(self, core: _Core) -> None:
-        while True:
-            msg = await self._receive(core)
-            if msg is None or msg[0] == "dead":
-                why = f"exit code {core.process.exitcode}" if msg is None else msg[1]
-                await self._restart(f"the engine core stopped ({why})")
-                return
-            if msg[0] == "step":
-                self.stats = msg[2]
-                self._deliver(msg[1])
-            elif msg[0] == "reject":
-                self._put(msg[1], ValueError(msg[2]))
+        """Takes the core's messages as they come (one await each: this is the per-token path);
+        a watcher notices a core that died without a word."""
+        watcher = asyncio.create_task(self._watch(core))
+        try:
+            while True:
+                msg = pickle.loads(await core.pull.recv())
+                if msg[0] == "step":
+                    self.stats = msg[2]
+                    self._deliver(msg[1])
+                elif msg[0] == "reject":
+                    self._put(msg[1], ValueError(msg[2]))
+                elif msg[0] == "dead":
+                    break
+        except asyncio.CancelledError:  # the watcher found the process gone
+            msg = None
+        watcher.cancel()
+        why = f"exit code {core.process.exitcode}" if msg is None else msg[1]
+        if self.state == "ready":
+            await self._restart(f"the engine core stopped ({why})")
+
+    async def _watch(self, core: _Core) -> None:
+        while core.process.is_alive():
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # its last words (a "dead" message) may still be on the way
+        if self._reader is not None:
+            self._reader.cancel()
 
     async def _restart(self, why: str) -> None:
         log.error("%s: failing %d request(s) and starting a new core", why, len(self._queues))

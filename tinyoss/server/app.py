@@ -165,7 +165,13 @@ class Run:
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleaves engine streams, tagged with their index; closing it cancels the pumps, and a
-    cancelled `CoreClient.generate` aborts its request."""
+    cancelled `CoreClient.generate` aborts its request. One stream (the usual case) is passed
+    through as it is: no task and no queue between the engine and the response."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:

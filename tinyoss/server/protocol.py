@@ -116,8 +116,9 @@ def parse_completion(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prep
     for p in _prompt_list(body.get("prompt")):
         ids = tokenizer.encode(p) if isinstance(p, str) else p
         _require(ids, "prompt", "prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
-        _require(not bad, "prompt", f"prompt token id {bad[:1]} is outside the vocabulary")
+        if min(ids) < 0 or max(ids) >= info.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < info.vocab_size)
+            _require(False, "prompt", f"prompt token id [{bad}] is outside the vocabulary")
         _check_length(len(ids), params.max_tokens, info.max_model_len, "prompt")
         prompts.append(ids)
         if echo:
@@ -162,7 +163,7 @@ def _is_ids(value: Any) -> bool:
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        and set(map(type, value)) == {int}  # C loops: the per-token path of every request
     )
 
 
