@@ -454,10 +454,10 @@ def test_event_stream_closes_its_generator_when_the_client_leaves_during_a_send(
 
     async def serve() -> list[bool]:
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-        await EventStream(events())(scope, receive, send)
+        await EventStream(events(), lambda: closed.append("run closed"))(scope, receive, send)
         return list(closed)  # before the loop's shutdown would finalize a forgotten generator
 
-    assert asyncio.run(serve()) == [True]
+    assert asyncio.run(serve()) == [True, "run closed"]
 
 
 def test_metrics_text(srv, client):

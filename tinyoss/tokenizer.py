@@ -119,6 +119,12 @@ class Tokenizer:
             cached = self._bytes[token_id] = self._lookup_bytes(token_id)
         return cached
 
+    def fill_byte_cache(self) -> None:
+        """Looks up every token's bytes now (under a second) rather than on first use: a server
+        does it at start-up, so its first burst of traffic detokenizes as fast as later ones."""
+        for token_id in range(self.vocab_size):
+            self.token_bytes(token_id)
+
     def _lookup_bytes(self, token_id: int) -> bytes:
         token = self.id_to_token(token_id)
         if token_id in self._special:

@@ -20,7 +20,7 @@ import os
 import pickle
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -80,6 +80,43 @@ class _Core:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+
+
+class OutputStream:
+    """One request's outputs, as an async iterator; `aclose` (or `close`) before its end aborts
+    it, whether or not iteration ever started."""
+
+    def __init__(self, client: CoreClient, request_id: str, q: asyncio.Queue) -> None:
+        self.client, self.request_id, self.q = client, request_id, q
+        self.done = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            out = await self.q.get()
+        except BaseException:  # cancelled: the request goes with the task
+            self.close()
+            raise
+        if isinstance(out, Exception):
+            self.close()
+            raise out
+        if out.finished:
+            self.done = True
+            self.client._queues.pop(self.request_id, None)
+        return out
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.client._queues.pop(self.request_id, None)
+            self.client.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class CoreClient:
@@ -209,15 +246,15 @@ class CoreClient:
         if self.info is not None:
             check_prompt(prompt_token_ids, params, self.info)
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
         prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output after every step that changes it; the last is finished.
-        Leaving the iteration early (a cancelled task, a closed stream) aborts the request."""
+    ) -> OutputStream:
+        """Hands the request to the core now; the stream yields its output after every step
+        that changes it, the last one finished. Closing the stream early aborts the request."""
         if self.state != "ready" or self.info is None:
             raise EngineUnavailable(self.error or f"the engine is {self.state}")
         if request_id in self._queues:
@@ -227,20 +264,7 @@ class CoreClient:
         self._queues[request_id] = q
         self.processor.add(request_id, prompt, prompt_token_ids, params)
         self._send("add", CoreRequest(request_id, prompt_token_ids, params))
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                if isinstance(out, Exception):
-                    raise out
-                yield out
-                if out.finished:
-                    finished = True
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return OutputStream(self, request_id, q)
 
     def abort(self, request_id: str) -> None:
         if self.processor.abort(request_id) is not None:

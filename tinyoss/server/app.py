@@ -28,7 +28,12 @@ from starlette.routing import Route
 from tinyoss import __version__
 from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import checkpoint_folder, load_tokenizer
-from tinyoss.engine.core_client import CoreClient, EngineDeadError, EngineUnavailable
+from tinyoss.engine.core_client import (
+    CoreClient,
+    EngineDeadError,
+    EngineUnavailable,
+    OutputStream,
+)
 from tinyoss.engine.output_processor import RequestOutput
 from tinyoss.server.metrics import Metrics
 from tinyoss.server.protocol import APIError, Prepared, parse_chat, parse_completion
@@ -57,6 +62,7 @@ class ServerState:
         try:
             folder = await asyncio.to_thread(checkpoint_folder, self.config)
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)
+            await asyncio.to_thread(tokenizer.fill_byte_cache)
             self.client = CoreClient(self.config, folder, tokenizer, self.on_fatal)
             info = await self.client.start()
             log.info("ready: serving %r (%s)", self.model_name, info.summary)
@@ -79,15 +85,21 @@ class ServerState:
 
 class EventStream(StreamingResponse):
     """SSE that closes its event generator however the stream ends: a client that left must
-    abort its request now, not whenever the suspended generator is garbage-collected."""
+    abort its request now, not whenever the suspended generator is garbage-collected.
+    `on_close` runs last (it aborts engine requests that the generator never reached)."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self.on_close()
 
 
 class Run:
@@ -101,17 +113,27 @@ class Run:
         self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
         self.cached = [0] * len(prep.prompts)
+        self.start = time.monotonic()
+        client = state.ready()
+        self.streams: list[OutputStream] = []
+        try:  # to the engine now, before any response starts
+            for i, p in enumerate(prep.prompts):
+                self.streams.append(client.generate(p, prep.params, f"{self.rid}-{i}"))
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Aborts what is unfinished (nothing once the run is done)."""
+        for stream in self.streams:
+            stream.close()
 
     async def updates(self) -> AsyncIterator[list[dict]]:
         """The changed chunk choices after each engine output."""
-        client, metrics, n = self.state.ready(), self.state.metrics, self.prep.params.n
-        gens = [
-            client.generate(p, self.prep.params, f"{self.rid}-{i}")
-            for i, p in enumerate(self.prep.prompts)
-        ]
-        start, last = time.monotonic(), {}
+        metrics, n = self.state.metrics, self.prep.params.n
+        start, last = self.start, {}
         try:
-            async with contextlib.aclosing(_merge(gens)) as outputs:
+            async with contextlib.aclosing(_merge(self.streams)) as outputs:
                 async for i, out in outputs:
                     now = time.monotonic()
                     hist = metrics.itl if i in last else metrics.ttft
@@ -163,14 +185,16 @@ class Run:
         yield "data: [DONE]\n\n"
 
 
-async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleaves engine streams, tagged with their index; closing it cancels the pumps, and a
-    cancelled `CoreClient.generate` aborts its request. One stream (the usual case) is passed
-    through as it is: no task and no queue between the engine and the response."""
+async def _merge(gens: list[OutputStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleaves engine streams, tagged with their index; closing it closes them, which
+    aborts what is unfinished. One stream (the usual case) is passed through as it is: no task
+    and no queue between the engine and the response."""
     if len(gens) == 1:
-        async with contextlib.aclosing(gens[0]) as gen:
-            async for out in gen:
+        try:
+            async for out in gens[0]:
                 yield 0, out
+        finally:
+            gens[0].close()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -197,6 +221,8 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            g.close()
 
 
 # Characters JSON leaves raw that str.splitlines() (and so httpx's aiter_lines) takes for line
@@ -292,9 +318,12 @@ def create_app(
     async def respond(request: Request, run: Run) -> Response:
         if run.prep.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return EventStream(run.events(), headers=headers)
-        if not await _drain_unless_gone(request, run):
-            return Response(status_code=499)
+            return EventStream(run.events(), run.close, headers=headers)
+        try:
+            if not await _drain_unless_gone(request, run):
+                return Response(status_code=499)
+        finally:
+            run.close()
         return JSONResponse(run.answer())
 
     async def chat(request: Request) -> Response:
