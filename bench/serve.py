@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-OFFLINE_STREAMS = 3  # batch-1 requests streamed offline for TTFT and ITL
+OFFLINE_STREAMS = 8  # batch-1 streams timed offline (TTFT and ITL at concurrency 1)
 WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 16, 4
 # Keys of independent prompt draws (a level's key is its index in --concurrency).
 BURST_KEY, WARMUP_KEY, OFFLINE_STREAM_KEY, ARRIVALS_KEY = 1000, 2000, 3000, 4000
