@@ -15,7 +15,8 @@ adds to the engine shows in the served/offline ratios. --burst sends N requests 
 very first load, then again: a first burst much slower than the repeat means that something is
 compiled or planned on first use.
 
-Latencies are the client's, one timestamp per SSE chunk that brings tokens. ITL is the gap
+Latencies are the client's, one timestamp per SSE chunk that brings tokens. The client is aiohttp,
+as in vLLM's benchmark: its own time is in every TTFT, and httpx's async client costs more. ITL is the gap
 between successive chunks of a request; a chunk known to bring k tokens (per-chunk usage, vLLM's
 `stream_options.continuous_usage_stats`) counts as k gaps of gap / k, as sglang's client does.
 Without per-chunk usage each chunk counts as one token, as vLLM's client does (a token whose text
@@ -45,6 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NoReturn
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -56,6 +58,9 @@ WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 16, 4
 # Keys of independent prompt draws (a level's key is its index in --concurrency).
 BURST_KEY, WARMUP_KEY, OFFLINE_STREAM_KEY, ARRIVALS_KEY = 1000, 2000, 3000, 4000
 PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform == "linux" else None
+
+
+JSON = {"Content-Type": "application/json"}
 
 
 def random_prompts(n: int, length: int, seed: int, key: int) -> list[list[int]]:
@@ -128,17 +133,20 @@ def level_stats(results: list[RequestResult], output_len: int) -> dict:
     }
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, r: RequestResult) -> None:
+async def one_request(
+    client: aiohttp.ClientSession, url: str, body: bytes, r: RequestResult
+) -> None:
     """Streams one completion into `r`; any failure (status, error event, exception) goes to
     r.error, so that one bad request does not end the run."""
     r.send = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                r.error = f"HTTP {resp.status_code}: {text[:300]}"
+        async with client.post(url, data=body, headers=JSON) as resp:
+            if resp.status != 200:
+                text = await resp.text(errors="replace")
+                r.error = f"HTTP {resp.status}: {text[:300]}"
                 return
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:  # lines, split at b"\n" alone (as SSE says)
+                line = raw.decode()
                 if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
                     continue
                 now, chunk = time.perf_counter(), json.loads(data)
@@ -176,14 +184,16 @@ async def run_requests(
     if request_rate:
         gaps = np.random.default_rng([seed, ARRIVALS_KEY]).exponential(1 / request_rate, len(prompts))
     key = os.environ.get("TINYOSS_API_KEY")  # the server requires it when the env has it
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(
-        limits=limits, timeout=None, headers={"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency),
+        timeout=aiohttp.ClientTimeout(total=None),
+        headers={"Authorization": f"Bearer {key}"} if key else None,
     ) as client:
 
         async def go(prompt: list[int], r: RequestResult) -> None:
+            data = json.dumps({**body, "prompt": prompt}).encode()  # before the clock starts
             async with slots:
-                await one_request(client, base_url + "/v1/completions", {**body, "prompt": prompt}, r)
+                await one_request(client, base_url + "/v1/completions", data, r)
 
         tasks = []
         for prompt, r, gap in zip(prompts, results, gaps):
