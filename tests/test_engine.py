@@ -247,3 +247,29 @@ def test_abort_frees_blocks(tiny_llm):
     while engine.has_work():  # the step launched ahead finishes; its token is dropped
         assert engine.step() == []
     assert not any(kv.ref_count) and not engine.requests
+
+
+def test_step_plans_and_results_are_plain_data(tiny_llm, monkeypatch):
+    """What crosses from scheduler to executor (and back) survives pickling unchanged: an
+    executor could live in another process."""
+    import pickle
+
+    executor, seen = tiny_llm.engine.executor, []
+    launch, result = executor.launch, executor.result
+
+    def spy_launch(plan):
+        seen.append(plan)
+        return launch(plan)
+
+    def spy_result(launched):
+        out = result(launched)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(executor, "launch", spy_launch)
+    monkeypatch.setattr(executor, "result", spy_result)
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=5, logprobs=2, prompt_logprobs=1)
+    tiny_llm.generate(prompts(3, seed=13), params, use_tqdm=False)
+    assert len(seen) > 6 and any(getattr(p, "new", None) for p in seen)
+    for item in seen:
+        assert pickle.loads(pickle.dumps(item)) == item

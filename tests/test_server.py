@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -604,3 +605,46 @@ def test_stream_events_never_hold_a_line_break_that_splitlines_sees():
     event = _sse({"text": "a\u2028b\x85c\u2029d\re\nf"})
     assert event.endswith("\n\n") and len(event.splitlines()) == 2
     assert json.loads(event.splitlines()[0][6:])["text"] == "a\u2028b\x85c\u2029d\re\nf"
+
+
+def _running(pid: str) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_server_and_its_engine_core(sig):
+    """`tinyoss serve` as a user runs it: SIGTERM or SIGINT ends both processes, in order."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tinyoss.cli", "serve", "tiny", "--port", str(port),
+           "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "1024"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        assert children, "the engine core's process is missing"
+        server.send_signal(sig)
+        # uvicorn shuts down in order, then re-raises SIGTERM (the conventional exit status)
+        assert server.wait(30) in (0, -sig), server.stderr.read().decode()[-2000:]
+        deadline = time.monotonic() + 10
+        alive = children
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in children if _running(p)]
+            time.sleep(0.1)
+        assert not alive, f"left running: {alive}"
+        log = server.stderr.read()
+        assert b"Application shutdown complete" in log and b"Traceback" not in log
+    finally:
+        server.kill()
