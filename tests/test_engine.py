@@ -273,3 +273,34 @@ def test_step_plans_and_results_are_plain_data(tiny_llm, monkeypatch):
     assert len(seen) > 6 and any(getattr(p, "new", None) for p in seen)
     for item in seen:
         assert pickle.loads(pickle.dumps(item)) == item
+
+
+def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
+    """With a cap, a step that decodes carries at most that many prefill tokens (a long prompt
+    is spread over more steps), and every output is what it is without the cap."""
+    engine, plans = tiny_llm.engine, []
+    launch = engine.executor.launch
+
+    def spy(plan):
+        plans.append(plan)
+        return launch(plan)
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = prompts(2, seed=21, lo=5, hi=10) + prompts(1, seed=22, lo=300, hi=301)
+    monkeypatch.setattr(engine.scheduler, "prefill_tokens_with_decodes", 32)
+    monkeypatch.setattr(engine.executor, "launch", spy)
+    for p in batch[:2]:
+        tiny_llm._submit(p, greedy)
+    tiny_llm._step()  # the short prompts' prefill: both decode from here on
+    tiny_llm._submit(batch[2], greedy)
+    done: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in tiny_llm._step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    mixed = [p for p in plans if any(s.num_tokens == 1 for s in p.seqs)]
+    chunks = [sum(s.num_tokens for s in p.seqs if s.num_tokens > 1) for p in mixed]
+    assert max(chunks) == 32 and sum(chunks) >= 300 - 32  # the long prompt, 32 at a time
+    got = [done[k] for k in sorted(done, key=lambda k: int(k.split("-")[1]))]
+    monkeypatch.undo()
+    assert got == tokens(tiny_llm.generate(batch, greedy, use_tqdm=False))

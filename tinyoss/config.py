@@ -295,6 +295,12 @@ class EngineConfig:
         "lm_head (quantized at load: fewer bytes per token, some accuracy lost); all = every one",
         default="moe",
     )
+    decode_step_budget_ms: float = _opt(
+        "while sequences decode, size a step's prefill chunks to about this many ms, so that a "
+        "long prompt does not stall running streams (GPU: the rate is measured at start-up; "
+        "0 = no limit)",
+        default=50.0,
+    )
     async_scheduling: bool = _opt(
         "launch the next decode step before the previous one's tokens reach the host",
         default=True,
@@ -308,6 +314,7 @@ class EngineConfig:
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
             ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1),
+            ("decode_step_budget_ms", self.decode_step_budget_ms >= 0),
         ]
         for name, ok in checks:
             if not ok:

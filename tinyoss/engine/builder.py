@@ -138,7 +138,32 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     core.async_scheduling = config.async_scheduling
     if device.type == "cuda":
         warm_up_steps(core, config)
+        if config.decode_step_budget_ms:
+            scheduler.prefill_tokens_with_decodes = _prefill_tokens_for(
+                core, config, config.decode_step_budget_ms
+            )
     return core
+
+
+def _prefill_tokens_for(core: EngineCore, config: EngineConfig, budget_ms: float) -> int:
+    """The prefill tokens one step can take in `budget_ms`, from a timed prefill of the largest
+    step (after the warm-up: nothing left to compile), in whole blocks."""
+    tokens = min(config.max_num_batched_tokens, core.info.max_model_len - 1)
+    ids = random.Random(1).choices(range(1000, 150000), k=tokens)
+    core.add(CoreRequest("prefill-rate", ids, SamplingParams(max_tokens=1, temperature=0)))
+    t0 = time.perf_counter()
+    core.step()
+    seconds = time.perf_counter() - t0
+    while core.has_work():
+        core.step()
+    core.stats = CoreStats()
+    bs = config.block_size
+    chunk = max(bs, int(budget_ms / 1e3 * tokens / seconds) // bs * bs)
+    log.info(
+        "prefill: %d tokens in %.1f ms; while sequences decode a step prefills at most %d "
+        "tokens (decode_step_budget_ms %g)", tokens, seconds * 1e3, chunk, budget_ms,
+    )
+    return chunk
 
 
 # (prompts, prompt tokens) of the warm-up requests: every MoE token-tile size, integer arguments

@@ -2,6 +2,8 @@
 
 Each step has a token budget. Running sequences come first, oldest first (decodes take one
 token, unfinished prefills take a chunk), then waiting requests are admitted in arrival order.
+While some sequence decodes, prefill chunks together take at most `prefill_tokens_with_decodes`
+(when set), so that a long prompt does not stall the running streams.
 When blocks run out, the newest running sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it is recomputed later, so nothing is lost and nothing crashes.
 
@@ -39,6 +41,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # While some sequence decodes, the prefill tokens one step may take (None: the whole
+        # budget): a long prompt then reaches the cache in chunks short enough that running
+        # streams keep their pace (stall-free batching, as Sarathi-Serve and vLLM do).
+        self.prefill_tokens_with_decodes: int | None = None
         self._dropped: list[int] = []  # finished sequences the executor still has state for
 
     def add(self, seq: Sequence) -> None:
@@ -62,25 +68,37 @@ class Scheduler:
         """The next step from what is known on the host (nothing may be in flight)."""
         picked: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
+        prefill = budget  # of which prefill chunks may take
+        cap = self.prefill_tokens_with_decodes
+        if cap is not None and any(s.num_tokens - s.num_computed == 1 for s in self.running):
+            prefill = cap
         preemptions = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._fit(seq, min(seq.num_tokens - seq.num_computed, budget))
+            want = seq.num_tokens - seq.num_computed
+            chunk = want > 1  # a prefill chunk, not a decode
+            if chunk:
+                want = min(want, prefill)
+                if want == 0:
+                    continue
+            n = self._fit(seq, min(want, budget))
             if n:
                 picked.append((seq, n))
                 budget -= n
+                prefill -= n if chunk else 0
         admit = self.num_preemptions == preemptions  # none admitted in a step that preempts
-        while admit and self.waiting and budget and len(self.running) < self.max_num_seqs:
+        room = len(self.running) < self.max_num_seqs
+        while admit and self.waiting and min(budget, prefill) and room:
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 seq.num_computed = self.kv.match_prefix(seq.blocks, seq.token_ids)
                 seq.num_cached_prompt = max(
                     seq.num_cached_prompt, min(seq.num_computed, seq.num_prompt)
                 )
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget, prefill)
             if not self.running:
                 n = self.kv.max_new_tokens(seq.blocks, seq.num_computed, n)
             if not n or not self.kv.allocate(seq.blocks, seq.num_computed, n):
@@ -92,6 +110,8 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
+            prefill -= n
+            room = len(self.running) < self.max_num_seqs
         return self._plan(picked) if picked else None
 
     def chain(self, plan: StepPlan) -> StepPlan | None:
