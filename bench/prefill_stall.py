@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
         core.abort(f"s{i}")
     while core.has_work():
         core.step()
-    del llm, core
+    llm = core = None  # free the engine before the next one is built
     gc.collect()
     torch.cuda.empty_cache()
     ms = lambda v: round(1e3 * v, 2)  # noqa: E731
