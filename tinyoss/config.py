@@ -297,9 +297,9 @@ class EngineConfig:
     )
     decode_step_budget_ms: float = _opt(
         "while sequences decode, size a step's prefill chunks to about this many ms, so that a "
-        "long prompt does not stall running streams (GPU: the rate is measured at start-up; "
-        "0 = no limit)",
-        default=50.0,
+        "long prompt does not stall running streams, at some cost in throughput (GPU: the "
+        "rate is measured at start-up; 0 = off: chunks take max_num_batched_tokens)",
+        default=0.0,
     )
     async_scheduling: bool = _opt(
         "launch the next decode step before the previous one's tokens reach the host",
