@@ -24,7 +24,7 @@ from tinyoss.engine.kv_cache import (
     blocks_needed,
     kv_bytes_per_block,
 )
-from tinyoss.engine.scheduler import Scheduler
+from tinyoss.engine.scheduler import PrefillCost, Scheduler
 from tinyoss.kernels.attention import TorchAttention
 from tinyoss.kernels.backends import BackendChoice, select_backends
 from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
@@ -139,31 +139,40 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     if device.type == "cuda":
         warm_up_steps(core, config)
         if config.decode_step_budget_ms:
-            scheduler.prefill_tokens_with_decodes = _prefill_tokens_for(
-                core, config, config.decode_step_budget_ms
-            )
+            cost = _prefill_cost(core, config)
+            scheduler.prefill_budget = (cost, config.decode_step_budget_ms / 1e3)
     return core
 
 
-def _prefill_tokens_for(core: EngineCore, config: EngineConfig, budget_ms: float) -> int:
-    """The prefill tokens one step can take in `budget_ms`, from a timed prefill of the largest
-    step (after the warm-up: nothing left to compile), in whole blocks."""
-    tokens = min(config.max_num_batched_tokens, core.info.max_model_len - 1)
-    ids = random.Random(1).choices(range(1000, 150000), k=tokens)
-    core.add(CoreRequest("prefill-rate", ids, SamplingParams(max_tokens=1, temperature=0)))
-    t0 = time.perf_counter()
-    core.step()
-    seconds = time.perf_counter() - t0
+def _prefill_cost(core: EngineCore, config: EngineConfig) -> PrefillCost:
+    """Times prefill chunks of the largest step (after the warm-up: nothing left to compile):
+    one from an empty context, and the last of a prompt several chunks long, which tells the
+    cost of the attention over the context apart from the rest."""
+    chunk = min(config.max_num_batched_tokens, core.info.max_model_len - 1)
+    length = min(4 * chunk, core.info.max_model_len - 1)
+    ids = random.Random(1).choices(range(1000, 150000), k=length)
+    core.add(CoreRequest("prefill-cost", ids, SamplingParams(max_tokens=1, temperature=0)))
+    times = []
     while core.has_work():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         core.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
     core.stats = CoreStats()
-    bs = config.block_size
-    chunk = max(bs, int(budget_ms / 1e3 * tokens / seconds) // bs * bs)
+    full = length // chunk  # chunks of `chunk` tokens; the last one starts at context c
+    per_key = 0.0
+    if full >= 2:
+        c = (full - 1) * chunk
+        per_key = max(0.0, (times[full - 1] - times[0]) / (chunk * c))
+    per_token = max(1e-9, times[0] / chunk - per_key * chunk / 2)
+    cost = PrefillCost(per_token, per_key)
     log.info(
-        "prefill: %d tokens in %.1f ms; while sequences decode a step prefills at most %d "
-        "tokens (decode_step_budget_ms %g)", tokens, seconds * 1e3, chunk, budget_ms,
+        "prefill cost: %.1f ms for %d tokens from empty, %.1f ms for %d after %d: %.2f us a "
+        "token + %.3f ns a token and key", times[0] * 1e3, chunk, times[full - 1] * 1e3, chunk,
+        (full - 1) * chunk, per_token * 1e6, per_key * 1e9,
     )
-    return chunk
+    return cost
 
 
 # (prompts, prompt tokens) of the warm-up requests: every MoE token-tile size, integer arguments

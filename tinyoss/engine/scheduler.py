@@ -2,8 +2,8 @@
 
 Each step has a token budget. Running sequences come first, oldest first (decodes take one
 token, unfinished prefills take a chunk), then waiting requests are admitted in arrival order.
-While some sequence decodes, prefill chunks together take at most `prefill_tokens_with_decodes`
-(when set), so that a long prompt does not stall the running streams.
+While some sequence decodes, prefill chunks are sized by a cost model to fit a time budget
+(`prefill_budget`, when set), so that a long prompt does not stall the running streams.
 When blocks run out, the newest running sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it is recomputed later, so nothing is lost and nothing crashes.
 
@@ -19,11 +19,35 @@ previous token (penalties), nobody can reach its length limit, and the cache has
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from dataclasses import dataclass
 
 from tinyoss.engine.kv_cache import KVCacheManager
 from tinyoss.engine.sequence import Sequence, Status
 from tinyoss.engine.step import NewSeq, ScheduledSeq, StepPlan
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Seconds a prefill chunk of n tokens after `context` computed ones takes: per_token * n +
+    per_key * n * (context + n / 2), attention reading the context and half the chunk."""
+
+    per_token: float
+    per_key: float
+
+    def seconds(self, n: int, context: int) -> float:
+        return n * (self.per_token + self.per_key * (context + n / 2))
+
+    def tokens_within(self, seconds: float, context: int) -> int:
+        """The longest chunk after `context` tokens that fits in `seconds`."""
+        if seconds <= 0:
+            return 0
+        linear = self.per_token + self.per_key * context
+        if self.per_key <= 0:
+            return int(seconds / linear)
+        half = self.per_key / 2  # half * n^2 + linear * n = seconds
+        return int((math.sqrt(linear * linear + 4 * half * seconds) - linear) / (2 * half))
 
 
 class Scheduler:
@@ -41,10 +65,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # While some sequence decodes, the prefill tokens one step may take (None: the whole
-        # budget): a long prompt then reaches the cache in chunks short enough that running
-        # streams keep their pace (stall-free batching, as Sarathi-Serve and vLLM do).
-        self.prefill_tokens_with_decodes: int | None = None
+        # While some sequence decodes: the cost model and the seconds a step's prefill chunks
+        # may take (None: the whole token budget). A long prompt then reaches the cache in
+        # chunks short enough that running streams keep their pace (stall-free batching).
+        self.prefill_budget: tuple[PrefillCost, float] | None = None
         self._dropped: list[int] = []  # finished sequences the executor still has state for
 
     def add(self, seq: Sequence) -> None:
@@ -68,10 +92,16 @@ class Scheduler:
         """The next step from what is known on the host (nothing may be in flight)."""
         picked: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
-        prefill = budget  # of which prefill chunks may take
-        cap = self.prefill_tokens_with_decodes
-        if cap is not None and any(s.num_tokens - s.num_computed == 1 for s in self.running):
-            prefill = cap
+        cost, left = self.prefill_budget or (None, 0.0)  # seconds the prefill chunks may take
+        if not any(s.num_tokens - s.num_computed == 1 for s in self.running):
+            cost = None  # nobody decodes: nothing to stall
+        first = True  # a step always makes some progress on a prefill
+
+        def fitting(seq: Sequence, n: int) -> int:
+            if cost is None:
+                return n
+            return min(n, max(cost.tokens_within(left, seq.num_computed), int(first)))
+
         preemptions = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
@@ -81,24 +111,26 @@ class Scheduler:
             want = seq.num_tokens - seq.num_computed
             chunk = want > 1  # a prefill chunk, not a decode
             if chunk:
-                want = min(want, prefill)
+                want = fitting(seq, want)
                 if want == 0:
                     continue
+            context = seq.num_computed
             n = self._fit(seq, min(want, budget))
             if n:
                 picked.append((seq, n))
                 budget -= n
-                prefill -= n if chunk else 0
+                if chunk and cost is not None:
+                    left, first = left - cost.seconds(n, context), False
         admit = self.num_preemptions == preemptions  # none admitted in a step that preempts
         room = len(self.running) < self.max_num_seqs
-        while admit and self.waiting and min(budget, prefill) and room:
+        while admit and self.waiting and budget and room and (cost is None or left > 0 or first):
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 seq.num_computed = self.kv.match_prefix(seq.blocks, seq.token_ids)
                 seq.num_cached_prompt = max(
                     seq.num_cached_prompt, min(seq.num_computed, seq.num_prompt)
                 )
-            n = min(seq.num_tokens - seq.num_computed, budget, prefill)
+            n = fitting(seq, min(seq.num_tokens - seq.num_computed, budget))
             if not self.running:
                 n = self.kv.max_new_tokens(seq.blocks, seq.num_computed, n)
             if not n or not self.kv.allocate(seq.blocks, seq.num_computed, n):
@@ -110,7 +142,8 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
-            prefill -= n
+            if cost is not None:
+                left, first = left - cost.seconds(n, seq.num_computed), False
             room = len(self.running) < self.max_num_seqs
         return self._plan(picked) if picked else None
 
