@@ -288,7 +288,7 @@ def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batch = prompts(2, seed=21, lo=5, hi=10) + prompts(1, seed=22, lo=300, hi=301)
-    cost = PrefillCost(fixed=0.0, per_token=1.0, per_key=0.0)  # n tokens "take" n seconds
+    cost = PrefillCost(per_token=1.0, per_key=0.0)  # a chunk of n tokens "takes" n seconds
     monkeypatch.setattr(engine.scheduler, "prefill_budget", (cost, 32.0))
     monkeypatch.setattr(engine.executor, "launch", spy)
     for p in batch[:2]:
@@ -309,10 +309,9 @@ def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
 
 
 def test_prefill_cost_gives_the_longest_chunk_within_a_budget():
-    cost = PrefillCost(fixed=0.01, per_token=20e-6, per_key=2e-9)
+    cost = PrefillCost(per_token=20e-6, per_key=2e-9)
     for context in (0, 1000, 30000):
         n = cost.tokens_within(0.05, context)
         assert cost.seconds(n, context) <= 0.05 < cost.seconds(n + 1, context)
     assert cost.tokens_within(0.05, 30000) < cost.tokens_within(0.05, 0)  # longer context
-    assert PrefillCost(0.0, 1.0, 0.0).tokens_within(32.0, 500) == 32
-    assert cost.tokens_within(0.01, 0) == 0  # the fixed cost alone fills it
+    assert PrefillCost(1.0, 0.0).tokens_within(32.0, 500) == 32 and cost.tokens_within(0, 0) == 0

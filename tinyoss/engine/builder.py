@@ -145,38 +145,34 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
 
 
 def _prefill_cost(core: EngineCore, config: EngineConfig) -> PrefillCost:
-    """Times prefill steps (after the warm-up: nothing left to compile): a short chunk and one
-    of the largest step from an empty context, and the last chunk of a prompt several chunks
-    long; they tell apart a step's fixed cost, the per-token cost and the attention's cost per
-    token and context key."""
+    """Times prefill chunks of the largest step (after the warm-up: nothing left to compile):
+    one from an empty context, and the last of a prompt several chunks long, which tells the
+    cost of the attention over the context apart from the rest."""
     chunk = min(config.max_num_batched_tokens, core.info.max_model_len - 1)
-    small = max(config.block_size, chunk // 16)
-    times = {}
-    for name, length in (("small", small), ("long", min(4 * chunk, core.info.max_model_len - 1))):
-        ids = random.Random(1).choices(range(1000, 150000), k=length)
-        core.add(CoreRequest(f"prefill-cost-{name}", ids, SamplingParams(max_tokens=1)))
-        times[name] = []
-        while core.has_work():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            core.step()
-            torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+    length = min(4 * chunk, core.info.max_model_len - 1)
+    ids = random.Random(1).choices(range(1000, 150000), k=length)
+    core.add(CoreRequest("prefill-cost", ids, SamplingParams(max_tokens=1, temperature=0)))
+    times = []
+    while core.has_work():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
     core.stats = CoreStats()
-    t_small, t0 = times["small"][0], times["long"][0]
-    full = min(4 * chunk, core.info.max_model_len - 1) // chunk
+    full = length // chunk  # chunks of `chunk` tokens; the last one starts at context c
     per_key = 0.0
-    if full >= 2:  # chunk k of the long prompt starts at context k * chunk
-        per_key = max(0.0, (times["long"][full - 1] - t0) / (chunk * (full - 1) * chunk))
-    per_token = max(1e-9, (t0 - t_small - per_key * (chunk**2 - small**2) / 2) / (chunk - small))
-    fixed = max(0.0, t_small - per_token * small - per_key * small**2 / 2)
+    if full >= 2:
+        c = (full - 1) * chunk
+        per_key = max(0.0, (times[full - 1] - times[0]) / (chunk * c))
+    per_token = max(1e-9, times[0] / chunk - per_key * chunk / 2)
+    cost = PrefillCost(per_token, per_key)
     log.info(
-        "prefill cost a step: %.2f ms + %.2f us a token + %.3f ns a token and context key "
-        "(timed: %d tokens %.1f ms, %d tokens %.1f ms, the last of %d chunks %.1f ms)",
-        fixed * 1e3, per_token * 1e6, per_key * 1e9, small, t_small * 1e3, chunk, t0 * 1e3,
-        full, times["long"][full - 1] * 1e3,
+        "prefill cost: %.1f ms for %d tokens from empty, %.1f ms for %d after %d: %.2f us a "
+        "token + %.3f ns a token and key", times[0] * 1e3, chunk, times[full - 1] * 1e3, chunk,
+        (full - 1) * chunk, per_token * 1e6, per_key * 1e9,
     )
-    return PrefillCost(fixed, per_token, per_key)
+    return cost
 
 
 # (prompts, prompt tokens) of the warm-up requests: every MoE token-tile size, integer arguments

@@ -30,20 +30,17 @@ from tinyoss.engine.step import NewSeq, ScheduledSeq, StepPlan
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Seconds a step with a prefill chunk of n tokens after `context` computed ones takes:
-    fixed + per_token * n + per_key * n * (context + n / 2), attention reading the context and
-    half the chunk; `fixed` is what any step that prefills costs (an eager forward's launches)."""
+    """Seconds a prefill chunk of n tokens after `context` computed ones takes: per_token * n +
+    per_key * n * (context + n / 2), attention reading the context and half the chunk."""
 
-    fixed: float
     per_token: float
     per_key: float
 
     def seconds(self, n: int, context: int) -> float:
-        return self.fixed + n * (self.per_token + self.per_key * (context + n / 2))
+        return n * (self.per_token + self.per_key * (context + n / 2))
 
     def tokens_within(self, seconds: float, context: int) -> int:
         """The longest chunk after `context` tokens that fits in `seconds`."""
-        seconds -= self.fixed
         if seconds <= 0:
             return 0
         linear = self.per_token + self.per_key * context
@@ -103,14 +100,7 @@ class Scheduler:
         def fitting(seq: Sequence, n: int) -> int:
             if cost is None:
                 return n
-            paid = 0.0 if first else cost.fixed  # the step's fixed cost is counted once
-            return min(n, max(cost.tokens_within(left + paid, seq.num_computed), int(first)))
-
-        def spend(n: int, context: int) -> None:
-            nonlocal left, first
-            if cost is not None:
-                left -= cost.seconds(n, context) - (0.0 if first else cost.fixed)
-                first = False
+            return min(n, max(cost.tokens_within(left, seq.num_computed), int(first)))
 
         preemptions = self.num_preemptions
         for seq in list(self.running):
@@ -129,8 +119,8 @@ class Scheduler:
             if n:
                 picked.append((seq, n))
                 budget -= n
-                if chunk:
-                    spend(n, context)
+                if chunk and cost is not None:
+                    left, first = left - cost.seconds(n, context), False
         admit = self.num_preemptions == preemptions  # none admitted in a step that preempts
         room = len(self.running) < self.max_num_seqs
         while admit and self.waiting and budget and room and (cost is None or left > 0 or first):
@@ -152,7 +142,8 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
-            spend(n, seq.num_computed)
+            if cost is not None:
+                left, first = left - cost.seconds(n, seq.num_computed), False
             room = len(self.running) < self.max_num_seqs
         return self._plan(picked) if picked else None
 
