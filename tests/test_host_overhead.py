@@ -54,34 +54,53 @@ class StubModel(torch.nn.Module):
         return self.logits.expand(hidden.shape[0], -1)
 
 
-def test_host_work_per_step_does_not_grow_with_the_output(tiny_dir):
-    llm = LLM(
-        str(tiny_dir), device="cpu", dtype="float32", max_model_len=OUTPUT + 64,
-        kv_cache_tokens=OUTPUT + 256,
-    )
-    token = llm.tokenizer.encode(" hello")[0]
-    executor = llm.engine.executor
-    executor.model = StubModel(executor.model, token)
-    executor.sampler = sampler = TimedSampler(executor.sampler)
-    params = SamplingParams(
-        temperature=0, max_tokens=OUTPUT, ignore_eos=True, stop=["never appears"]
-    )
-    choice = TextChoice(0, llm.tokenizer, None, logprobs=False)
-    times: list[float] = []
-    tokens = 0
-    t0 = time.perf_counter()
-    for out in llm.stream([1, 2, 3, 4, 5], params):
-        update = choice.update(out.outputs[0])
+class Stream:
+    """One request on its own engine, stepped by hand: each `step()` returns the host time of
+    one engine step and the stream chunk it produces."""
+
+    def __init__(self, tiny_dir, max_tokens: int) -> None:
+        llm = LLM(
+            str(tiny_dir), device="cpu", dtype="float32", max_model_len=max_tokens + 64,
+            kv_cache_tokens=max_tokens + 256,
+        )
+        token = llm.tokenizer.encode(" hello")[0]
+        executor = llm.engine.executor
+        executor.model = StubModel(executor.model, token)
+        executor.sampler = self.sampler = TimedSampler(executor.sampler)
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=["never appears"]
+        )
+        self.choice = TextChoice(0, llm.tokenizer, None, logprobs=False)
+        self.outputs = llm.stream([1, 2, 3, 4, 5], params)
+        self.tokens = 0
+
+    def step(self) -> float:
+        t0, self.sampler.spent = time.perf_counter(), 0.0
+        out = next(self.outputs)
+        update = self.choice.update(out.outputs[0])
         if update is not None:
             json.dumps({"id": "x", "choices": [update]})
-        t1 = time.perf_counter()
-        times.append(t1 - t0 - sampler.spent)
-        t0, sampler.spent = t1, 0.0
-        tokens += len(out.outputs[0].delta_token_ids)
-    assert tokens == OUTPUT and choice.final()["text"] == " hello" * OUTPUT
-    early = statistics.median(times[100 - WINDOW // 2 : 100 + WINDOW // 2])
-    late = statistics.median(times[10_000 - WINDOW // 2 : 10_000 + WINDOW // 2])
-    ratio = late / early
-    print(f"host work per step: {early * 1e6:.0f} us at token 100, {late * 1e6:.0f} us at "
+        self.tokens += len(out.outputs[0].delta_token_ids)
+        return time.perf_counter() - t0 - self.sampler.spent
+
+
+def test_host_work_per_step_does_not_grow_with_the_output(tiny_dir):
+    """Two engines: one stepped to token 9,900 first, then both stepped in turn, so that the
+    steps at token ~10,000 and at token ~100 are timed side by side (a machine that slows down
+    over a long run slows both alike)."""
+    late, early = Stream(tiny_dir, OUTPUT), Stream(tiny_dir, OUTPUT)
+    for _ in range(10_000 - WINDOW // 2):
+        late.step()
+    for _ in range(100 - WINDOW // 2):
+        early.step()
+    pairs = [(late.step(), early.step()) for _ in range(WINDOW)]
+    assert late.tokens == 10_000 + WINDOW // 2 and early.tokens == 100 + WINDOW // 2
+    for _ in range(OUTPUT - late.tokens):
+        late.step()
+    assert late.choice.final()["text"] == " hello" * OUTPUT  # the whole output, as streamed
+    at_late = statistics.median(p[0] for p in pairs)
+    at_early = statistics.median(p[1] for p in pairs)
+    ratio = at_late / at_early
+    print(f"host work per step: {at_early * 1e6:.0f} us at token 100, {at_late * 1e6:.0f} us at "
           f"token 10,000: {ratio:.2f}x")
     assert ratio < 1.5, f"host work per step grew {ratio:.2f}x from token 100 to 10,000"
