@@ -11,6 +11,9 @@ environment variables (the child inherits them at spawn).
 - `fail_once`: the third step's result raises, once per TINYOSS_TEST_MARK file (the restarted
   core, finding the file, runs normally).
 - `gated_failure`: start-up waits for the file in TINYOSS_TEST_GATE, then fails.
+- `faults`: prompts containing OOM run out of memory when their prompt is prefilled, those
+  containing NAN get NaN logits, and one containing CRASH makes a step raise (a fault of the
+  engine, not of the request: the core dies and is restarted).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+import torch
 
 from tinyoss.engine.builder import load_tokenizer
 from tinyoss.engine.core import EngineCore
@@ -29,6 +34,9 @@ from tinyoss.tools.make_checkpoint import ensure_tiny
 WEATHER = "[[weather]]"  # a user message that makes the model call get_weather
 ANSWER = "[[answer]]"  # ... that makes it think, then answer
 SLOW = "[[slow]]"  # ... that makes each engine step take 20 ms (for disconnects)
+OOM = "[[oom]]"  # ... whose prefill runs out of memory
+NAN = "[[nan]]"  # ... whose logits are NaN
+CRASH = "[[crash]]"  # ... that makes the engine's step raise
 
 
 def harmony_ids(tokenizer, *parts: int | str) -> list[int]:
@@ -112,3 +120,37 @@ def gated_failure(core: EngineCore) -> None:
     while not gate.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     raise RuntimeError("no weights here")
+
+
+def faults(core: EngineCore) -> None:
+    tok = load_tokenizer(ensure_tiny())
+    inject_faults(core, {tuple(tok.encode(m)): m for m in (OOM, NAN, CRASH)})
+
+
+def inject_faults(core: EngineCore, markers: dict[tuple[int, ...], str]) -> None:
+    """Wraps the executor: sequences whose prompt holds a marker get its fault."""
+    executor = core.executor
+    launch, sample = executor.launch, executor._sample
+    fault_of: dict[int, str] = {}  # seq id -> its marker
+
+    def faulty_launch(plan):
+        for new in plan.new:
+            for marker, kind in markers.items():
+                if _has(new.prompt_token_ids, marker):
+                    fault_of[new.seq_id] = kind
+        for s in plan.seqs:
+            kind = fault_of.get(s.seq_id)
+            if kind == OOM and s.num_tokens > 1:
+                raise torch.OutOfMemoryError("injected: CUDA out of memory")
+            if kind == CRASH:
+                raise RuntimeError("injected engine fault")
+        return launch(plan)
+
+    def faulty_sample(seq_ids, logits, prompt):
+        rows = [i for i, seq_id in enumerate(seq_ids) if fault_of.get(seq_id) == NAN]
+        if rows:
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return sample(seq_ids, logits, prompt)
+
+    executor.launch, executor._sample = faulty_launch, faulty_sample

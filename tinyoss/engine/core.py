@@ -8,18 +8,29 @@ business (`output_processor.py`), so nothing here costs more as an output grows.
 With async scheduling (the default) a decode step is launched before the previous one's tokens
 reach the host (`Scheduler.chain`); the host handles the previous step's results while the GPU
 runs. A sequence that stopped meanwhile has its extra token dropped.
+
+Faults of one request stay with that request: a step that runs out of memory while it holds a
+prefill chunk fails the request of the largest chunk (the rest of the step is undone and runs
+again), and a sequence whose logits are not finite fails its request. Either ends with a delta
+carrying `error`; every other request goes on. Any other exception is the engine's own and
+propagates (the server then restarts the core).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
+
+import torch
 
 from tinyoss.engine.executor import Executor, LaunchedStep
 from tinyoss.engine.scheduler import Scheduler
 from tinyoss.engine.sequence import Sequence
 from tinyoss.engine.step import StepPlan, TokenLogprob
 from tinyoss.sampling_params import SamplingParams
+
+log = logging.getLogger("tinyoss.engine")
 
 
 @dataclass
@@ -51,9 +62,25 @@ class SeqDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
+    error: RequestError | None = None  # why the request failed (finish_reason "error")
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A fault of one request: `code` is "out_of_memory" or "non_finite_logits"."""
+
+    code: str
+    message: str
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Device or host memory ran out (torch raises a plain RuntimeError for the host)."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
 
 
 @dataclass
@@ -161,7 +188,12 @@ class EngineCore:
             plan = self.scheduler.schedule()
             if plan is None:
                 return []
-            launched = (plan, self.executor.launch(plan))
+            try:
+                launched = (plan, self.executor.launch(plan))
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                return self._out_of_memory(plan, e)
         if self.async_scheduling and launched[1].tokens is not None:
             chained = self.scheduler.chain(launched[0])
             if chained is not None:
@@ -175,6 +207,10 @@ class EngineCore:
         for item in plan.seqs:
             seq = self._seqs.get(item.seq_id)
             if seq is None or seq.finished:  # stopped or aborted meanwhile: its token is dropped
+                continue
+            if item.seq_id in result.failed:
+                why = "the model's logits for this request were not finite (NaN or Inf)"
+                deltas += self._fail(seq.request_id, RequestError("non_finite_logits", why))
                 continue
             tokens = result.sampled.get(item.seq_id, [])
             prompt_lps = result.prompt_logprobs.get(item.seq_id)
@@ -202,6 +238,36 @@ class EngineCore:
                 self._retire(seq.request_id)
             else:
                 self.scheduler.stepped(seq)
+        return deltas
+
+    def _out_of_memory(self, plan: StepPlan, e: BaseException) -> list[SeqDelta]:
+        """A step that ran out of memory at launch: undone; the request of its largest prefill
+        chunk fails (a step of decodes alone is not one request's fault: `e` propagates)."""
+        culprit = max(plan.seqs, key=lambda s: s.num_tokens)
+        if culprit.num_tokens == 1:
+            raise e
+        self.scheduler.undo(plan, [self._seqs[s.seq_id] for s in plan.seqs])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        seq = self._seqs[culprit.seq_id]
+        why = (
+            f"out of memory while computing {culprit.num_tokens} tokens of this request's "
+            f"prompt ({type(e).__name__}); retry with a shorter prompt, or start the engine "
+            "with a smaller --max-num-batched-tokens"
+        )
+        log.warning("request %s failed: %s", seq.request_id, why)
+        return self._fail(seq.request_id, RequestError("out_of_memory", why))
+
+    def _fail(self, request_id: str, error: RequestError) -> list[SeqDelta]:
+        """Ends every unfinished sequence of a request with `error` and frees its blocks."""
+        deltas = []
+        for seq in self.requests.get(request_id, ()):
+            if not seq.finished:
+                seq.finish("error")
+                self._drop(seq)
+                deltas.append(SeqDelta(request_id, seq.index, [], finish_reason="error",
+                                       error=error))  # fmt: skip
+        self._retire(request_id)
         return deltas
 
     def _drop(self, seq: Sequence) -> None:

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from tinyoss.config import EngineConfig
-from tinyoss.engine.core import CoreRequest, CoreStats, EngineInfo, check_prompt
+from tinyoss.engine.core import CoreRequest, CoreStats, EngineInfo, RequestError, check_prompt
 from tinyoss.engine.core_process import run_core
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.sampling_params import SamplingParams
@@ -44,6 +44,15 @@ class EngineDeadError(RuntimeError):
 
 class EngineUnavailable(RuntimeError):
     """The engine core is not ready for requests (still starting, restarting, or failed)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (out of memory on its prompt, non-finite logits);
+    it goes on serving the others."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.code = error.code
 
 
 class _Core:
@@ -229,7 +238,7 @@ class CoreClient:
         for request_id, index in stopped:
             self._send("abort", request_id, index)
         for out in outputs:
-            self._put(out.request_id, out)
+            self._put(out.request_id, out if out.error is None else RequestFailed(out.error))
 
     def _put(self, request_id: str, item: object) -> None:
         q = self._queues.get(request_id)

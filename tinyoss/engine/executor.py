@@ -13,6 +13,7 @@ seeded generator, the tokens penalties count) between steps, keyed by sequence i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,7 @@ class LaunchedStep:
 
     seq_ids: list[int]  # the sequence of each sampled row
     tokens: torch.Tensor | None  # [len(seq_ids)] on the device
-    host: HostCopy | None  # token ids, logprobs, top ids, top logprobs
+    host: HostCopy | None  # token ids, row sums of the logits, logprobs, top ids, top logprobs
     prompt_logprobs: dict[int, list[TokenLogprob]]
     placeholders: list[tuple[SamplerState, int]]  # where each row's token goes in its state
 
@@ -169,7 +170,8 @@ class Executor:
     ) -> LaunchedStep:
         states = [self.states[i] for i in seq_ids]
         out = self.sampler(logits, SamplingBatch.build(states, logits.shape[-1], logits.device))
-        host = HostCopy.start([out.token_ids, out.logprobs, out.top_ids, out.top_logprobs])
+        sums = logits.sum(-1, dtype=torch.float32)  # finite iff the row is: NaN/Inf detection
+        host = HostCopy.start([out.token_ids, sums, out.logprobs, out.top_ids, out.top_logprobs])
         placeholders = []
         for state in states:
             placeholders.append((state, len(state.output_token_ids)))
@@ -179,13 +181,19 @@ class Executor:
     def result(self, launched: LaunchedStep) -> StepResult:
         """Waits for the step's tokens (and logprobs) on the host."""
         out = StepResult(prompt_logprobs=launched.prompt_logprobs)
+        for seq_id, lps in launched.prompt_logprobs.items():
+            if not all(math.isfinite(e.logprob) for e in lps):
+                out.failed.add(seq_id)
         if launched.host is None:
             return out
-        tokens, logprobs, top_ids, top_lps = (
+        tokens, sums, logprobs, top_ids, top_lps = (
             None if t is None else t.tolist() for t in launched.host.wait()
         )
         for row, (seq_id, (state, at)) in enumerate(zip(launched.seq_ids, launched.placeholders)):
             state.output_token_ids[at] = tokens[row]
+            if not math.isfinite(sums[row]):
+                out.failed.add(seq_id)
+                continue
             out.sampled[seq_id] = [tokens[row]]
             k = state.params.logprobs
             if k is not None:

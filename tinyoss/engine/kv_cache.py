@@ -272,6 +272,19 @@ class KVCacheManager:
         blocks.dropped = [0] * len(self.windows)
         blocks.named = 0
 
+    def forget_names(self, blocks: SeqBlocks, position: int) -> None:
+        """Takes back the prefix-cache names of the blocks holding `position` onwards: their
+        contents were never written (the step that was to write them failed)."""
+        first = position // self.block_size
+        for g, table in enumerate(blocks.tables):
+            for j in range(max(first, blocks.dropped[g]), blocks.named):
+                block = table[j - blocks.dropped[g]]
+                key = self.block_key[block]
+                if key is not None and self.cached.get(key) == block:
+                    del self.cached[key]
+                    self.block_key[block] = None
+        blocks.named = min(blocks.named, first)
+
     def cache_full_blocks(self, blocks: SeqBlocks, token_ids: list[int], num_computed: int) -> None:
         """Name the blocks that are now full and computed, so later requests can find them."""
         if not self.enable_prefix_caching:

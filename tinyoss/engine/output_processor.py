@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tinyoss.engine.core import SeqDelta
+from tinyoss.engine.core import RequestError, SeqDelta
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.sampling_params import SamplingParams
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -29,7 +29,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -56,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    error: RequestError | None = None  # why it failed (its outputs' finish_reason: "error")
 
 
 class StopStrings:
@@ -149,6 +150,7 @@ class _Request:
         )
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.error: RequestError | None = None
 
     @property
     def finished(self) -> bool:
@@ -159,7 +161,7 @@ class _Request:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
             self.prompt_logprobs, min(s.num_cached for s in self.seqs), self.arrival_time,
-            self.first_token_time,
+            self.first_token_time, self.error,
         )
 
 
@@ -208,6 +210,7 @@ class OutputProcessor:
             seq = request.seqs[d.index]
             if seq.finish_reason is not None:  # ended by a stop string: later tokens are dropped
                 continue
+            request.error = request.error or d.error
             if d.prompt_logprobs and request.prompt_logprobs is not None and d.index == 0:
                 request.prompt_logprobs += d.prompt_logprobs
             text, by_stop = seq.apply(d)

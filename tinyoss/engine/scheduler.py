@@ -229,6 +229,21 @@ class Scheduler:
         self.name_full_blocks(seq)
         self.kv.trim_window(seq.blocks, seq.num_computed)
 
+    def undo(self, plan: StepPlan, seqs: list[Sequence]) -> None:
+        """A planned step that never ran (it failed at launch, nothing in flight): its
+        sequences go back to waiting, in order, to be computed again; cache names given to
+        blocks it would have written are taken back."""
+        for item, seq in reversed(list(zip(plan.seqs, seqs))):
+            self.kv.forget_names(seq.blocks, item.start)
+            if item.prompt_logprobs is not None:
+                seq.num_prompt_logprobs = item.prompt_logprobs[0] - 1
+            if seq in self.running:
+                self.running.remove(seq)
+            self.kv.free_all(seq.blocks)
+            seq.num_computed = seq.num_pending = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     # -- allocation -------------------------------------------------------------------------
     def _fit(self, seq: Sequence, n: int) -> int:
         """Allocate for `n` tokens of a running sequence: a prefill chunk shrinks to what fits,

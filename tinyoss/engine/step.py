@@ -72,8 +72,10 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """Per sequence that sampled: its new tokens, with logprobs where asked for."""
+    """Per sequence that sampled: its new tokens, with logprobs where asked for; `failed`: the
+    sequences whose logits were not finite (NaN/Inf), which must not go on."""
 
     sampled: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)

@@ -33,6 +33,7 @@ from tinyoss.engine.core_client import (
     EngineDeadError,
     EngineUnavailable,
     OutputStream,
+    RequestFailed,
 )
 from tinyoss.engine.output_processor import RequestOutput
 from tinyoss.server.metrics import Metrics
@@ -239,6 +240,8 @@ def _error(e: Exception) -> APIError:
         return e
     if isinstance(e, (EngineDeadError, EngineUnavailable)):
         return APIError(503, str(e), code="engine_unavailable")
+    if isinstance(e, RequestFailed):
+        return APIError(503 if e.code == "out_of_memory" else 500, str(e), code=e.code)
     return APIError(500, f"the engine failed: {e}")
 
 
