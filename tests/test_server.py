@@ -341,7 +341,7 @@ def test_request_errors(srv):
     err = error(post(srv, chat, {"messages": msgs, "top_logprobs": 2}), 400)
     assert err["param"] == "top_logprobs"
     err = error(post(srv, chat, {"messages": msgs, "logprobs": True, "top_logprobs": 50}), 400)
-    assert err["param"] == "logprobs"
+    assert err["param"] == "top_logprobs"
     assert error(post(srv, chat, {"messages": msgs, "tool_choice": "x"}), 400)["param"] == (
         "tool_choice"
     )
@@ -361,7 +361,13 @@ def test_request_errors(srv):
     assert err["code"] == "model_not_found" and "gpt-5" in err["message"]
     assert error(post(srv, cmpl, {"prompt": "a"}, key=None), 401)["code"] == "invalid_api_key"
     assert error(post(srv, cmpl, {"prompt": "a"}, key="wrong"), 401)["code"] == "invalid_api_key"
-    assert error(httpx.get(srv.url + "/v1/nothing"), 404)["message"].startswith("/v1/nothing")
+    assert error(httpx.get(srv.url + "/v1/nothing"), 401)["code"] == "invalid_api_key"
+    auth = {"Authorization": f"bearer {KEY}"}  # the scheme is case-insensitive
+    r = httpx.get(srv.url + "/v1/nothing", headers=auth)
+    assert error(r, 404)["message"].startswith("/v1/nothing")
+    no_scheme = {"Authorization": KEY}
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, headers=no_scheme)
+    assert error(r, 401)["code"] == "invalid_api_key"  # a key without its scheme
     ok = post(srv, cmpl, {"prompt": "a", "max_tokens": 2, "user": "u", "whatever": [1]})
     assert ok.status_code == 200  # unknown fields are ignored
 

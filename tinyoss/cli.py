@@ -13,8 +13,12 @@ from tinyoss.config import EngineConfig
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per `EngineConfig` field (but `model`), with its help, choices and default: the
     CLI cannot drift from the options the engine takes."""
-    group = p.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineConfig):
+    add_dataclass_args(p.add_argument_group("engine options"), EngineConfig)
+
+
+def add_dataclass_args(group: argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per field of an options dataclass (but `model`), from its `option` metadata."""
+    for f in dataclasses.fields(cls):
         if f.name == "model":
             continue
         kwargs: dict = {"dest": f.name, "default": f.default, "choices": f.metadata["choices"]}
@@ -28,10 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         )
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"
-    }
+def engine_kwargs(args: argparse.Namespace, cls: type = EngineConfig) -> dict:
+    """The values of `cls`'s flags (added by `add_dataclass_args`)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "model"}
 
 
 def default_model() -> str:

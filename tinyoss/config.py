@@ -230,7 +230,7 @@ MXFP4_BACKENDS = ("auto", "triton", "cutlass", "torch")
 ATTENTION_SINKS = ("auto", "false")
 
 
-def _opt(help: str, choices: tuple[str, ...] | None = None, **kw) -> object:
+def option(help: str, choices: tuple[str, ...] | None = None, **kw) -> object:
     return field(metadata={"help": help, "choices": choices}, **kw)
 
 
@@ -238,70 +238,70 @@ def _opt(help: str, choices: tuple[str, ...] | None = None, **kw) -> object:
 class EngineConfig:
     """Every engine option, with the help text the CLI shows for it."""
 
-    model: str = _opt("a checkpoint folder, a hub id, or 'tiny'", default="tiny")
-    dtype: str = _opt(
+    model: str = option("a checkpoint folder, a hub id, or 'tiny'", default="tiny")
+    dtype: str = option(
         "weights and activations: auto = bfloat16 on a GPU, float32 on the CPU",
         DTYPES,
         default="auto",
     )
-    device: str | None = _opt("cuda or cpu (default: cuda when available)", default=None)
-    max_model_len: int | None = _opt(
+    device: str | None = option("cuda or cpu (default: cuda when available)", default=None)
+    max_model_len: int | None = option(
         "longest prompt + output in tokens (default: the model's context, capped by the KV "
         "cache)",
         default=None,
     )
-    max_num_seqs: int = _opt("most sequences in one batch", default=256)
-    max_num_batched_tokens: int = _opt(
+    max_num_seqs: int = option("most sequences in one batch", default=256)
+    max_num_batched_tokens: int = option(
         "most tokens in one step (longer prompts are prefilled in chunks)", default=8192
     )
-    block_size: int = _opt("tokens per KV cache block", default=16)
-    gpu_memory_utilization: float = _opt(
+    block_size: int = option("tokens per KV cache block", default=16)
+    gpu_memory_utilization: float = option(
         "fraction of GPU memory the engine may use (the KV cache takes what is left)",
         default=0.90,
     )
-    kv_cache_tokens: int | None = _opt(
+    kv_cache_tokens: int | None = option(
         "KV cache size in tokens (default: from gpu_memory_utilization; 65536 on the CPU)",
         default=None,
     )
-    enable_prefix_caching: bool = _opt(
+    enable_prefix_caching: bool = option(
         "reuse the KV cache of earlier requests' identical prefixes", default=True
     )
-    load_format: str = _opt(
+    load_format: str = option(
         "dummy = random weights made from the config alone (benchmarks)",
         LOAD_FORMATS,
         default="auto",
     )
-    revision: str | None = _opt("hub revision of the model", default=None)
-    seed: int = _opt("seed of the random weights (load_format dummy)", default=0)
-    enforce_eager: bool = _opt("no CUDA graphs (debugging)", default=False)
-    attention_backend: str = _opt(
+    revision: str | None = option("hub revision of the model", default=None)
+    seed: int = option("seed of the random weights (load_format dummy)", default=0)
+    enforce_eager: bool = option("no CUDA graphs (debugging)", default=False)
+    attention_backend: str = option(
         "attention kernels: auto = FlashInfer on a GPU, torch on the CPU",
         ATTENTION_BACKENDS,
         default="auto",
     )
-    mxfp4_backend: str | None = _opt(
+    mxfp4_backend: str | None = option(
         "MoE kernels (default: env TINYOSS_MXFP4_BACKEND, else auto: picked for the GPU)",
         MXFP4_BACKENDS,
         default=None,
     )
-    attention_sinks: str | None = _opt(
+    attention_sinks: str | None = option(
         "auto: the checkpoint's sinks; false: none, debugging only: output degrades "
         "(default: env TINYOSS_ATTENTION_SINKS, else auto)",
         ATTENTION_SINKS,
         default=None,
     )
-    mxfp4_layers: str = _opt(
+    mxfp4_layers: str = option(
         "layers in MXFP4: moe (the experts, as shipped), or a comma list adding qkv, o, "
         "lm_head (quantized at load: fewer bytes per token, some accuracy lost); all = every one",
         default="moe",
     )
-    decode_step_budget_ms: float = _opt(
+    decode_step_budget_ms: float = option(
         "while sequences decode, size a step's prefill chunks to about this many ms, so that a "
         "long prompt does not stall running streams, at some cost in throughput (GPU: the "
         "rate is measured at start-up; 0 = off: chunks take max_num_batched_tokens)",
         default=0.0,
     )
-    async_scheduling: bool = _opt(
+    async_scheduling: bool = option(
         "launch the next decode step before the previous one's tokens reach the host",
         default=True,
     )

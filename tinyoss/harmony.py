@@ -31,6 +31,121 @@ Segment = int | str  # a special token id, or text for the tokenizer
 Message = dict[str, Any]
 
 
+# ---------------------------------------------------------------- checking
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PARTS = ("text", "input_text", "output_text")  # content parts that are plain text
+
+
+def _need(ok: object, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def short_repr(value: Any) -> str:
+    """A client's value as an error message shows it: at most 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def function_name(tool: Any) -> str | None:
+    """N of {"type": "function", "function": {"name": N}} (the type may be left out), else None."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def check_messages(messages: Any, where: str = "messages") -> None:
+    """Raises ValueError naming the path (messages[i].content[j]) of a role or content the
+    renderer cannot take: it would otherwise fail with a Python error, or drop what it cannot
+    read."""
+    _need(
+        isinstance(messages, list) and messages,
+        f'{where} must be a non-empty list of message objects, e.g. [{{"role": "user", '
+        '"content": "Hi"}]',
+    )
+    for i, m in enumerate(messages):
+        at = f"{where}[{i}]"
+        _need(isinstance(m, dict), f"{at} must be an object, not {short_repr(m)}")
+        role = m.get("role")
+        _need(
+            role in ROLES, f"{at}.role={short_repr(role)} is invalid: must be one of "
+            f"{', '.join(ROLES)}",
+        )  # fmt: skip
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                _need(
+                    kind in TEXT_PARTS or not isinstance(part, dict),
+                    f"{at}.content[{j}] of type {short_repr(kind)} is not supported: gpt-oss reads "
+                    "text only (parts of type 'text')",
+                )
+                _need(
+                    isinstance(part, dict) and isinstance(part.get("text"), str),
+                    f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": str}}, "
+                    f"not {short_repr(part)}",
+                )
+        else:
+            _need(
+                isinstance(content, str) or content is None and role == "assistant",
+                f"{at}.content must be a string or a list of text parts, not {short_repr(content)}",
+            )
+        for key in ("reasoning", "reasoning_content", "thinking", "name", "tool_call_id"):
+            value = m.get(key)
+            _need(
+                value is None or isinstance(value, str),
+                f"{at}.{key} must be a string, not {short_repr(value)}",
+            )
+        calls = m.get("tool_calls")
+        _need(
+            calls is None or isinstance(calls, list) and role == "assistant",
+            f"{at}.tool_calls must be a list, on an assistant message",
+        )
+        for j, call in enumerate(calls or ()):
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments", "") if isinstance(fn, dict) else None
+            _need(
+                function_name(call) and isinstance(args, (str, dict)),
+                f"{at}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                '{"name": N, "arguments": JSON text}}',
+            )
+
+
+def check_tools(tools: Any) -> None:
+    """Raises ValueError naming the tool (tools[i]) that is not a function tool the renderer
+    can show the model."""
+    _need(
+        isinstance(tools, list),
+        'tools must be a list of {"type": "function", "function": {"name": N, ...}}',
+    )  # fmt: skip
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        _need(
+            function_name(tool),
+            f'{at} must be {{"type": "function", "function": {{"name": N, ...}}}}',
+        )  # fmt: skip
+        fn = tool["function"]
+        params, desc = fn.get("parameters"), fn.get("description")
+        _need(
+            params is None or isinstance(params, dict),
+            f"{at}.function.parameters must be a JSON schema object, not {short_repr(params)}",
+        )
+        _need(
+            desc is None or isinstance(desc, str),
+            f"{at}.function.description must be a string, not {short_repr(desc)}",
+        )
+
+
+def check_tool_choice(choice: Any, tools: list[dict]) -> None:
+    named = isinstance(choice, dict) and function_name(choice) in map(function_name, tools)
+    _need(
+        choice in (None, "auto", "none", "required") or named,
+        f"tool_choice={short_repr(choice)} is invalid: must be 'auto', 'none', 'required' or "
+        '{"type": "function", "function": {"name": N}} naming one of the tools',
+    )
+
+
 # ---------------------------------------------------------------- rendering
 
 
@@ -134,7 +249,7 @@ def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(
-        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS
     )
 
 

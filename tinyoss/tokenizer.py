@@ -10,11 +10,17 @@ decode as `<|reserved_N|>` instead of vanishing.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
+
+# Places where o200k's pre-tokenizer always starts a new piece, whatever surrounds them: an
+# ASCII space between two ASCII letters (the next word takes the space as its prefix), or a
+# letter after a newline (a word's prefix cannot be a newline). BPE never merges across them.
+_CUTS = re.compile(r"(?<=[A-Za-z])(?= [A-Za-z])|(?<=\n)(?=[A-Za-z])")
 
 VOCAB_SIZE = 201_088  # the model's embedding rows; every id below decodes
 
@@ -101,6 +107,20 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """BPE ids of `text`; special-token look-alikes in it are encoded as ordinary text."""
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    @staticmethod
+    def pieces(text: str, size: int) -> Iterator[str]:
+        """`text` cut into pieces of about `size` characters that encode to exactly its ids
+        when their ids are joined (cut only where `_CUTS` says); a run with no such place stays
+        whole."""
+        start = 0
+        while len(text) - start > size:
+            cut = _CUTS.search(text, start + size)
+            if cut is None:
+                break
+            yield text[start : cut.start()]
+            start = cut.start()
+        yield text[start:]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -36,8 +37,9 @@ from tinyoss.engine.core_client import (
     RequestFailed,
 )
 from tinyoss.engine.output_processor import RequestOutput
+from tinyoss.server.limits import ServerLimits
 from tinyoss.server.metrics import Metrics
-from tinyoss.server.protocol import APIError, Prepared, parse_chat, parse_completion
+from tinyoss.server.protocol import APIError, Prepared, parse_chat, parse_completion, tokenize
 from tinyoss.server.responses import ChatChoice, TextChoice
 
 log = logging.getLogger("tinyoss.server")
@@ -51,8 +53,10 @@ class ServerState:
         model_name: str,
         api_key: str | None,
         on_fatal: Callable[[str], None] | None,
+        limits: ServerLimits,
     ) -> None:
         self.config, self.model_name, self.api_key = config, model_name, api_key
+        self.limits = limits
         self.on_fatal = on_fatal
         self.client: CoreClient | None = None
         self.load_error: BaseException | None = None
@@ -116,6 +120,15 @@ class Run:
         self.cached = [0] * len(prep.prompts)
         self.start = time.monotonic()
         client = state.ready()
+        room = state.config.max_num_seqs + state.limits.max_queued_requests - client.num_requests
+        if len(prep.prompts) > room:
+            raise APIError(
+                429,
+                f"the server is at capacity ({client.num_requests} requests running or queued); "
+                "retry shortly",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
         self.streams: list[OutputStream] = []
         try:  # to the engine now, before any response starts
             for i, p in enumerate(prep.prompts):
@@ -181,7 +194,7 @@ class Run:
             if self.prep.include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage()})
         except Exception as e:  # the status line is sent: report in the stream
-            log.exception("stream %s failed", self.rid)
+            log.warning("stream %s failed: %s", self.rid, e)
             yield _sse(_error(e).body())
         yield "data: [DONE]\n\n"
 
@@ -232,7 +245,17 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False).translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
+
+
+def _error_response(err: APIError) -> Response:
+    """The error as JSON; text that cannot be UTF-8 (lone surrogates) goes out escaped."""
+    try:
+        body = json.dumps(err.body(), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        body = json.dumps(err.body()).encode()
+    return Response(body, err.status, err.headers, media_type="application/json")
 
 
 def _error(e: Exception) -> APIError:
@@ -242,7 +265,8 @@ def _error(e: Exception) -> APIError:
         return APIError(503, str(e), code="engine_unavailable")
     if isinstance(e, RequestFailed):
         return APIError(503 if e.code == "out_of_memory" else 500, str(e), code=e.code)
-    return APIError(500, f"the engine failed: {e}")
+    log.error("request failed", exc_info=e)
+    return APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
 
 
 async def _drain_unless_gone(request: Request, run: Run) -> bool:
@@ -270,53 +294,165 @@ async def _drain_unless_gone(request: Request, run: Run) -> bool:
     return True
 
 
+# A JSON \uXXXX escape of a UTF-16 surrogate: only then can a decoded string hold a lone one.
+_MAYBE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """400 naming the top-level field whose text holds a lone surrogate (pairs decode to one
+    character): such text cannot be UTF-8, so nothing could tokenize or echo it."""
+    for key, value in body.items():
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode()
+                except UnicodeEncodeError as e:
+                    raise APIError(
+                        400,
+                        f"{_clip(key)} holds a lone UTF-16 surrogate ({item[e.start]!a}), which "
+                        "is not valid Unicode: send UTF-8 text",
+                        param=_clip(key),
+                    ) from None
+            elif isinstance(item, dict):
+                stack += item.keys()
+                stack += item.values()
+            elif isinstance(item, list):
+                stack += item
+
+
+def _clip(value: Any) -> str:
+    """Client text put into a message: short, and printable whatever it holds."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.encode(errors="backslashreplace").decode()
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _unauthorized() -> APIError:
+    return APIError(
+        401,
+        "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+        code="invalid_api_key",
+    )
+
+
+def _too_large(most: int) -> APIError:
+    return APIError(
+        413, f"the request body is larger than {most} bytes (--max-request-bytes)",
+        code="request_too_large",
+    )  # fmt: skip
+
+
+def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> None:
+    n = prep.params.n
+    if n > limits.max_n:
+        raise APIError(
+            400, f"n={n} is more than this server allows ({limits.max_n}, --max-n)", param="n"
+        )
+    total = sum(
+        n * (prep.params.max_tokens or max_model_len - len(ids)) for ids in prep.prompts
+    )
+    if total > limits.max_request_tokens:
+        raise APIError(
+            400,
+            f"the request may generate {total} tokens (n x max_tokens for each prompt), more "
+            f"than this server allows ({limits.max_request_tokens}, --max-request-tokens): "
+            "lower n or max_tokens",
+            param="max_tokens",
+        )
+
+
 def create_app(
     config: EngineConfig,
     *,
     model_name: str,
     api_key: str | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    limits: ServerLimits | None = None,
 ) -> Starlette:
     """The server app; its engine core starts in a process of its own once the app starts.
     `on_fatal` is called when no core can run (a failed load, a failed restart)."""
-    state = ServerState(config, model_name, api_key, on_fatal)
+    limits = limits or ServerLimits()
+    state = ServerState(config, model_name, api_key, on_fatal, limits)
+
+    def authorized(request: Request) -> bool:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(errors="replace"), state.api_key.encode()
+        )
 
     def endpoint(handler: Callable, *, auth: bool = True) -> Callable:
         async def wrapped(request: Request) -> Response:
             try:
-                if auth and state.api_key:
-                    given = request.headers.get("authorization", "").removeprefix("Bearer ")
-                    if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-                        raise APIError(
-                            401,
-                            "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                            code="invalid_api_key",
-                        )
+                if auth and state.api_key and not authorized(request):
+                    raise _unauthorized()
                 return await handler(request)
+            except ClientDisconnect:  # gone while sending its body: nothing ran
+                state.metrics.aborted += 1
+                return Response(status_code=499)
             except Exception as e:  # a bad request must never take the server down
-                err = _error(e)
-                if err.status >= 500:
-                    log.exception("request failed")
-                return JSONResponse(err.body(), status_code=err.status)
+                return _error_response(_error(e))
 
         return wrapped
 
+    async def read_body(request: Request) -> bytes:
+        """The body, within --max-request-bytes and --body-timeout."""
+        most = limits.max_request_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > most:
+            raise _too_large(most)
+        chunks, size = [], 0
+
+        async def receive() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > most:
+                    raise _too_large(most)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(receive(), limits.body_timeout)
+        except TimeoutError as e:
+            raise APIError(
+                408, f"the request body did not arrive within {limits.body_timeout:g} s",
+                code="request_timeout",
+            ) from e  # fmt: skip
+        return b"".join(chunks)
+
     async def body_of(request: Request) -> dict:
         try:
-            body = json.loads(await request.body())
+            raw = (await read_body(request)).decode()
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"the request body is not valid UTF-8: {e}") from e
+        try:
+            body = json.loads(raw)
+        except RecursionError as e:
+            raise APIError(400, "the JSON body is nested too deeply") from e
         except ValueError as e:
             raise APIError(400, f"malformed JSON body: {e}") from e
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if _MAYBE_SURROGATE.search(raw):
+            _refuse_lone_surrogates(body)
         name = body.get("model")
         if name is not None and name != state.model_name:
             raise APIError(
                 404,
-                f"The model `{name}` does not exist (this server serves `{state.model_name}`).",
+                f"The model `{_clip(name)}` does not exist (this server serves "
+                f"`{state.model_name}`).",
                 param="model",
                 code="model_not_found",
             )
         return body
+
+    async def prepare(request: Request, parse: Callable) -> tuple[CoreClient, Prepared]:
+        client = state.ready()
+        prep = parse(await body_of(request), client.info)
+        await tokenize(prep, client.tokenizer, client.info)
+        _check_limits(prep, limits, client.info.max_model_len)
+        return client, prep
 
     async def respond(request: Request, run: Run) -> Response:
         if run.prep.stream:
@@ -330,8 +466,7 @@ def create_app(
         return JSONResponse(run.answer())
 
     async def chat(request: Request) -> Response:
-        client = state.ready()
-        prep = parse_chat(await body_of(request), client.tokenizer, client.info)
+        client, prep = await prepare(request, parse_chat)
         tok, seed, lp = client.tokenizer, prep.params.seed, prep.params.logprobs
         choices: list[Choice] = [
             ChatChoice(
@@ -342,8 +477,7 @@ def create_app(
         return await respond(request, Run(state, prep, "chat.completion", choices))
 
     async def completions(request: Request) -> Response:
-        client = state.ready()
-        prep = parse_completion(await body_of(request), client.tokenizer, client.info)
+        client, prep = await prepare(request, parse_completion)
         tok, n, lp = client.tokenizer, prep.params.n, prep.params.logprobs
         choices: list[Choice] = [
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None)
@@ -379,8 +513,9 @@ def create_app(
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        err = APIError(exc.status_code, f"{request.url.path}: {exc.detail}")
-        return JSONResponse(err.body(), exc.status_code)
+        if state.api_key and request.url.path.startswith("/v1") and not authorized(request):
+            return _error_response(_unauthorized())  # no probing of /v1 without the key
+        return _error_response(APIError(exc.status_code, f"{request.url.path}: {exc.detail}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -25,6 +25,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 (default: env TINYOSS_API_KEY)",
     )
+    from tinyoss.cli import add_dataclass_args
+    from tinyoss.server.limits import ServerLimits
+
+    add_dataclass_args(p.add_argument_group("server limits"), ServerLimits)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -33,6 +37,7 @@ def serve(args: argparse.Namespace) -> None:
     from tinyoss.cli import default_model, engine_kwargs
     from tinyoss.config import EngineConfig
     from tinyoss.server.app import create_app
+    from tinyoss.server.limits import ServerLimits, limited_http
 
     model = args.model
     if model is None:
@@ -40,6 +45,7 @@ def serve(args: argparse.Namespace) -> None:
         why = "a GPU is present" if model != "tiny" else "no GPU: the built-in random-weight model"
         log.info("no MODEL given: serving %s (%s)", model, why)
     config = EngineConfig(model=model, **engine_kwargs(args))
+    limits = ServerLimits(**engine_kwargs(args, ServerLimits))
     api_key = args.api_key or os.environ.get("TINYOSS_API_KEY") or None
     fatal: list[str] = []
 
@@ -48,7 +54,7 @@ def serve(args: argparse.Namespace) -> None:
         server.should_exit = True
 
     name = args.served_model_name or model
-    app = create_app(config, model_name=name, api_key=api_key, on_fatal=on_fatal)
+    app = create_app(config, model_name=name, api_key=api_key, on_fatal=on_fatal, limits=limits)
     log.info(
         "serving %r on http://%s:%d/v1 (API key %s); the model loads in the background, "
         "GET /health answers 200 once it is ready",
@@ -57,7 +63,16 @@ def serve(args: argparse.Namespace) -> None:
         args.port,
         "required" if api_key else "off",
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            http=limited_http(limits),
+            timeout_keep_alive=limits.timeout_keep_alive,
+        )
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down in order

@@ -2,33 +2,64 @@
 
 Everything a request can get wrong is found here, before anything reaches the engine, so a bad
 request is a 400 naming the field (SamplingParams' own messages) and never an engine error.
-Unknown fields are ignored, as OpenAI-compatible servers do.
+Unknown fields are ignored, as OpenAI-compatible servers do, but fields whose meaning tinyoss
+does not implement yet are refused by name (`_UNSUPPORTED`): a client asking for JSON output
+must not get free text with a 200.
+
+Parsing is two steps. `parse_chat` / `parse_completion` check the body and render each prompt
+to segments (special ids and text) at string speed; `tokenize` then encodes the text in pieces,
+yielding to the event loop between them, and stops as soon as a prompt is longer than the
+context: a 10 MB prompt costs neither the loop nor the CPU.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 from tinyoss import harmony
 from tinyoss.engine.core import EngineInfo
-from tinyoss.sampling_params import SamplingParams
+from tinyoss.sampling_params import MAX_LOGPROBS, SamplingParams
 from tinyoss.tokenizer import Tokenizer
 
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed")  # passed on as they are
 _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _SAMPLING += ("ignore_eos", "min_tokens")  # vLLM's extensions
 _EFFORTS = ("low", "medium", "high")
+MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
+_PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a few ms)
+
+# Fields with a meaning tinyoss does not implement: refused, never ignored. `None` and the
+# listed harmless values pass.
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "response_format": (({"type": "text"},), "structured outputs are not supported yet"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "functions": (((),), "the legacy `functions` field is not supported: use `tools`"),
+    "function_call": (((),), "the legacy `function_call` field is not supported: use "
+                             "`tool_choice`"),
+    "audio": (((),), "audio output is not supported: gpt-oss reads and writes text"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "prediction": (((),), "predicted outputs are not supported"),
+    "web_search_options": (((),), "web search is not supported"),
+}  # fmt: skip
 
 
 class APIError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(
@@ -41,31 +72,32 @@ class APIError(Exception):
 
 @dataclass
 class Prepared:
-    """One API request made ready: each prompt runs as one engine request with `params`."""
+    """One API request made ready: each prompt runs as one engine request with `params`.
+    `sources` are the prompts as segments (special ids and text); `tokenize` fills `prompts`."""
 
-    prompts: list[list[int]]
+    sources: list[list[harmony.Segment]]
+    what: str  # the field a prompt comes from: "messages" or "prompt"
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     echo: list[str] | None = None  # completions: text put before each prompt's choices
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
+    prompts: list[list[int]] = field(default_factory=list)
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prepared:
-    messages = body.get("messages")
-    ok = isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
-    _require(ok, "messages", "messages must be a non-empty list of message objects")
-    tools = body.get("tools") or []
-    ok = isinstance(tools, list) and all(_function_name(t) for t in tools)
-    _require(ok, "tools", 'tools must be a list of {"type": "function", "function": {"name": N}}')
+def parse_chat(body: dict, info: EngineInfo) -> Prepared:
+    _refuse_unsupported(body, tuple(_UNSUPPORTED))
+    messages, tools = body.get("messages"), body.get("tools") or []
     choice = body.get("tool_choice")
-    named = isinstance(choice, dict) and _function_name(choice) in map(_function_name, tools)
-    _require(
-        choice in (None, "auto", "none", "required") or named,
-        "tool_choice",
-        f"tool_choice={choice!r} is invalid: must be 'auto', 'none', 'required' or "
-        '{"type": "function", "function": {"name": N}} naming one of the tools',
-    )
+    for param, check in (
+        ("messages", lambda: harmony.check_messages(messages)),
+        ("tools", lambda: harmony.check_tools(tools)),
+        ("tool_choice", lambda: harmony.check_tool_choice(choice, tools)),
+    ):
+        try:
+            check()
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
     effort = body.get("reasoning_effort") or "medium"
     _require(
         effort in _EFFORTS,
@@ -74,12 +106,17 @@ def parse_chat(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prepared:
     )
     try:
         options = {"tools": tools, "tool_choice": choice or "auto", "reasoning_effort": effort}
-        ids = harmony.render_prompt(messages, tokenizer.encode, **options)
-    except KeyError as e:
-        raise APIError(400, f"invalid messages: missing field {e}", param="messages") from e
-    except (ValueError, TypeError, AttributeError) as e:
+        segments = harmony.render_segments(messages, **options)
+    except RecursionError as e:
+        raise APIError(400, "the tool schemas are nested too deeply", param="tools") from e
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
     logprobs, top = _flag(body, "logprobs"), body.get("top_logprobs")
+    _require(
+        top is None or _is_int(top) and 0 <= top <= MAX_LOGPROBS,
+        "top_logprobs",
+        f"top_logprobs={top!r} is invalid: must be an int in [0, {MAX_LOGPROBS}]",
+    )
     _require(top is None or logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = body.get("max_completion_tokens")
     params = _sampling(
@@ -89,11 +126,12 @@ def parse_chat(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prepared:
         stop=body.get("stop"),
     )
     stops, params.stop = params.stop, []
-    _check_length(len(ids), params.max_tokens, info.max_model_len, "messages")
-    return Prepared([ids], params, *_streaming(body), content_stop=stops)
+    _check_chars([segments], info.max_model_len, "messages")
+    return Prepared([segments], "messages", params, *_streaming(body), content_stop=stops)
 
 
-def parse_completion(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prepared:
+def parse_completion(body: dict, info: EngineInfo) -> Prepared:
+    _refuse_unsupported(body, ("logit_bias",))
     _require(not body.get("suffix"), "suffix", "suffix is not supported: gpt-oss has no FIM mode")
     echo = _flag(body, "echo")
     _require(
@@ -112,18 +150,40 @@ def parse_completion(body: dict, tokenizer: Tokenizer, info: EngineInfo) -> Prep
         "best_of",
         f"best_of={best_of!r} is not supported: only best_of equal to n",
     )
-    texts, prompts = [], []
+    sources: list[list[harmony.Segment]] = []
     for p in _prompt_list(body.get("prompt")):
-        ids = tokenizer.encode(p) if isinstance(p, str) else p
-        _require(ids, "prompt", "prompt is empty: give at least one token")
-        if min(ids) < 0 or max(ids) >= info.vocab_size:
-            bad = next(t for t in ids if not 0 <= t < info.vocab_size)
+        _require(p, "prompt", "prompt is empty: give at least one token")
+        if isinstance(p, list) and (min(p) < 0 or max(p) >= info.vocab_size):
+            bad = next(t for t in p if not 0 <= t < info.vocab_size)
             _require(False, "prompt", f"prompt token id [{bad}] is outside the vocabulary")
-        _check_length(len(ids), params.max_tokens, info.max_model_len, "prompt")
-        prompts.append(ids)
-        if echo:
-            texts.append(p if isinstance(p, str) else tokenizer.decode(p))
-    return Prepared(prompts, params, *_streaming(body), echo=texts if echo else None)
+        sources.append([p] if isinstance(p, str) else p)
+    _check_chars(sources, info.max_model_len, "prompt")
+    texts = [s[0] if isinstance(s[0], str) else None for s in sources] if echo else None
+    return Prepared(sources, "prompt", params, *_streaming(body), echo=texts)
+
+
+async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> None:
+    """Encodes `prep`'s prompts into `prep.prompts`, in pieces of a few ms each with the event
+    loop running between them; refuses a prompt as soon as it cannot fit the context."""
+    for source in prep.sources:
+        ids: list[int] = []
+        for segment in source:
+            if isinstance(segment, int):
+                ids.append(segment)
+                continue
+            for piece in tokenizer.pieces(segment, _PIECE_CHARS):
+                ids += tokenizer.encode(piece)
+                if len(ids) >= info.max_model_len:
+                    _too_long(f"at least {len(ids)}", info.max_model_len, prep.what)
+                if len(segment) > _PIECE_CHARS:
+                    await asyncio.sleep(0)
+        _check_length(len(ids), prep.params.max_tokens, info.max_model_len, prep.what)
+        prep.prompts.append(ids)
+    if prep.echo is not None:
+        prep.echo = [
+            text if text is not None else tokenizer.decode(ids)
+            for text, ids in zip(prep.echo, prep.prompts)
+        ]
 
 
 def _require(ok: object, param: str, message: str) -> None:
@@ -131,10 +191,19 @@ def _require(ok: object, param: str, message: str) -> None:
         raise APIError(400, message, param=param)
 
 
-def _function_name(tool: Any) -> str | None:
-    fn = tool.get("function") if isinstance(tool, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    return name if isinstance(name, str) and name else None
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = body.get(name)
+        harmless, why = _UNSUPPORTED[name]
+        _require(
+            value is None or value in harmless,
+            name,
+            f"{name}={harmony.short_repr(value)} is not supported: {why}; leave the field out",
+        )
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -178,6 +247,24 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     )
     _require(ok, "prompt", "prompt must be a string or token ids, or a list of them")
     return prompt
+
+
+def _check_chars(sources: list[list[harmony.Segment]], max_model_len: int, what: str) -> None:
+    """Refuses, before any tokenizing, text too long for the context whatever its tokens."""
+    for source in sources:
+        chars = sum(len(s) for s in source if isinstance(s, str))
+        if chars > max_model_len * MAX_TOKEN_CHARS:
+            _too_long(f"at least {chars // MAX_TOKEN_CHARS}", max_model_len, what)
+
+
+def _too_long(tokens: str, max_model_len: int, what: str) -> None:
+    raise APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+        f"resulted in {tokens} tokens. Please reduce the length of the {what}.",
+        param=what,
+        code="context_length_exceeded",
+    )
 
 
 def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int, what: str) -> None:

@@ -1,0 +1,106 @@
+"""What one client may ask of the server: sizes, counts and timeouts, with their flags.
+
+Each limit turns a request that would hog the server into a clear 4xx before any work is done
+(413 for a body, 400 naming the field for n and tokens, 429 with Retry-After for a full queue),
+and each timeout frees a connection a client holds without using it. `limited_http` adds the one
+timeout uvicorn lacks, request headers that never complete (slowloris, fresh idle connections
+included), and answers requests beyond --max-connections with a JSON 503 (uvicorn's own limit
+answers in plain text).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from tinyoss.config import option
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_bytes: int = option("largest request body in bytes (413 beyond)", default=16 << 20)
+    max_n: int = option("most choices (n) one request may ask for", default=128)
+    max_request_tokens: int = option(
+        "most tokens one request may generate in all: n x max_tokens (x prompts)", default=1 << 20
+    )
+    max_queued_requests: int = option(
+        "requests that may wait beyond --max-num-seqs running ones (429 beyond)", default=1024
+    )
+    max_connections: int = option("most open connections (503 beyond)", default=2048)
+    header_timeout: float = option(
+        "seconds a connection may take to send its request headers", default=10.0
+    )
+    body_timeout: float = option("seconds a request may take to send its body", default=30.0)
+    timeout_keep_alive: float = option(
+        "seconds an idle keep-alive connection stays open", default=5.0
+    )
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')}={value} is invalid: must be > 0")
+
+
+def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol, closing connections whose headers are not complete within
+    --header-timeout seconds of connecting (or of the previous response), and answering 503
+    beyond --max-connections (open connections, or requests in progress)."""
+
+    class LimitedHttp(HttpToolsProtocol):
+        _header_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(limits.header_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            most = limits.max_connections
+            if len(self.connections) > most or len(self.tasks) >= most:
+                app, self.app = self.app, _too_many_connections
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = app
+            else:
+                super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return LimitedHttp
+
+
+async def _too_many_connections(scope, receive, send) -> None:  # an ASGI app
+    error = {
+        "message": "the server has too many open connections (--max-connections); retry shortly",
+        "type": "server_error",
+        "param": None,
+        "code": "too_many_connections",
+    }
+    body = json.dumps({"error": error}).encode()
+    headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+               (b"connection", b"close")]  # fmt: skip
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
