@@ -317,3 +317,22 @@ def test_missing_tokenizer_json_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         Tokenizer.from_folder(tmp_path)
     assert str(tmp_path / "tokenizer.json") in str(err.value)
+
+
+def test_pieces_encode_to_exactly_the_whole_texts_ids(tok: Tokenizer):
+    """The server encodes long prompts piece by piece (yielding between pieces): the pieces'
+    ids joined must be the text's ids, for any text and piece size."""
+    rng = random.Random(5)
+    words = ["hello", "world", "It's", "don't", "ABC", "  ", "\n", "\n\n", "x1", "éa", "WORLD's",
+             "中文", "😀", "\t", "--", "a.b", "  q"]  # fmt: skip
+    texts = fuzz_texts(60, seed=9) + [
+        " ".join(rng.choice(words) for _ in range(rng.randint(50, 800))) for _ in range(60)
+    ]
+    cut = 0
+    for text in texts:
+        size = rng.randint(1, 120)
+        pieces = list(tok.pieces(text, size))
+        assert "".join(pieces) == text
+        assert [i for p in pieces for i in tok.encode(p)] == tok.encode(text), (text, size)
+        cut += len(pieces) > 1
+    assert cut >= 50  # the long texts were cut somewhere
