@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import reprlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, TypedDict
 
 from tinyoss import harmony
 from tinyoss.config import EngineConfig
@@ -14,7 +16,27 @@ from tinyoss.engine.core import CoreRequest
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt form, accepted so code written for vLLM runs unchanged."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token-id prompt form."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+PROMPT_FORMS = 'a str, a list of int token ids, {"prompt": str} or {"prompt_token_ids": [int, ...]}'
+PARAMS_FORMS = "None, a SamplingParams, or a list of them with one per prompt"
+CHAT_SHAPE = (
+    'a list of message dicts such as [{"role": "user", "content": "hi"}] (one conversation), '
+    "or a list of such lists"
+)
+EFFORTS = ("low", "medium", "high")
 
 
 @dataclass
@@ -55,13 +77,18 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | None) -> str:
-        """Validates and queues one prompt; returns its request id."""
-        params = params or SamplingParams()
+    def _submit(
+        self, prompt: str | list[int], params: SamplingParams, where: str = "prompt"
+    ) -> str:
+        """Queues one checked prompt; returns its request id. The engine's own refusals (empty,
+        outside the vocabulary, too long) are prefixed with `where`, the prompt's place."""
         request_id = f"gen-{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.add(CoreRequest(request_id, ids, params))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        try:
+            self.engine.add(CoreRequest(request_id, ids, params))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
         self.processor.add(request_id, text, ids, params)
         return request_id
 
@@ -87,8 +114,8 @@ class LLM:
         params = _per_prompt(sampling_params, len(batch))
         request_ids = []
         try:
-            for p, sp in zip(batch, params):
-                request_ids.append(self._submit(p, sp))
+            for (where, p), sp in zip(batch, params):
+                request_ids.append(self._submit(p, sp, where))
         except Exception:
             for request_id in request_ids:  # a bad prompt: nothing of the batch runs
                 self._abort(request_id)
@@ -98,8 +125,19 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yields the request's output after each step; `outputs[i].delta_text` is the new text."""
-        request_id = self._submit(prompt, sampling_params)
+        """Yields the request's output after each step; `outputs[i].delta_text` is the new text.
+
+        Bad input raises here, at the call; the request is queued on the first `next`, so an
+        iterator that is never started leaves nothing in the engine.
+        """
+        checked = _prompt(prompt, "prompt")
+        params = _checked(
+            SamplingParams() if sampling_params is None else sampling_params, "sampling_params"
+        )
+        return self._stream(checked, params)
+
+    def _stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        request_id = self._submit(prompt, params)
         try:
             while True:
                 for out in self._step():
@@ -121,18 +159,16 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[ChatOutput]:
         """Chat through the harmony format: one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encode = self.tokenizer.encode
-        prompts = [
-            harmony.render_prompt(
-                conv,
-                encode,
-                reasoning_effort=reasoning_effort,
-                tools=tools,
-                tool_choice=tool_choice,
-            )
-            for conv in conversations
-        ]
+        _check_chat_options(reasoning_effort, tools, tool_choice)
+        options = {"reasoning_effort": reasoning_effort, "tools": tools, "tool_choice": tool_choice}
+        prompts = []
+        for where, conv in _conversations(messages):
+            try:
+                prompts.append(harmony.render_prompt(conv, self.tokenizer.encode, **options))
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {e}") from e
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"{where}: {e}") from e
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         decode = self.tokenizer.decode
         replies = []
@@ -167,26 +203,125 @@ class LLM:
         return [done[r] for r in request_ids]
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return prompts
+def _given(value: object) -> str:
+    """A value as an error message shows it: a short repr and its type."""
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
 
 
-def _per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
+def _is_seq(value: object) -> bool:
+    """A list-like: str and bytes are Sequences too, but never a list of prompts or token ids."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def _as_batch(prompts: object) -> list[tuple[str, str | list[int]]]:
+    """Each prompt checked and named by its place ("prompt" or "prompts[i]"), all before any is
+    queued. A list whose first item is an int is one prompt of token ids, as in vLLM."""
+    first = prompts[0] if _is_seq(prompts) and prompts else None
+    if isinstance(prompts, (str, dict)) or isinstance(first, int):
+        return [("prompt", _prompt(prompts, "prompt"))]
+    if not _is_seq(prompts):
+        raise TypeError(
+            f"prompts={_given(prompts)} is invalid: give {PROMPT_FORMS}, or a list of them"
+        )
+    if not prompts:
+        raise ValueError(f"prompts is an empty list: give {PROMPT_FORMS}, or a list of them")
+    return [(f"prompts[{i}]", _prompt(p, f"prompts[{i}]")) for i, p in enumerate(prompts)]
+
+
+def _prompt(prompt: object, where: str) -> str | list[int]:
+    """One prompt in any accepted form, as text or as a list of plain ints."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        return _dict_prompt(prompt, where)
+    if _is_seq(prompt):
+        return _token_ids(prompt, where)
+    raise TypeError(f"{where}={_given(prompt)} is invalid: a prompt is {PROMPT_FORMS}")
+
+
+def _dict_prompt(prompt: dict, where: str) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt; their other keys (multi_modal_data, ...) have no meaning
+    here and are refused rather than ignored."""
+    unknown = [k for k in prompt if k not in ("prompt", "prompt_token_ids")]
+    if unknown:
+        raise ValueError(
+            f"{where} has unsupported key {unknown[0]!r}: a prompt dict is "
+            '{"prompt": str} or {"prompt_token_ids": [int, ...]}'
+        )
+    if len(prompt) != 1:
+        raise ValueError(f"{where} must have exactly one of 'prompt' or 'prompt_token_ids'")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(
+                f"{where}['prompt']={_given(prompt['prompt'])} is invalid: must be a str"
+            )
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if not _is_seq(ids):
+        raise TypeError(
+            f"{where}['prompt_token_ids']={_given(ids)} is invalid: must be a list of int token ids"
+        )
+    return _token_ids(ids, f"{where}['prompt_token_ids']")
+
+
+def _token_ids(ids: Sequence, where: str) -> list[int]:
+    """A copy as plain ints; bools are ints to Python but never token ids."""
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise TypeError(
+                f"{where}[{i}]={_given(t)} is invalid: token ids are ints (not bools); "
+                f"a prompt is {PROMPT_FORMS}"
+            )
+    return [int(t) for t in ids]
+
+
+def _checked(params: object, where: str) -> SamplingParams:
+    """A re-validated copy: `replace` re-runs SamplingParams' checks, so fields set after
+    construction are checked too, and later changes by the caller do not reach the request."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{where}={_given(params)} is invalid: must be a SamplingParams")
+    try:
+        return dataclasses.replace(params)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _per_prompt(params: object, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [_checked(params or SamplingParams(), "sampling_params")] * n
+    if not _is_seq(params):
+        raise TypeError(f"sampling_params={_given(params)} is invalid: give {PARAMS_FORMS}")
     if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
-    return params
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts: give {PARAMS_FORMS}")
+    return [_checked(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
+
+
+def _conversations(messages: object) -> list[tuple[str, list[harmony.Message]]]:
+    """One conversation or a list of them, each named by its place ("messages" or
+    "messages[i]") and checked message by message, so a mistake is reported where it is."""
+    if not _is_seq(messages):
+        raise TypeError(f"messages={_given(messages)} is invalid: give {CHAT_SHAPE}")
+    if not messages:
+        raise ValueError(f"messages is empty: give {CHAT_SHAPE}")
+    if isinstance(messages[0], dict):
+        batch = [("messages", messages)]
+    else:
+        batch = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
+    for where, conv in batch:
+        if not _is_seq(conv):
+            raise TypeError(f"{where}={_given(conv)} is invalid: give {CHAT_SHAPE}")
+        harmony.check_messages(list(conv), where)
+    return [(where, list(conv)) for where, conv in batch]
+
+
+def _check_chat_options(reasoning_effort: object, tools: object, tool_choice: object) -> None:
+    """Checked once before rendering, so their errors are not blamed on a conversation."""
+    if reasoning_effort not in EFFORTS:
+        raise ValueError(
+            f"reasoning_effort={reasoning_effort!r} is invalid: must be one of {', '.join(EFFORTS)}"
+        )
+    harmony.check_tools(tools or [])
+    harmony.check_tool_choice(tool_choice, tools or [])
 
 
 def _progress(total: int):

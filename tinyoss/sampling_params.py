@@ -29,6 +29,9 @@ def _check(name: str, value: object, ok: bool, allowed: str) -> None:
 
 @dataclass
 class SamplingParams:
+    """Checked on construction; `dataclasses.replace(p)` checks a copy again (the normalisation
+    below is idempotent), which is how `LLM` catches fields changed after construction."""
+
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0

@@ -1,0 +1,185 @@
+"""The embedded API refuses bad input with errors that say what and where, and takes vLLM's
+prompt dicts (TextPrompt / TokensPrompt)."""
+
+import dataclasses
+
+import pytest
+
+from tinyoss import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
+HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_vllm_prompt_dicts_match_plain_forms(tiny_llm):
+    ids = tiny_llm.tokenizer.encode("Hello there")
+    want = tokens(tiny_llm.generate(["Hello there", ids], GREEDY, use_tqdm=False))
+    assert want[0] == want[1]
+    forms = [{"prompt": "Hello there"}, {"prompt_token_ids": ids}]
+    assert tokens(tiny_llm.generate(forms, GREEDY, use_tqdm=False)) == want
+    assert tokens(tiny_llm.generate(forms[1], GREEDY, use_tqdm=False)) == want[:1]
+    assert tokens(tiny_llm.generate(tuple(ids), GREEDY, use_tqdm=False)) == want[:1]
+    streamed = list(tiny_llm.stream({"prompt_token_ids": ids}, GREEDY))
+    assert streamed[-1].outputs[0].token_ids == want[0]
+
+
+@pytest.mark.parametrize(
+    "prompts, error, match",
+    [
+        (b"bytes", TypeError, r"prompts=b'bytes' \(bytes\) is invalid: give a str"),
+        (123, TypeError, r"prompts=123 \(int\) is invalid"),
+        (None, TypeError, r"prompts=None \(NoneType\)"),
+        ({"a": 1}, ValueError, r"prompt has unsupported key 'a'"),
+        ({"prompt": "x", "multi_modal_data": {}}, ValueError, r"unsupported key 'multi_modal_data"),
+        ({}, ValueError, r"exactly one of 'prompt' or 'prompt_token_ids'"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, ValueError, r"exactly one of"),
+        ({"prompt": [1, 2]}, TypeError, r"prompt\['prompt'\]=\[1, 2\] \(list\).*must be a str"),
+        ({"prompt_token_ids": "ab"}, TypeError, r"\['prompt_token_ids'\]='ab' \(str\)"),
+        ({"prompt_token_ids": [1, True]}, TypeError, r"\['prompt_token_ids'\]\[1\]=True \(bool"),
+        ([True, False], TypeError, r"prompt\[0\]=True \(bool\).*not bools"),
+        ([1, 2.5], TypeError, r"prompt\[1\]=2.5 \(float\)"),
+        ([], ValueError, r"prompts is an empty list"),
+        (["ok", 7], TypeError, r"prompts\[1\]=7 \(int\) is invalid: a prompt is a str"),
+        (["ok", b"x"], TypeError, r"prompts\[1\]=b'x' \(bytes\)"),
+        (["ok", [1, None]], TypeError, r"prompts\[1\]\[1\]=None"),
+        (["ok", {"prompt": 3}], TypeError, r"prompts\[1\]\['prompt'\]=3"),
+        (["ok", {"image": 1}], ValueError, r"prompts\[1\] has unsupported key 'image'"),
+        ("", ValueError, r"prompt: prompt is empty"),
+        ([[]], ValueError, r"prompts\[0\]: prompt is empty"),
+        (["ok", {"prompt_token_ids": []}], ValueError, r"prompts\[1\]: prompt is empty"),
+        (["ok", [1, 10**9]], ValueError, r"prompts\[1\]: prompt token id 1000000000 is outside"),
+    ],
+)
+def test_bad_prompts_leave_nothing_queued(tiny_llm, prompts, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not tiny_llm.engine.has_work()
+    assert not tiny_llm.processor.requests
+    assert len(tiny_llm.generate(["ok", [1, 2]], GREEDY, use_tqdm=False)) == 2
+
+
+@pytest.mark.parametrize(
+    "params, error, match",
+    [
+        ("x", TypeError, r"sampling_params='x' \(str\) is invalid: give None, a SamplingParams"),
+        ({"temperature": 0}, TypeError, r"sampling_params=\{'temperature': 0\} \(dict\)"),
+        ([GREEDY], ValueError, r"got 1 sampling_params for 2 prompts"),
+        ([GREEDY, "x"], TypeError, r"sampling_params\[1\]='x' \(str\).*must be a SamplingParams"),
+        ([GREEDY, None], TypeError, r"sampling_params\[1\]=None"),
+    ],
+)
+def test_bad_sampling_params(tiny_llm, params, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llm.generate(["a", "b"], params, use_tqdm=False)
+    assert not tiny_llm.engine.has_work()
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("temperature", -1, r"temperature=-1 is invalid: must be a finite number >= 0"),
+        ("max_tokens", 0, r"max_tokens=0 is invalid"),
+        ("stop", 5, r"stop=5 is invalid"),
+        ("n", True, r"n=True is invalid"),
+    ],
+)
+def test_params_changed_after_construction_are_checked_again(tiny_llm, field, value, match):
+    params = dataclasses.replace(GREEDY)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=r"sampling_params: " + match):
+        tiny_llm.generate("a", params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"sampling_params\[1\]: " + match):
+        tiny_llm.generate(["a", "b"], [GREEDY, params], use_tqdm=False)
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.stream("a", params)
+    assert not tiny_llm.engine.has_work()
+
+
+def test_replace_is_idempotent():
+    params = SamplingParams(temperature=1, stop="x", stop_token_ids=(3,), top_k=5, seed=1)
+    again = dataclasses.replace(params)
+    assert again == params and again is not params
+    assert again.stop == ["x"] and again.stop_token_ids == [3] and again.temperature == 1.0
+    assert again.stop is not params.stop  # the request's copy does not follow later edits
+
+
+def test_stream_checks_at_the_call(tiny_llm):
+    with pytest.raises(TypeError, match=r"prompt=b'x' \(bytes\) is invalid: a prompt is a str"):
+        tiny_llm.stream(b"x")
+    with pytest.raises(TypeError, match=r"prompt\[0\]='a' \(str\)"):
+        tiny_llm.stream(["a", "b"])  # one prompt only: a batch goes to generate
+    with pytest.raises(TypeError, match=r"sampling_params=\[.*\(list\).*must be a SamplingParams"):
+        tiny_llm.stream("a", [GREEDY])
+    with pytest.raises(ValueError, match=r"prompt: prompt is empty"):
+        next(tiny_llm.stream({"prompt": ""}, GREEDY))
+    tiny_llm.stream("never started", GREEDY)
+    assert not tiny_llm.engine.has_work()
+
+
+def test_chat_accepts_one_conversation_or_a_batch(tiny_llm):
+    one = tiny_llm.chat(HI, GREEDY, use_tqdm=False)
+    two = tiny_llm.chat([HI, HI], GREEDY, use_tqdm=False, tools=[TOOL], tool_choice=TOOL)
+    assert len(one) == 1 and len(two) == 2
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert tiny_llm.chat(parts, GREEDY, use_tqdm=False)[0].output.prompt_token_ids == (
+        one[0].output.prompt_token_ids
+    )
+
+
+@pytest.mark.parametrize(
+    "messages, error, match",
+    [
+        ("hi", TypeError, r"messages='hi' \(str\) is invalid: give a list of message dicts"),
+        (HI[0], TypeError, r"messages=\{.*\(dict\) is invalid.*\[\{\"role\": \"user\""),
+        ([], ValueError, r"messages is empty: give a list of message dicts"),
+        ([[]], ValueError, r"messages\[0\] must be a non-empty list of message objects"),
+        ([HI[0], HI], ValueError, r"messages\[1\] must be an object, not \["),
+        ([HI, HI[0]], TypeError, r"messages\[1\]=\{.*\(dict\) is invalid: give a list"),
+        ([HI, "hi"], TypeError, r"messages\[1\]='hi' \(str\)"),
+        (["hi"], TypeError, r"messages\[0\]='hi' \(str\)"),
+        ([HI, [HI[0], "x"]], ValueError, r"messages\[1\]\[1\] must be an object, not 'x'"),
+        ([{"content": "hi"}], ValueError, r"messages\[0\]\.role=None is invalid: must be one"),
+        ([HI[0], {"role": "bot"}], ValueError, r"messages\[1\]\.role='bot' is invalid"),
+        ([{"role": "user", "content": 5}], ValueError, r"messages\[0\]\.content must be.*not 5"),
+        (
+            [HI, [{"role": "user", "content": [{"type": "image_url"}]}]],
+            ValueError,
+            r"messages\[1\]\[0\]\.content\[0\] of type 'image_url' is not supported",
+        ),
+        ([{"role": "tool", "content": "42"}], ValueError, r"messages: tool message without"),
+        (
+            [HI, [{"role": "assistant", "tool_calls": [{"function": {}}]}]],
+            ValueError,
+            r"messages\[1\]\[0\]\.tool_calls\[0\] must be \{\"type\": \"function\"",
+        ),
+    ],
+)
+def test_bad_chat_messages(tiny_llm, messages, error, match):
+    with pytest.raises(error, match=match):
+        tiny_llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not tiny_llm.engine.has_work()
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"reasoning_effort": "max"}, r"reasoning_effort='max' is invalid: must be one of low"),
+        ({"tools": TOOL}, r"tools must be a list of \{\"type\": \"function\""),
+        ({"tools": [{"name": "f"}]}, r"tools\[0\] must be \{\"type\": \"function\""),
+        ({"tools": [TOOL], "tool_choice": "any"}, r"tool_choice='any' is invalid: must be 'auto'"),
+        ({"tool_choice": TOOL}, r"tool_choice=.*naming one of the tools"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            r"tool_choice=.*'other'.*naming one of the tools",
+        ),
+    ],
+)
+def test_bad_chat_options(tiny_llm, options, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.chat(HI, GREEDY, use_tqdm=False, **options)
+    assert not tiny_llm.engine.has_work()
