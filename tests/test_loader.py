@@ -94,6 +94,29 @@ def test_bad_tensor_is_named_with_its_file(small_dirs, tmp_path, edit, message):
         _load(bad)
 
 
+def _poison(name: str, value: float | int):
+    def edit(t):
+        flat = t[name].view(-1)
+        flat[flat.numel() // 2] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("model.layers.1.self_attn.o_proj.weight", float("nan")),
+        ("model.norm.weight", float("inf")),
+        ("model.layers.0.self_attn.sinks", float("-inf")),
+        ("model.layers.0.mlp.experts.gate_up_proj_scales", 255),  # E8M0's NaN code
+    ],
+)
+def test_weights_that_are_not_finite_are_refused_by_name(small_dirs, tmp_path, name, value):
+    bad = _rewrite(small_dirs[0], tmp_path / "nan", _poison(name, value))
+    with pytest.raises(CheckpointError, match=rf"tensor {name} holds 1 NaN or infinite value"):
+        _load(bad)
+
+
 def test_truncated_and_missing_files(small_dirs, tmp_path):
     bad = shutil.copytree(small_dirs[0], tmp_path / "trunc")
     path = bad / "model.safetensors"

@@ -165,18 +165,33 @@ def _targets(model: GptOssForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
 def load_weights(
     model: GptOssForCausalLM, source: Iterable[tuple[TensorSpec, torch.Tensor]]
 ) -> None:
-    """Copy every checkpoint tensor into its parameter (converting dtype on the device)."""
+    """Copy every checkpoint tensor into its parameter (converting dtype on the device), and
+    refuse weights that are not finite: a NaN would otherwise surface as failed requests."""
     targets = _targets(model)
     filled: set[str] = set()
     for spec, tensor in source:
         param, row = targets[spec.name]
         dst = param.data[row : row + tensor.shape[0]] if param.dim() > 0 else param.data
         dst.copy_(tensor.reshape(dst.shape))
+        _check_finite(spec.name, dst)
         filled.add(spec.name)
     unfilled = sorted(set(targets) - filled)
     assert not unfilled, f"loader bug: parameters left unfilled: {unfilled[:5]}"
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    """NaN/Inf in a float tensor, or the E8M0 NaN code (255) in an MXFP4 scale tensor."""
+    if t.dtype == torch.uint8:
+        bad = int((t == 255).sum()) if name.endswith("_scales") else 0
+    else:
+        bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise CheckpointError(
+            f"tensor {name} holds {bad} NaN or infinite value(s) of {t.numel()}: the checkpoint "
+            "is corrupt; download it again"
+        )
 
 
 def prepare_experts(model: GptOssForCausalLM) -> None:
