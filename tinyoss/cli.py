@@ -75,19 +75,22 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="tinyoss", description="A lean engine for gpt-oss.")
+    # no abbreviated flags: --max-n must never quietly mean --max-num-seqs
+    parser = argparse.ArgumentParser(
+        prog="tinyoss", description="A lean engine for gpt-oss.", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     from tinyoss.server.cli import add_serve_args, serve
 
-    serve_p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve_p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     serve_p.add_argument("model", nargs="?", default=None, help="folder, hub id or 'tiny'")
     add_engine_args(serve_p)
     add_serve_args(serve_p)
     serve_p.set_defaults(func=serve)
 
     for name, func, text_arg in (("chat", _chat, "message"), ("generate", _generate, "prompt")):
-        p = sub.add_parser(name, help=f"one {text_arg}, answered on stdout")
+        p = sub.add_parser(name, help=f"one {text_arg}, answered on stdout", allow_abbrev=False)
         p.add_argument(text_arg)
         p.add_argument("--model", default=None, help="folder, hub id or 'tiny'")
         p.add_argument("--max-tokens", type=int, default=256)

@@ -232,8 +232,13 @@ class Scheduler:
     def undo(self, plan: StepPlan, seqs: list[Sequence]) -> None:
         """A planned step that never ran (it failed at launch, nothing in flight): its
         sequences go back to waiting, in order, to be computed again; cache names given to
-        blocks it would have written are taken back."""
+        blocks it would have written are taken back. What it told the executor (new and
+        dropped sequences) is told again with the next plan: the launch may have failed
+        before the executor took it in."""
+        new = {n.seq_id for n in plan.new}
+        self._dropped = plan.finished + self._dropped
         for item, seq in reversed(list(zip(plan.seqs, seqs))):
+            seq.announced = seq.announced and seq.seq_id not in new
             self.kv.forget_names(seq.blocks, item.start)
             if item.prompt_logprobs is not None:
                 seq.num_prompt_logprobs = item.prompt_logprobs[0] - 1
