@@ -104,3 +104,20 @@ def test_a_decode_step_out_of_memory_is_the_engines_fault():
     core.executor.launch = decode_out_of_memory
     with pytest.raises(torch.OutOfMemoryError):
         _run(core, {"a": SHORT[0]})
+
+
+def test_an_aborted_prompt_stops_before_its_next_chunk():
+    core = _engine()
+    core.add(CoreRequest("a", SHORT[0], GREEDY))
+    core.add(CoreRequest("long", LONG, GREEDY))
+    steps = []
+    launch = core.executor.launch
+    core.executor.launch = lambda plan: steps.append(plan) or launch(plan)
+    core.step()
+    assert any(s.num_tokens > 1 for s in steps[-1].seqs)  # the long prompt's first chunk ran
+    long_ids = {s.seq_id for s in steps[-1].seqs if s.num_tokens > 5}
+    assert core.abort("long")
+    while core.has_work():
+        core.step()
+    assert all(s.seq_id not in long_ids for plan in steps[1:] for s in plan.seqs)
+    assert core.scheduler.kv.usage() == 0

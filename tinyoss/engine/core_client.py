@@ -150,6 +150,11 @@ class CoreClient:
         self._reader: asyncio.Task | None = None
 
     @property
+    def num_requests(self) -> int:
+        """Requests handed to the core and not finished (running or queued)."""
+        return len(self._queues)
+
+    @property
     def pid(self) -> int | None:
         return None if self._core is None else self._core.process.pid
 
