@@ -8,11 +8,18 @@ of the window, so a table starts at `kv_starts[i]`, not at position 0.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
 
 from tinyoss.model.rope import apply_rope
+
+# `attend` makes logits a block at a time: at most BLOCK_ELEMENTS float32 values (1 MiB, cache
+# sized: larger blocks timed slower on the CPU) over at most QUERY_CHUNK queries. A decode step
+# with 64 query heads stays a single block up to 4096 keys.
+BLOCK_ELEMENTS = 1 << 18
+QUERY_CHUNK = 64
 
 
 @dataclass
@@ -110,17 +117,50 @@ def attend(
     """Causal (optionally windowed) GQA with one sink logit per query head, in float32.
 
     p_j = exp(l_j) / (exp(sink) + sum_k exp(l_k)): the sink joins the denominator only.
-    q [Tq, Hq, D], k/v [Tk, Hk, D] -> [Tq, Hq, D] float32.
+    q [Tq, Hq, D], k/v [Tk, Hk, D], positions ascending -> [Tq, Hq, D] float32.
+    A long prompt's [Tq, Tk] logits would need many GB, so they are made one bounded block at a
+    time with an online softmax; keys that no query of a chunk may see are never computed, so a
+    windowed prompt costs O(Tq * window). A decode step or a short prompt is a single block.
     """
     tq, hq, d = q.shape
     hk = k.shape[1]
-    qg = q.float().view(tq, hk, hq // hk, d)
-    logits = torch.einsum("qhgd,khd->hgqk", qg, k.float()) * scale
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if window:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    sink = sinks.float().view(hk, hq // hk, 1, 1).expand(hk, hq // hk, tq, 1)
-    probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
-    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
-    return out.reshape(tq, hq, d)
+    group = hq // hk
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, Tk, D], made float32 a block at a time
+    sink = sinks.float().view(hk, 1, group)  # the running max before any key
+    sink_total = (sink - _finite(sink)).exp()  # exp(sink - max): 1, or 0 without a sink
+    q_chunk = max(1, min(tq, QUERY_CHUNK))
+    k_chunk = max(1, BLOCK_ELEMENTS // (hq * q_chunk))
+    qp, kp = q_pos.tolist(), k_pos.tolist()
+    out = torch.empty(tq, hk, group, d, dtype=torch.float32, device=q.device)
+    for i0 in range(0, tq, q_chunk):
+        i1 = min(i0 + q_chunk, tq)
+        n = i1 - i0
+        qc = (q[i0:i1].float() * scale).view(n, hk, group, d).transpose(0, 1).reshape(hk, -1, d)
+        m, total, acc = sink, sink_total, None  # running max, denominator, numerator
+        j_begin = bisect_right(kp, qp[i0] - window) if window else 0
+        j_end = bisect_right(kp, qp[i1 - 1])
+        for j0 in range(j_begin, j_end, k_chunk):
+            j1 = min(j0 + k_chunk, j_end)
+            logits = torch.bmm(qc, kh[:, j0:j1].float().transpose(1, 2)).view(hk, n, group, -1)
+            # a block wholly inside every query's causal window needs no mask
+            if kp[j1 - 1] > qp[i0] or (window and kp[j0] <= qp[i1 - 1] - window):
+                allowed = k_pos[None, j0:j1] <= q_pos[i0:i1, None]
+                if window:
+                    allowed &= k_pos[None, j0:j1] > q_pos[i0:i1, None] - window
+                logits.masked_fill_(~allowed[None, :, None, :], float("-inf"))
+            m_new = torch.maximum(m, logits.amax(-1))
+            shift = _finite(m_new)
+            alpha = (m - shift).exp()
+            probs = logits.sub_(shift[..., None]).exp_()
+            total = total * alpha + probs.sum(-1)
+            pv = torch.bmm(probs.flatten(1, 2), vh[:, j0:j1].float()).view(hk, n, group, d)
+            acc = pv if acc is None else acc.mul_(alpha[..., None]).add_(pv)
+            m = m_new
+        assert acc is not None, "every query sees at least its own key"
+        out[i0:i1] = acc.div_(total[..., None]).transpose(0, 1)
+    return out.view(tq, hq, d)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """The running max, -inf (nothing seen yet, no sink) as 0: exp(-inf - m) is 0, not NaN."""
+    return m.masked_fill(m.isneginf(), 0.0)
