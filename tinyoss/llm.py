@@ -57,6 +57,9 @@ class LLM:
     max_num_batched_tokens, block_size, gpu_memory_utilization, kv_cache_tokens,
     enable_prefix_caching, load_format, revision, seed. The engine core runs in this process
     (`tinyoss serve` runs it in a process of its own).
+
+    A request the engine fails alone (out of memory on its prompt, NaN/Inf logits) comes back
+    with finish_reason "error" and `RequestOutput.error` saying why; the others run on.
     """
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
