@@ -236,16 +236,22 @@ class Api:
     ) -> httpx.Response:
         what = what or f"{method} {path}"
         kw = self._args(json, content, headers, auth)
-        try:
+        with self._answered(what, timeout):
             r = self.client.request(method, path, timeout=timeout, **kw)
-        except httpx.TimeoutException as e:
+        self.tracker.record(r.status_code, what, allow_5xx=allow_5xx)
+        return r
+
+    @contextlib.contextmanager
+    def _answered(self, what: str, timeout: float):
+        """A request that got no answer is counted: a hang past `timeout`, else lost."""
+        try:
+            yield
+        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
             self.tracker.hang(what)
             raise Hang(f"hang: {what} got no answer within {timeout} s ({e!r})") from None
         except httpx.TransportError as e:
             self.tracker.lose(what)
             raise Lost(f"no answer to {what}: connection dropped ({e!r})") from None
-        self.tracker.record(r.status_code, what, allow_5xx=allow_5xx)
-        return r
 
     def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
         return self.request("POST", path, json=body, **kw)
@@ -277,16 +283,10 @@ class Api:
     ) -> httpx.Response:
         what = what or f"{method} {path}"
         kw = self._args(json, None, headers, auth)
-        try:
+        with self._answered(what, timeout):
             r = await asyncio.wait_for(
                 client.request(method, path, timeout=timeout, **kw), timeout + 5
             )
-        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
-            self.tracker.hang(what)
-            raise Hang(f"hang: {what} got no answer within {timeout} s ({e!r})") from None
-        except httpx.TransportError as e:
-            self.tracker.lose(what)
-            raise Lost(f"no answer to {what}: connection dropped ({e!r})") from None
         self.tracker.record(r.status_code, what, allow_5xx=allow_5xx)
         return r
 

@@ -46,30 +46,26 @@ def _trickle(sock, data: bytes, every: float, stop: threading.Event) -> None:
             return
 
 
-def half_request_line(api: Api) -> RawResponse:
-    sock = connect(api)
-    sock.sendall(b"POST /v1/chat/comp")
-    try:
-        return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
-    finally:
-        sock.close()
+def _sends_then_waits(data: bytes):
+    """A client that sends `data` (maybe nothing) and then nothing more."""
+
+    def client(api: Api) -> RawResponse:
+        sock = connect(api)
+        if data:
+            sock.sendall(data)
+        try:
+            return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
+        finally:
+            sock.close()
+
+    return client
 
 
-def idle_fresh_connection(api: Api) -> RawResponse:
-    sock = connect(api)
-    try:
-        return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
-    finally:
-        sock.close()
-
-
-def headers_without_end(api: Api) -> RawResponse:
-    sock = connect(api)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app")
-    try:
-        return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
-    finally:
-        sock.close()
+half_request_line = _sends_then_waits(b"POST /v1/chat/comp")
+idle_fresh_connection = _sends_then_waits(b"")
+headers_without_end = _sends_then_waits(
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app"
+)
 
 
 def headers_trickled(api: Api) -> RawResponse:
