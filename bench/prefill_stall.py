@@ -53,10 +53,17 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
 
     alone = [step()[0] for _ in range(args.alone_steps)]
     core.add(CoreRequest("long", ids(args.long_len), SamplingParams(max_tokens=1)))
-    during, start = [], time.perf_counter()
+    during, chunks, start = [], [], time.perf_counter()
+
+    def computed() -> int:  # the long prompt's tokens in the cache
+        seqs = core.scheduler.running + list(core.scheduler.waiting)
+        return next((s.num_computed for s in seqs if s.request_id == "long"), args.long_len)
+
     while True:
+        before = computed()
         dt, deltas = step()
         during.append(dt)
+        chunks.append((before, computed() - before))
         if any(d.request_id == "long" and d.token_ids for d in deltas):
             break
     ttft = time.perf_counter() - start
@@ -75,6 +82,10 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
         "during": {"p50": ms(statistics.median(during)), "p99": ms(percentile(during, 0.99)),
                    "max": ms(max(during)), "steps": len(during)},
         "long_ttft_s": round(ttft, 3),
+        "slowest": [  # (ms, context, chunk) of the slowest steps while the prompt is admitted
+            (ms(during[i]), *chunks[i])
+            for i in sorted(range(len(during)), key=during.__getitem__)[-3:][::-1]
+        ],
     }
 
 
@@ -94,7 +105,8 @@ def main() -> None:
               f"p99 {r['alone']['p99']} max {r['alone']['max']} ms | while a "
               f"{args.long_len}-token prompt is admitted: p50 {r['during']['p50']} p99 "
               f"{r['during']['p99']} max {r['during']['max']} ms over {r['during']['steps']} "
-              f"steps | its TTFT {r['long_ttft_s']} s", flush=True)
+              f"steps | its TTFT {r['long_ttft_s']} s | slowest (ms, context, chunk): "
+              f"{r['slowest']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -274,6 +274,11 @@ class EngineConfig:
     revision: str | None = option("hub revision of the model", default=None)
     seed: int = option("seed of the random weights (load_format dummy)", default=0)
     enforce_eager: bool = option("no CUDA graphs (debugging)", default=False)
+    max_prefill_graph_tokens: int = option(
+        "steps with prefill tokens of up to this many tokens replay piecewise CUDA graphs "
+        "(attention runs eagerly between the pieces); larger ones run eagerly; 0 = none",
+        default=1024,
+    )
     attention_backend: str = option(
         "attention kernels: auto = FlashInfer on a GPU, torch on the CPU",
         ATTENTION_BACKENDS,
@@ -315,6 +320,7 @@ class EngineConfig:
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
             ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1),
             ("decode_step_budget_ms", self.decode_step_budget_ms >= 0),
+            ("max_prefill_graph_tokens", self.max_prefill_graph_tokens >= 0),
         ]
         for name, ok in checks:
             if not ok:

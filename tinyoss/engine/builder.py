@@ -16,6 +16,7 @@ import torch
 from tinyoss.config import EngineConfig, ModelConfig, parse_mxfp4_layers
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
+from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
 from tinyoss.engine.executor import Executor
 from tinyoss.engine.kv_cache import (
     CacheLayout,
@@ -120,11 +121,16 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     if use_graphs:
         graphs = CudaGraphRunner(model, attention, sizes, len(layout.windows), device)
         graphs.capture()
-    executor = Executor(model, attention, len(layout.windows), device, graphs)
+    pieces = None
+    piece_sizes = piecewise_sizes(min(config.max_prefill_graph_tokens, max_step_tokens))
+    if use_graphs and piece_sizes:
+        pieces = PiecewiseGraphRunner(model, attention, piece_sizes, device)
+        pieces.capture()
+    executor = Executor(model, attention, len(layout.windows), device, graphs, pieces)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     summary = (
         f"model {config.model} on {device}, {str(dtype).removeprefix('torch.')}; backends: "
-        f"{backends.describe()}; CUDA graphs {'on' if graphs is not None else 'off'}; KV cache: "
+        f"{backends.describe()}; CUDA graphs: {_graphs_summary(graphs, pieces)}; KV cache: "
         f"{num_blocks * config.block_size} token slots ({num_blocks} blocks of "
         f"{config.block_size}, {num_blocks * per_block / 2**30:.2f} GiB); max_model_len "
         f"{max_model_len}; max_num_seqs {config.max_num_seqs}"
@@ -199,6 +205,15 @@ def warm_up_steps(core: EngineCore, config: EngineConfig) -> None:
     core.stats = CoreStats()
     core.scheduler.num_preemptions = 0
     log.info("warm-up: %d requests in %.1f s", sum(n for n, _ in shapes), time.perf_counter() - t0)
+
+
+def _graphs_summary(graphs: CudaGraphRunner | None, pieces: PiecewiseGraphRunner | None) -> str:
+    if graphs is None:
+        return "off"
+    out = f"decode of up to {max(graphs.sizes)} sequences"
+    if pieces is not None:
+        out += f", piecewise for steps of up to {max(pieces.sizes)} tokens"
+    return out
 
 
 def _attention(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyoss.engine.cuda_graphs import CudaGraphRunner
+from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner
 from tinyoss.engine.sampler import Sampler, SamplingBatch, compute_logprobs
 from tinyoss.engine.step import NewSeq, StepPlan, StepResult, TokenLogprob
 from tinyoss.engine.transfer import HostCopy, to_device
@@ -106,12 +107,14 @@ class Executor:
         num_groups: int,
         device: torch.device,
         graphs: CudaGraphRunner | None = None,
+        pieces: PiecewiseGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
         self.num_groups = num_groups
         self.device = device
         self.graphs = graphs
+        self.pieces = pieces
         self.sampler = Sampler()
         self.states: dict[int, SamplerState] = {}
         self._last: LaunchedStep | None = None  # the step a chained plan reads its tokens from
@@ -129,7 +132,7 @@ class Executor:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
             launched = self._sample([s.seq_id for s in plan.seqs], logits, {})
         else:
-            launched = self._eager(plan, batch)
+            launched = self._mixed(plan, batch)
         self._last = launched
         return launched
 
@@ -143,9 +146,16 @@ class Executor:
         rows = torch.tensor([row_of[s.seq_id] for s in plan.seqs])
         return last.tokens.index_select(0, to_device(rows, last.tokens.device))
 
-    def _eager(self, plan: StepPlan, batch: FlatBatch) -> LaunchedStep:
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        """Hidden states of every token of the batch: piecewise graphs where a size holds it."""
+        if self.pieces is not None and self.pieces.bucket(batch.input_ids.shape[0]):
+            return self.pieces.run(batch.input_ids, batch.positions, batch.meta)
         self.attention.plan(batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention)
+        return self.model(batch.input_ids, batch.positions, self.attention)
+
+    def _mixed(self, plan: StepPlan, batch: FlatBatch) -> LaunchedStep:
+        """A step with prefill tokens (or decodes no decode graph holds)."""
+        hidden = self._forward(batch)
         rows, seq_ids, prompt = [], [], {}
         offset = 0
         for s in plan.seqs:

@@ -49,17 +49,18 @@ class PrefillConfig:
     block_n1: int = 128
     block_n2: int = 128
     block_k: int = 128
-    num_warps: int = 8  # 4 spill registers at 64 x 128 tiles (the next tile is prefetched)
+    num_warps: int = 4
     num_stages: int = 3
 
 
 def prefill_config(num_tokens: int, num_experts: int, top_k: int) -> PrefillConfig:
-    """Token tiles sized to the rows an expert gets on average (T * K / E): a 64-row tile over
-    8 rows is mostly padding, so small batches take 16-row tiles; large prefills gain from
-    128-row ones, which reuse each weight tile for more tokens."""
+    """Token tiles sized to the rows an expert gets on average (T * K / E): 16-row tiles up to
+    8 rows, 32 up to 16, 64 beyond, on 4 warps: the best of a sweep at gpt-oss-20b and 120b
+    shapes from 16 to 8192 tokens, where 128-row tiles and 8 warps lost at every size
+    (bench/results/2026-11-24_h100_moe_prefill_tiles.txt)."""
     rows = max(1, num_tokens * top_k // num_experts)
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    return PrefillConfig(block_m=block_m, num_warps=4 if block_m <= 16 else 8)
+    block_m = 16 if rows <= 8 else 32 if rows <= 16 else 64
+    return PrefillConfig(block_m=block_m)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
