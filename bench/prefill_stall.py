@@ -46,12 +46,30 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
     ):
         core.step()
 
-    def step() -> tuple[float, list]:
+    events: list[tuple] = []  # CUDA events around each step while the prompt is admitted
+    launches: list[float] = []  # host seconds until the executor's launch returns, per step
+    launch = core.executor.launch
+
+    def timed_launch(plan):
         t0 = time.perf_counter()
+        out = launch(plan)
+        launches.append(time.perf_counter() - t0)
+        return out
+
+    core.executor.launch = timed_launch
+
+    def step() -> tuple[float, list]:
+        launches.clear()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
         deltas = core.step()
+        e1.record()
+        events.append((e0, e1, sum(launches)))
         return time.perf_counter() - t0, deltas
 
     alone = [step()[0] for _ in range(args.alone_steps)]
+    events.clear()
     core.add(CoreRequest("long", ids(args.long_len), SamplingParams(max_tokens=1)))
     during, chunks, start = [], [], time.perf_counter()
 
@@ -67,6 +85,9 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
         if any(d.request_id == "long" and d.token_ids for d in deltas):
             break
     ttft = time.perf_counter() - start
+    torch.cuda.synchronize()
+    gpu = [e0.elapsed_time(e1) for e0, e1, _ in events]  # ms; a step's launch gaps included
+    host = [h for _, _, h in events]
     for i in range(args.streams):
         core.abort(f"s{i}")
     while core.has_work():
@@ -82,8 +103,8 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
         "during": {"p50": ms(statistics.median(during)), "p99": ms(percentile(during, 0.99)),
                    "max": ms(max(during)), "steps": len(during)},
         "long_ttft_s": round(ttft, 3),
-        "slowest": [  # (ms, context, chunk) of the slowest steps while the prompt is admitted
-            (ms(during[i]), *chunks[i])
+        "slowest": [  # (ms, GPU ms, launch ms, context, chunk) of the slowest steps
+            (ms(during[i]), round(gpu[i], 2), ms(host[i]), *chunks[i])
             for i in sorted(range(len(during)), key=during.__getitem__)[-3:][::-1]
         ],
     }
@@ -105,7 +126,8 @@ def main() -> None:
               f"p99 {r['alone']['p99']} max {r['alone']['max']} ms | while a "
               f"{args.long_len}-token prompt is admitted: p50 {r['during']['p50']} p99 "
               f"{r['during']['p99']} max {r['during']['max']} ms over {r['during']['steps']} "
-              f"steps | its TTFT {r['long_ttft_s']} s | slowest (ms, context, chunk): "
+              f"steps | its TTFT {r['long_ttft_s']} s | slowest (ms, GPU ms, host launch ms, context, "
+              f"chunk): "
               f"{r['slowest']}", flush=True)
 
 

@@ -185,6 +185,17 @@ def _prefill_cost(core: EngineCore, config: EngineConfig) -> PrefillCost:
 # that are 1, multiples of 16 and neither (Triton compiles a variant for each), multi-sequence
 # prefills, and the largest step.
 _WARM_UP_SHAPES = [(1, 1), (1, 17), (1, 100), (1, 250), (1, 500), (3, 37), (16, 64), (64, 64)]
+# Every sampler path, alone and mixed in one batch: torch loads a kernel's module on its first
+# launch, and a first request at the default temperature 1 would otherwise pay for the random
+# draw, top-k/top-p sorting, penalties, seeded generators and logprobs.
+_WARM_UP_PARAMS = [
+    SamplingParams(max_tokens=3, ignore_eos=True, temperature=0),
+    SamplingParams(max_tokens=3, ignore_eos=True),
+    SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50,
+                   min_p=0.05),
+    SamplingParams(max_tokens=3, ignore_eos=True, seed=1, presence_penalty=0.5,
+                   frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5),
+]
 
 
 def warm_up_steps(core: EngineCore, config: EngineConfig) -> None:
@@ -194,11 +205,13 @@ def warm_up_steps(core: EngineCore, config: EngineConfig) -> None:
     t0 = time.perf_counter()
     rng = random.Random(0)
     limit = core.info.max_model_len - 4
-    shapes = _WARM_UP_SHAPES + [(1, config.max_num_batched_tokens + 17)]
-    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    # and the eager path just above the piecewise graphs, at a size that is no multiple of 16
+    shapes = _WARM_UP_SHAPES + [(1, config.max_prefill_graph_tokens + 17),
+                                (1, config.max_num_batched_tokens + 17)]
     for i, (n, length) in enumerate(shapes):
         for j in range(n):
             ids = [rng.randrange(1000, 150000) for _ in range(min(length, limit))]
+            params = _WARM_UP_PARAMS[(i + j) % len(_WARM_UP_PARAMS)]
             core.add(CoreRequest(f"warm-up-{i}-{j}", ids, params))
         while core.has_work():
             core.step()
