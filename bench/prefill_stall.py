@@ -35,7 +35,8 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
     llm = LLM(args.model, load_format=args.load_format,
               max_model_len=max(args.long_len, stream_len) + 64,
               kv_cache_tokens=args.long_len + args.streams * stream_len + 4096,
-              decode_step_budget_ms=budget)
+              decode_step_budget_ms=budget,
+              max_prefill_graph_tokens=args.max_prefill_graph_tokens)
     core, rng = llm.engine, random.Random(0)
     ids = lambda n: [rng.randrange(1000, 150000) for _ in range(n)]  # noqa: E731
     decode = SamplingParams(max_tokens=stream_len - 1024, ignore_eos=True, temperature=0)
@@ -117,6 +118,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="decoding sequences (1024 in)")
     p.add_argument("--long-len", type=int, default=32768, help="the long prompt's tokens")
     p.add_argument("--alone-steps", type=int, default=200, help="steps timed without it")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
+                   help="engine option: the largest step replayed from piecewise graphs")
     p.add_argument("--budgets", type=float, nargs="+", default=[0, 50],
                    help="decode_step_budget_ms values, one engine each")
     args = p.parse_args()

@@ -136,7 +136,7 @@ def _greedy(llm, prompts, n=32):
 
 @pytest.mark.parametrize(
     "enforce_eager,async_scheduling,piecewise",
-    [(False, True, 1024), (True, True, 1024), (False, False, 1024), (False, True, 0)],
+    [(False, True, 2048), (True, True, 2048), (False, False, 2048), (False, True, 0)],
 )
 def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager, async_scheduling,
                                            piecewise):
@@ -175,7 +175,7 @@ def test_piecewise_graphs_match_eager_prefill(tiny_dir):
     prompts = [[rng.randrange(199998) for _ in range(n)] for n in (5, 40, 130, 300, 700)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     runs = []
-    for piecewise in (1024, 0):
+    for piecewise in (2048, 0):
         llm = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, kv_cache_tokens=8192,
                   max_num_batched_tokens=96, max_prefill_graph_tokens=piecewise)
         assert (llm.engine.executor.pieces is not None) == bool(piecewise)

@@ -277,7 +277,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = option(
         "steps with prefill tokens of up to this many tokens replay piecewise CUDA graphs "
         "(attention runs eagerly between the pieces); larger ones run eagerly; 0 = none",
-        default=1024,
+        default=2048,
     )
     attention_backend: str = option(
         "attention kernels: auto = FlashInfer on a GPU, torch on the CPU",

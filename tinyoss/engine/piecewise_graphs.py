@@ -28,13 +28,14 @@ log = logging.getLogger("tinyoss")
 
 
 def piecewise_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
-    """Token counts a graph set is captured for: powers of two and the midpoints between them
-    (16, 24, 32, 48, ...), so padding wastes at most a third of a step; up to max_tokens."""
+    """Token counts a graph set is captured for, up to max_tokens: powers of two and the
+    midpoints between them up to 1024 (16, 24, 32, 48, ...), then every 256, so padding wastes
+    at most a third of a small step and a fifth of a large one."""
     sizes, p = [], smallest
-    while p <= max_tokens:
-        sizes += [s for s in (p, p * 3 // 2) if s <= max_tokens]
+    while p <= min(max_tokens, 1024):
+        sizes += [s for s in (p, p * 3 // 2) if s <= min(max_tokens, 1024)]
         p *= 2
-    return sizes
+    return sizes + list(range(1280, max_tokens + 1, 256))
 
 
 class _Pieces:
