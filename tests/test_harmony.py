@@ -775,6 +775,17 @@ def test_truncated_in_a_header():
     ) == ParsedCompletion("x", None, [], "length")
 
 
+def test_output_that_never_formed_a_message_is_the_reply():
+    """Cut off by max_tokens before any <|message|> (tiny's random weights): the text is kept."""
+    assert check(toks("Just text, no harmony at all")) == ParsedCompletion(
+        None, "Just text, no harmony at all", [], "length"
+    )
+    assert check(toks(CHANNEL, "final Hello")) == ParsedCompletion(None, "Hello", [], "length")
+    # a cut-off call to a tool, or a bare channel name, is still nothing to show
+    assert check(toks(CHANNEL, "commentary to=functions.get_wea")).content is None
+    assert check(toks(CHANNEL, "analysis")) == ParsedCompletion(None, None, [], "length")
+
+
 def test_lenient_headers():
     # No <|message|>: harmony's non-strict parser keeps the header's leftover text.
     assert check(toks(CHANNEL, "final Hello there", RETURN)) == ParsedCompletion(

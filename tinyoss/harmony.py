@@ -533,10 +533,14 @@ class HarmonyStreamParser:
         return out
 
     def finish(self) -> list[Delta]:
-        """End of generation: flushes the open message (a cut-off header is dropped)."""
+        """End of generation: flushes the open message. A cut-off header is dropped, unless it
+        is all there is: output that never formed a harmony message (a model that does not
+        write harmony, such as `tiny`'s random weights) is the reply's text, not lost."""
         out: list[Delta] = []
         if self._state == "content":
             self._close(out)
+        elif self._state == "header" and not self.tool_calls and not any(self._text.values()):
+            self._salvage(out)
         return out
 
     def result(self) -> ParsedCompletion:

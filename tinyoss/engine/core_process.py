@@ -93,13 +93,13 @@ def _loop(core: EngineCore, pull: zmq.Socket, send, parent: int) -> None:
                         core.add(msg[1])
                     except ValueError as e:  # the front end checks first; this is a backstop
                         send("reject", msg[1].request_id, str(e))
+        if os.getppid() != parent:  # checked while busy too: a long request must not keep
+            log.warning("the server process is gone: the engine core exits")  # the GPU
+            return
         if not core.has_work():
             if busy:  # gone idle: the front end's stats should say so
                 send("step", [], core.current_stats())
                 busy = False
-            if os.getppid() != parent:
-                log.warning("the server process is gone: the engine core exits")
-                return
             continue
         busy = True
         deltas = core.step()
