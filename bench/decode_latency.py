@@ -243,6 +243,12 @@ def main() -> None:
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write the record to this file")
     args = p.parse_args()
+    if not torch.cuda.is_available():  # else the 20b would load on the CPU, then crash or crawl
+        raise SystemExit(
+            "bench/decode_latency.py is a GPU benchmark (decode steps against the GPU's memory "
+            "bandwidth): it needs a CUDA GPU, and PyTorch sees none. It has no CPU mode; to try "
+            "tinyoss on the CPU, run: tinyoss generate 'Hello' --model tiny"
+        )
     record = run(args)
     need = record["bytes_per_step"]
     print(

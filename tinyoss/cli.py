@@ -1,13 +1,84 @@
-"""The `tinyoss` command: serve, chat, generate, make-checkpoint."""
+"""The `tinyoss` command: serve, chat, generate, make-checkpoint.
+
+`tinyoss` and `python -m tinyoss` are the same (`main`). Mistakes in how it is called (a bad
+flag, a port in use, --device cuda without a GPU) are found before any weights load and
+reported as `tinyoss COMMAND: error: ...` with exit status 2, as argparse reports a bad flag.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
+import re
 import sys
+import warnings
+from typing import TYPE_CHECKING
 
 from tinyoss.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tinyoss.llm import LLM, ChatOutput
+
+log = logging.getLogger("tinyoss")
+
+MODEL_HELP = (
+    "checkpoint folder, hub id or 'tiny' (default: openai/gpt-oss-20b with a GPU, else tiny)"
+)
+SHARD_BYTES = 4_800_000_000  # make_checkpoint.SHARD_BYTES, which imports torch (a test pins it)
+NO_COMMAND = (
+    "tinyoss: give a command, e.g. `tinyoss serve` (the OpenAI-compatible server on port 8000) "
+    "or `tinyoss chat 'Hello'`; `tinyoss COMMAND --help` lists its flags"
+)
+VLLM_HINT = "; docs/serve.md, 'Coming from vLLM', says what becomes of vLLM's"
+TINY_NOTE = (
+    "note: `tiny` has random weights, so its text is gibberish (it runs every part of the "
+    "engine without a GPU); give --model openai/gpt-oss-20b on a GPU for real answers"
+)
+
+
+class CliError(Exception):
+    """A mistake in the command line found before anything loads; `main` prints it and exits 2."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or the default
+    is None or False (a switch that is off): one rule, so no flag can forget it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "(default" in text
+            or "%(default)" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is its message and a pointer to --help, not the whole usage
+    (serve's runs to some 50 lines, burying the one that matters)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tinyoss")
+    except metadata.PackageNotFoundError:
+        import tinyoss
+
+        return getattr(tinyoss, "__version__", "unknown")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -39,15 +110,105 @@ def engine_kwargs(args: argparse.Namespace, cls: type = EngineConfig) -> dict:
 
 def default_model() -> str:
     """gpt-oss-20b where a GPU is present, the built-in tiny model otherwise."""
+    return "openai/gpt-oss-20b" if _cuda_available() else "tiny"
+
+
+def _cuda_available() -> bool:
+    """torch.cuda.is_available() without the "Found no NVIDIA driver" warning it may print."""
     import torch
 
-    return "openai/gpt-oss-20b" if torch.cuda.is_available() else "tiny"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.cuda.is_available()
+
+
+def check_device(device: str | None) -> None:
+    """Refuses a --device that cannot run here, naming why, before torch fails deep inside the
+    engine (serve's engine core would only fail after the server had started)."""
+    if device is None or device == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise CliError(f"--device {device!r} is not one tinyoss runs on: give cuda, cuda:N or cpu")
+    if not _cuda_available():
+        raise CliError(
+            f"--device {device}: no CUDA GPU is usable here ({_why_no_cuda()}). Leave out "
+            "--device or give --device cpu to run on the CPU (the built-in `tiny` model runs "
+            "there; a full-size gpt-oss is very slow on a CPU)"
+        )
+    import torch
+
+    count, index = torch.cuda.device_count(), int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise CliError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to "
+                       f"cuda:{count - 1}")  # fmt: skip
+
+
+def _why_no_cuda() -> str:
+    import torch
+
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.version.cuda is None:
+        return "this PyTorch is a CPU-only build; install a CUDA build of torch"
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"
+    return "PyTorch finds no NVIDIA GPU or driver"
+
+
+class _ModelAction(argparse.Action):
+    """`serve MODEL` and `serve --model MODEL` (vLLM's spelling) set the same thing; giving two
+    different models is an error naming both, not a silent pick."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:  # the positional MODEL, left out
+            return
+        this = option_string or "MODEL"
+        given, where = getattr(namespace, self.dest, None), getattr(namespace, "model_from", None)
+        if given is not None and given != values:
+            parser.error(
+                f"the model is given twice, as {where} {given!r} and as {this} {values!r}: "
+                "give MODEL or --model, once"
+            )
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "model_from", this)
+
+
+def _load(args: argparse.Namespace) -> LLM:
+    """The LLM for chat and generate, after the checks that need no loading."""
+    check_device(args.device)
+    model = args.model or default_model()
+    try:
+        EngineConfig(model=model, **engine_kwargs(args))  # its refusals, before any loading
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if model == "tiny":
+        print(TINY_NOTE, file=sys.stderr)
+    from tinyoss import LLM
+
+    return LLM(model, **engine_kwargs(args))
+
+
+def reply_text(reply: ChatOutput) -> str:
+    """What `chat` prints of a `ChatOutput`: reasoning, tool calls, then the answer. A reply
+    that formed no harmony message (tiny's random weights never write one) shows the raw
+    generated text, marked as such, rather than an empty line."""
+    from tinyoss.tokenizer import MESSAGE
+
+    completion = reply.output.outputs[0]
+    lines = [f"[reasoning] {reply.reasoning}\n"] if reply.reasoning else []
+    lines += [f"[tool call] {call.name}({call.arguments})" for call in reply.tool_calls]
+    if MESSAGE not in completion.token_ids or not (
+        reply.content or reply.reasoning or reply.tool_calls
+    ):
+        lines.append(f"[raw output, no harmony message: {completion.text}]")
+    elif reply.content or not reply.tool_calls:
+        lines.append(reply.content or "")
+    return "\n".join(lines)
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from tinyoss import LLM, SamplingParams
+    from tinyoss import SamplingParams
 
-    llm = LLM(args.model or default_model(), **engine_kwargs(args))
+    llm = _load(args)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -56,16 +217,14 @@ def _chat(args: argparse.Namespace) -> None:
         params,
         reasoning_effort=args.reasoning_effort,
     )[0]
-    if reply.reasoning:
-        print(f"[reasoning] {reply.reasoning}\n")
-    print(reply.content or "")
+    print(reply_text(reply))
     print(f"\n[finish: {reply.finish_reason}]", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from tinyoss import LLM, SamplingParams
+    from tinyoss import SamplingParams
 
-    llm = LLM(args.model or default_model(), **engine_kwargs(args))
+    llm = _load(args)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -74,49 +233,116 @@ def _generate(args: argparse.Namespace) -> None:
     print()
 
 
-def main(argv: list[str] | None = None) -> None:
-    # no abbreviated flags: --max-n must never quietly mean --max-num-seqs
-    parser = argparse.ArgumentParser(
-        prog="tinyoss", description="A lean engine for gpt-oss.", allow_abbrev=False
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _make_checkpoint(args: argparse.Namespace) -> None:
+    from tinyoss.tools.make_checkpoint import make_checkpoint
 
+    out = make_checkpoint(
+        args.preset, args.out, seed=args.seed, data=args.data, max_shard_bytes=args.max_shard_bytes
+    )
+    print(f"wrote {args.preset} checkpoint to {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: cheap to build (no torch), so --help and errors are instant."""
+    from tinyoss.model.presets import PRESETS
     from tinyoss.server.cli import add_serve_args, serve
 
-    serve_p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
-    serve_p.add_argument("model", nargs="?", default=None, help="folder, hub id or 'tiny'")
+    # no abbreviated flags: --max-n must never quietly mean --max-num-seqs
+    parser = _Parser(
+        prog="tinyoss",
+        description="A lean inference engine for OpenAI's gpt-oss models.",
+        epilog="`tinyoss COMMAND --help` lists a command's flags.",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"tinyoss {version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=description,
+            allow_abbrev=False,
+            formatter_class=HelpFormatter,
+        )
+
+    serve_p = command(
+        "serve",
+        "OpenAI-compatible HTTP server (Chat Completions, Completions)",
+        "Serve MODEL over the OpenAI API at http://HOST:PORT/v1 (docs/serve.md).",
+    )
+    serve_p.add_argument("model", nargs="?", default=None, action=_ModelAction,
+                         metavar="MODEL", help=MODEL_HELP)  # fmt: skip
+    serve_p.add_argument(
+        "--model", dest="model", default=None, action=_ModelAction,
+        help="the same as MODEL (vLLM's spelling); give one of the two",
+    )  # fmt: skip
     add_engine_args(serve_p)
     add_serve_args(serve_p)
     serve_p.set_defaults(func=serve)
 
     for name, func, text_arg in (("chat", _chat, "message"), ("generate", _generate, "prompt")):
-        p = sub.add_parser(name, help=f"one {text_arg}, answered on stdout", allow_abbrev=False)
-        p.add_argument(text_arg)
-        p.add_argument("--model", default=None, help="folder, hub id or 'tiny'")
-        p.add_argument("--max-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=1.0)
+        what = "a chat reply (harmony: reasoning, then the answer)" if name == "chat" else (
+            "a raw text completion, streamed")
+        p = command(name, f"one {text_arg}, answered on stdout", f"Print {what} for one "
+                    f"{text_arg}; the model loads in this process.")  # fmt: skip
+        p.add_argument(text_arg, help=f"the {text_arg} text")
+        p.add_argument("--model", default=None, help=MODEL_HELP)
+        p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+        p.add_argument("--temperature", type=float, default=1.0,
+                       help="sampling temperature; 0 = greedy")  # fmt: skip
         if name == "chat":
-            p.add_argument(
-                "--reasoning-effort", default="medium", choices=("low", "medium", "high")
-            )
+            p.add_argument("--reasoning-effort", default="medium",
+                           choices=("low", "medium", "high"),
+                           help="how long gpt-oss reasons before it answers")  # fmt: skip
         add_engine_args(p)
         p.set_defaults(func=func)
 
-    ckpt = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint folder")
-    ckpt.add_argument("rest", nargs=argparse.REMAINDER)
-    ckpt.set_defaults(func=lambda a: _make_checkpoint(a.rest))
+    ckpt = command(
+        "make-checkpoint",
+        "write a synthetic checkpoint folder (random weights)",
+        "Write a complete synthetic gpt-oss checkpoint folder in the Hugging Face layout:\n"
+        "config, tokenizer and random weights of a preset (tests and benchmarks).",
+    )
+    ckpt.add_argument("preset", choices=tuple(PRESETS), type=lambda s: s.removeprefix("openai/"),
+                      help="the model's shape")  # fmt: skip
+    ckpt.add_argument("out", help="folder to write")
+    ckpt.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    ckpt.add_argument("--data", choices=("random", "sparse"), default="random",
+                      help="sparse: real headers, the data left as holes in the files "
+                      "(a full-size checkpoint costs no disk and no time)")  # fmt: skip
+    ckpt.add_argument("--max-shard-bytes", type=int, default=SHARD_BYTES,
+                      help="largest safetensors shard, in bytes")  # fmt: skip
+    ckpt.set_defaults(func=_make_checkpoint)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        where = f"tinyoss {args.command}" if args.command else "tinyoss"
+        hint = VLLM_HINT if args.command == "serve" else ""
+        print(f"{where}: error: unrecognized arguments: {' '.join(unknown)}\n"
+              f"(`{where} --help` lists the flags{hint})", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    if args.command is None:
+        parser.print_help()
+        print(f"\n{NO_COMMAND}", file=sys.stderr)
+        raise SystemExit(2)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args.func(args)
-
-
-def _make_checkpoint(rest: list[str]) -> None:
-    from tinyoss.tools.make_checkpoint import main as make
-
-    make(rest)
+    for note in getattr(args, "vllm_notes", None) or []:
+        log.info("%s", note)
+    try:
+        args.func(args)
+    except CliError as e:
+        print(f"tinyoss {args.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -244,7 +244,9 @@ class EngineConfig:
         DTYPES,
         default="auto",
     )
-    device: str | None = option("cuda or cpu (default: cuda when available)", default=None)
+    device: str | None = option(
+        "cuda, cuda:N or cpu (default: cuda when available)", default=None
+    )
     max_model_len: int | None = option(
         "longest prompt + output in tokens (default: the model's context, capped by the KV "
         "cache)",
@@ -272,7 +274,11 @@ class EngineConfig:
         default="auto",
     )
     revision: str | None = option("hub revision of the model", default=None)
-    seed: int = option("seed of the random weights (load_format dummy)", default=0)
+    seed: int = option(
+        "seed of the random weights (load_format dummy); not a server-wide sampling seed as "
+        "in vLLM: requests give their own `seed` (chat and generate sample with this one)",
+        default=0,
+    )
     enforce_eager: bool = option("no CUDA graphs (debugging)", default=False)
     max_prefill_graph_tokens: int = option(
         "steps with prefill tokens of up to this many tokens replay piecewise CUDA graphs "

@@ -8,45 +8,113 @@ other subcommands start fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 
 log = logging.getLogger("tinyoss.server")
+API_KEY_ENVS = ("TINYOSS_API_KEY", "VLLM_API_KEY")  # in this order, after --api-key
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: MODEL)"
     )
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (default: env TINYOSS_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: env TINYOSS_API_KEY, else "
+        "env VLLM_API_KEY; neither set: no key)",
     )
     from tinyoss.cli import add_dataclass_args
     from tinyoss.server.limits import ServerLimits
+    from tinyoss.server.vllm_flags import add_vllm_args
 
     add_dataclass_args(p.add_argument_group("server limits"), ServerLimits)
+    add_vllm_args(p)
+
+
+def api_key(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The key clients must send, and where it came from (for the start-up log)."""
+    if args.api_key:
+        return args.api_key, "--api-key"
+    for env in API_KEY_ENVS:
+        if os.environ.get(env):
+            return os.environ[env], f"env {env}"
+    return None, "none given"
+
+
+def check_port(host: str, port: int) -> None:
+    """Binds host:port and lets go at once, as uvicorn will bind it (SO_REUSEADDR; IPv6 sockets
+    IPv6-only), so that a port in use is reported now, not after the model has loaded. Nothing
+    is held: uvicorn binds the port itself."""
+    from tinyoss.cli import CliError
+
+    if not 0 <= port <= 65535:
+        raise CliError(f"--port {port} is not a port: give one from 1 to 65535")
+    try:
+        addresses = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise CliError(f"--host {host}: not an address this machine can resolve ({e})") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                raise CliError(_bind_error(host, port, e)) from None
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (is another server running there?): "
+            f"stop it, or pick a free port with --port, e.g. --port {port + 1}"
+        )
+    if e.errno == errno.EACCES:
+        return (
+            f"no permission to listen on port {port} (ports below 1024 need privileges): "
+            "pick another with --port, e.g. --port 8000"
+        )
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"--host {host} is not an address of this machine: give 127.0.0.1 (this machine "
+            "only) or 0.0.0.0 (all interfaces)"
+        )
+    return f"cannot listen on {host}:{port}: {e.strerror}"
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from tinyoss.cli import default_model, engine_kwargs
+    from tinyoss.cli import CliError, check_device, default_model, engine_kwargs
     from tinyoss.config import EngineConfig
-    from tinyoss.server.app import create_app
     from tinyoss.server.limits import ServerLimits, limited_http
 
+    # what can be checked without loading anything, before the model (or uvicorn) loads
+    check_port(args.host, args.port)
+    check_device(args.device)
     model = args.model
     if model is None:
         model = default_model()
         why = "a GPU is present" if model != "tiny" else "no GPU: the built-in random-weight model"
         log.info("no MODEL given: serving %s (%s)", model, why)
-    config = EngineConfig(model=model, **engine_kwargs(args))
-    limits = ServerLimits(**engine_kwargs(args, ServerLimits))
-    api_key = args.api_key or os.environ.get("TINYOSS_API_KEY") or None
+    try:
+        config = EngineConfig(model=model, **engine_kwargs(args))
+        limits = ServerLimits(**engine_kwargs(args, ServerLimits))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+    import uvicorn
+
+    from tinyoss.server.app import create_app
+
+    key, key_from = api_key(args)
     fatal: list[str] = []
 
     def on_fatal(why: str) -> None:  # no engine core can run: stop, non-zero, for a supervisor
@@ -54,14 +122,14 @@ def serve(args: argparse.Namespace) -> None:
         server.should_exit = True
 
     name = args.served_model_name or model
-    app = create_app(config, model_name=name, api_key=api_key, on_fatal=on_fatal, limits=limits)
+    app = create_app(config, model_name=name, api_key=key, on_fatal=on_fatal, limits=limits)
     log.info(
-        "serving %r on http://%s:%d/v1 (API key %s); the model loads in the background, "
+        "serving %r on http://%s:%d/v1 (API key: %s); the model loads in the background, "
         "GET /health answers 200 once it is ready",
         name,
         args.host,
         args.port,
-        "required" if api_key else "off",
+        f"required, from {key_from}" if key else "off",
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -1,0 +1,172 @@
+"""Fail fast, before anything heavy loads: a port in use, --device cuda without a GPU, the GPU
+benchmark without a GPU; and `tinyoss chat` on `tiny` showing what it generated."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tinyoss import cli
+from tinyoss.server import cli as server_cli
+from tinyoss.tokenizer import MESSAGE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _listening() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_serve_on_a_port_in_use_stops_at_once():
+    """The real command, as a user runs it: exit 2 naming the port, before the model loads."""
+    with _listening() as busy:
+        port = busy.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        t0 = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "-m", "tinyoss", "serve", "tiny", "--port", str(port)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+    assert run.returncode == 2, run.stderr
+    assert f"tinyoss serve: error: port {port} on 127.0.0.1 is already in use" in run.stderr
+    assert f"--port {port + 1}" in run.stderr
+    assert "Traceback" not in run.stderr and "loaded" not in run.stderr
+    assert took < 15, f"took {took:.1f} s: something loaded before the check"
+
+
+def test_check_port_leaves_a_free_port_free():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server_cli.check_port("127.0.0.1", port)  # no error
+    with socket.socket() as again:  # nothing was kept bound
+        again.bind(("127.0.0.1", port))
+        again.listen()
+
+
+@pytest.mark.parametrize(
+    "host, port, says",
+    [
+        ("127.0.0.1", 70000, "--port 70000 is not a port"),
+        ("192.0.2.1", 0, "--host 192.0.2.1 is not an address of this machine"),
+    ],
+)
+def test_check_port_names_the_problem(host, port, says):
+    with pytest.raises(cli.CliError, match=says):
+        server_cli.check_port(host, port)
+
+
+def test_check_port_unknown_host(monkeypatch):
+    def unknown(*args, **kwargs):  # no DNS lookup in a test
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(cli.CliError, match="--host nowhere: not an address this machine can"):
+        server_cli.check_port("nowhere", 8000)
+
+
+def test_serve_port_check_comes_first(capsys, monkeypatch):
+    """In process: serve stops on the busy port before it checks the device or imports the
+    app (neither is reached)."""
+    monkeypatch.setattr(cli, "check_device", lambda device: pytest.fail("device checked"))
+    with _listening() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", "tiny", "--port", str(port)])
+    assert e.value.code == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny"], ["chat", "hi"], ["generate", "hi"]])
+def test_device_cuda_without_a_gpu(command, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    monkeypatch.setattr(cli, "default_model", lambda: pytest.fail("went on to pick a model"))
+    with socket.socket() as s:  # a free port, for serve
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    argv = [*command, "--device", "cuda"] + (["--port", port] if command[0] == "serve" else [])
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"tinyoss {command[0]}: error: --device cuda: no CUDA GPU is usable here" in err
+    assert "--device cpu" in err and "Traceback" not in err
+
+
+def test_device_checks():
+    cli.check_device(None)
+    cli.check_device("cpu")
+    with pytest.raises(cli.CliError, match="'gpu' is not one tinyoss runs on: give cuda"):
+        cli.check_device("gpu")
+
+
+def test_invalid_engine_option_is_a_cli_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--model", "tiny", "--max-num-seqs", "0"])
+    assert e.value.code == 2
+    assert "tinyoss generate: error: invalid max_num_seqs: 0" in capsys.readouterr().err
+
+
+def test_decode_latency_needs_a_gpu(monkeypatch):
+    from bench import decode_latency
+
+    monkeypatch.setattr(decode_latency.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(decode_latency, "run", lambda args: pytest.fail("it ran"))
+    monkeypatch.setattr(sys, "argv", ["decode_latency.py"])
+    with pytest.raises(SystemExit) as e:
+        decode_latency.main()
+    assert "GPU benchmark" in str(e.value.code) and "needs a CUDA GPU" in str(e.value.code)
+    assert "tinyoss generate 'Hello' --model tiny" in str(e.value.code)
+
+
+def _reply(token_ids, text, reasoning=None, content=None, tool_calls=()):
+    completion = SimpleNamespace(token_ids=list(token_ids), text=text)
+    return SimpleNamespace(reasoning=reasoning, content=content, tool_calls=list(tool_calls),
+                           output=SimpleNamespace(outputs=[completion]))  # fmt: skip
+
+
+def test_reply_text():
+    # no harmony message: the raw text, marked (whether or not the parser kept it as content)
+    assert cli.reply_text(_reply([1, 2], " foo bar")) == (
+        "[raw output, no harmony message:  foo bar]"
+    )
+    assert cli.reply_text(_reply([1, 2], "foo", content="foo")) == (
+        "[raw output, no harmony message: foo]"
+    )
+    # a harmony reply: reasoning, then the answer
+    assert cli.reply_text(_reply([5, MESSAGE, 6], "x", content="Hello")) == "Hello"
+    assert cli.reply_text(_reply([MESSAGE], "x", reasoning="think", content="Hi")) == (
+        "[reasoning] think\n\nHi"
+    )
+    # a message formed but nothing parsed out of it: still the raw text, not an empty line
+    assert cli.reply_text(_reply([MESSAGE, 7], "<|message|>?")) == (
+        "[raw output, no harmony message: <|message|>?]"
+    )
+    call = SimpleNamespace(name="get_weather", arguments='{"city": "Paris"}')
+    assert cli.reply_text(_reply([MESSAGE], "x", tool_calls=[call])) == (
+        '[tool call] get_weather({"city": "Paris"})'
+    )
+
+
+def test_chat_on_tiny_shows_its_raw_output(capsys):
+    """End to end on `tiny` (random weights: no harmony headers): a note that its text is
+    gibberish, then the generated text, marked, instead of an empty line."""
+    cli.main(["chat", "Hello", "--model", "tiny", "--max-tokens", "6", "--temperature", "0",
+              "--kv-cache-tokens", "1024"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert cli.TINY_NOTE in err
+    assert out.startswith("[raw output, no harmony message: ")
+    raw = out.strip().removeprefix("[raw output, no harmony message: ").removesuffix("]")
+    assert raw.strip(), out
+    assert "[finish: " in err

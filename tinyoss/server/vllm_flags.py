@@ -1,0 +1,135 @@
+"""vLLM `serve` flags that tinyoss does not have, and what tinyoss does about each.
+
+People arrive with a `vllm serve` command line. Rather than argparse's bare "unrecognized
+arguments", each flag here is either accepted with one log line saying it changes nothing (its
+value, if any, is one of `harmless`), or refused with a message naming it and what to do. A flag
+that would change results (a quantization, an fp8 KV cache, several GPUs, speculative decoding)
+is always refused: running anyway would quietly serve something else than was asked for.
+
+This table is the only list: `tinyoss serve` builds its flags from it and docs/serve.md
+("Coming from vLLM") lists it; tests/test_cli_vllm.py checks the two agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+ANY = ("*",)  # `harmless` of a flag whose every use changes nothing (switches: ANY or ())
+HARMONY = "tinyoss always parses gpt-oss's harmony format: reasoning and tool calls"
+ONE_GPU = "tinyoss runs a model on one GPU (gpt-oss-120b fits one 80 GB GPU)"
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    names: tuple[str, ...]  # the long name first, then vLLM's short aliases
+    takes_value: bool
+    harmless: tuple[str, ...]  # the values that change nothing: ANY, none (), or a list
+    says: str  # why it changes nothing, or what to do instead
+
+    def accepts(self, value: str | None) -> bool:
+        """Whether this use of the flag changes nothing (and is therefore accepted)."""
+        return self.harmless == ANY or (value or "").lower() in {v.lower() for v in self.harmless}
+
+
+VLLM_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag(("--tool-call-parser",), True, ("openai",), HARMONY),
+    VllmFlag(("--enable-auto-tool-choice",), False, ANY, HARMONY),
+    VllmFlag(("--reasoning-parser",), True, ("openai_gptoss", "GptOss", "gpt_oss"), HARMONY),
+    VllmFlag(("--trust-remote-code",), False, ANY, "gpt-oss needs no remote code"),
+    VllmFlag(("--disable-log-requests",), False, ANY, "tinyoss never logs prompts or outputs"),
+    VllmFlag(("--disable-log-stats",), False, ANY,
+             "tinyoss logs no periodic stats (GET /metrics has them)"),
+    VllmFlag(("--enable-chunked-prefill",), False, ANY,
+             "tinyoss always prefills long prompts in chunks of --max-num-batched-tokens"),
+    VllmFlag(("--swap-space",), True, ANY,
+             "tinyoss never swaps the KV cache to the CPU: a preempted sequence is recomputed"),
+    VllmFlag(("--uvicorn-log-level",), True, ANY, "the server logs at level info"),
+    VllmFlag(("--generation-config",), True, ("auto", "vllm"),
+             "gpt-oss's generation_config.json sets no sampling defaults; tinyoss's are "
+             "OpenAI's (temperature 1, top_p 1): give sampling parameters in each request"),
+    VllmFlag(("--tensor-parallel-size", "-tp"), True, ("1",),
+             f"{ONE_GPU}; for more throughput run one server per GPU (CUDA_VISIBLE_DEVICES)"),
+    VllmFlag(("--pipeline-parallel-size", "-pp"), True, ("1",), ONE_GPU),
+    VllmFlag(("--data-parallel-size", "-dp"), True, ("1",),
+             "run one tinyoss serve per GPU (CUDA_VISIBLE_DEVICES=i) behind a load balancer"),
+    VllmFlag(("--enable-expert-parallel",), False, (), ONE_GPU),
+    VllmFlag(("--quantization", "-q"), True, ("mxfp4",),
+             "tinyoss runs gpt-oss's MXFP4 experts as shipped; --mxfp4-layers quantizes more "
+             "layers (qkv, o, lm_head); other quantizations are not supported"),
+    VllmFlag(("--kv-cache-dtype",), True, ("auto",),
+             "the KV cache is in the model's dtype (--dtype); an fp8 KV cache is not supported "
+             "yet"),
+    VllmFlag(("--speculative-config",), True, (), "speculative decoding is not supported yet"),
+    VllmFlag(("--max-logprobs",), True, ("20",),
+             "tinyoss returns at most 20 logprobs per token (OpenAI's limit), not configurable"),
+    VllmFlag(("--chat-template",), True, (),
+             "tinyoss renders gpt-oss's harmony format itself; a custom chat template is not "
+             "supported"),
+    VllmFlag(("--compilation-config", "-O"), True, (),
+             "tinyoss captures CUDA graphs itself: --enforce-eager turns them off, "
+             "--max-prefill-graph-tokens sizes the piecewise prefill graphs"),
+    VllmFlag(("--limit-mm-per-prompt",), True, (), "gpt-oss is text-only: drop the flag"),
+    VllmFlag(("--tokenizer",), True, (),
+             "the tokenizer comes with the checkpoint (o200k_harmony): drop the flag"),
+    VllmFlag(("--download-dir",), True, (),
+             "set HF_HUB_CACHE (or HF_HOME) to choose where hub downloads go"),
+    VllmFlag(("--enable-lora",), False, (), "LoRA adapters are not supported yet"),
+    VllmFlag(("--cpu-offload-gb",), True, (),
+             "offloading weights to the CPU is not supported"),
+)
+
+
+def describe(flag: VllmFlag) -> str:
+    """What the flag does in tinyoss, in one line (for --help and the docs)."""
+    if not flag.harmless:
+        return f"refused: {flag.says}"
+    if flag.harmless == ANY:
+        return f"accepted, changes nothing: {flag.says}"
+    return f"accepted as {' or '.join(flag.harmless)} (changes nothing), else refused: {flag.says}"
+
+
+def refusal(flag: VllmFlag, given: str) -> str:
+    """The error for a use of `flag` that tinyoss cannot honour: what, why, what to do."""
+    only = ""
+    if flag.harmless and flag.harmless != ANY:
+        only = f" (only {' or '.join(flag.harmless)} is accepted, and changes nothing)"
+    return f"{given}: this vLLM flag is not supported by tinyoss{only}: {flag.says}"
+
+
+class _VllmAction(argparse.Action):
+    """Accepts a harmless use (noted in `vllm_notes`, logged once logging is set up) or stops
+    the parse with an error naming the flag and what to do."""
+
+    def __init__(self, *args, flag: VllmFlag, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.flag = flag
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = values if isinstance(values, str) else None
+        given = f"{option_string} {value}" if value is not None else str(option_string)
+        if not self.flag.accepts(value):
+            parser.error(refusal(self.flag, given))
+        notes = list(getattr(namespace, "vllm_notes", None) or [])
+        notes.append(f"{given}: a vLLM flag that changes nothing in tinyoss: {self.flag.says}")
+        setattr(namespace, "vllm_notes", notes)
+
+
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    """One flag per `VLLM_FLAGS` entry, in a group of their own."""
+    group = p.add_argument_group(
+        "vLLM flags", "accepted where they change nothing, else refused (docs/serve.md: "
+        "Coming from vLLM)"
+    )
+    for flag in VLLM_FLAGS:
+        group.add_argument(
+            *flag.names,
+            action=_VllmAction,
+            flag=flag,
+            nargs=None if flag.takes_value else 0,
+            dest="vllm_" + flag.names[0].lstrip("-").replace("-", "_"),
+            default=argparse.SUPPRESS,
+            metavar="VALUE" if flag.takes_value else None,
+            help=describe(flag).replace("%", "%%"),
+        )
+    p.set_defaults(vllm_notes=[])
