@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import reprlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ class LLM:
 
     A request the engine fails alone (out of memory on its prompt, NaN/Inf logits) comes back
     with finish_reason "error" and `RequestOutput.error` saying why; the others run on.
+
+    The start-up lines (loading, backends, the summary) go to stderr through the "tinyoss"
+    logger, unless the application configured logging itself;
+    `logging.getLogger("tinyoss").setLevel(logging.WARNING)` before `LLM(...)` silences them.
     """
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
@@ -71,6 +76,7 @@ class LLM:
                 f"valid: {', '.join(sorted(fields - {'model'}))}"
             )
         config = EngineConfig(model=model, **kwargs)
+        show_startup_logs()
         folder = checkpoint_folder(config)
         self.tokenizer = load_tokenizer(folder)
         self.engine = build_engine(config, folder)
@@ -204,6 +210,30 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in request_ids]
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """stderr, only while the root logger has no handler: an application that configures
+    logging after building an LLM gets each line once, through its own handlers."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def show_startup_logs() -> None:
+    """Python shows a library's INFO lines nowhere unless the application configured logging
+    (its last resort prints warnings only), so a first `LLM(...)` would load in silence. As
+    vLLM does, tinyoss then prints its own logger's INFO lines to stderr; a level set on the
+    "tinyoss" logger beforehand is kept."""
+    logger = logging.getLogger("tinyoss")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = _FallbackHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _given(value: object) -> str:

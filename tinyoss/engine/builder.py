@@ -33,6 +33,7 @@ from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
 from tinyoss.model.quant_linear import quantize_layers
 from tinyoss.sampling_params import SamplingParams
 from tinyoss.settings import resolve
+from tinyoss.threads import configure_cpu_threads
 from tinyoss.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyoss")
@@ -71,6 +72,8 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     dtype = _DTYPES.get(config.dtype) or (
         torch.bfloat16 if device.type == "cuda" else torch.float32
     )
+    if device.type == "cpu":
+        configure_cpu_threads()
     folder = folder if folder is not None else checkpoint_folder(config)
     model_config = load_model_config(folder, config)
     max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -140,6 +143,9 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
         num_blocks, config.block_size, summary,
     )
     log.info(summary)
+    random_weights = _random_weights(config)
+    if random_weights:
+        log.info(random_weights)
     core = EngineCore(info, scheduler, executor)
     core.async_scheduling = config.async_scheduling
     if device.type == "cuda":
@@ -148,6 +154,18 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
             cost = _prefill_cost(core, config)
             scheduler.prefill_budget = (cost, config.decode_step_budget_ms / 1e3)
     return core
+
+
+def _random_weights(config: EngineConfig) -> str | None:
+    """What to tell a user whose model has random weights: its text looks broken, by design."""
+    if config.model == "tiny":
+        return (
+            "tiny is tinyoss's built-in test model and has random weights, so its text is "
+            "random; give a gpt-oss checkpoint (e.g. openai/gpt-oss-20b) for real text"
+        )
+    if config.load_format == "dummy":
+        return "load_format dummy: the weights are random, so the text is random"
+    return None
 
 
 def _prefill_cost(core: EngineCore, config: EngineConfig) -> PrefillCost:

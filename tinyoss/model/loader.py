@@ -20,6 +20,7 @@ from tinyoss.kernels import Kernels
 from tinyoss.model.gpt_oss import Attention, Experts, GptOssForCausalLM
 from tinyoss.model.layout import TensorSpec, checkpoint_tensors
 from tinyoss.model.synthetic import synthetic_tensors
+from tinyoss.progress import tensor_progress
 
 log = logging.getLogger("tinyoss")
 
@@ -245,13 +246,21 @@ def load_model(
     seed: int = 0,
 ) -> GptOssForCausalLM:
     """Builds the model and fills it from `folder`, or with random weights for `dummy`."""
-    model = build_model(config, dtype=dtype, device=device, kernels=kernels)
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(
+            f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
+        )
+    if load_format != "dummy" and folder is None:
+        raise CheckpointError(f"load_format {load_format!r} needs a checkpoint folder")
     specs = checkpoint_tensors(config)
+    total = sum(s.nbytes for s in specs)
+    source = "random weights (load_format dummy)" if load_format == "dummy" else folder
+    log.info("loading %d tensors (%.2f GB) from %s", len(specs), total / 1e9, source)
+    model = build_model(config, dtype=dtype, device=device, kernels=kernels)
     if load_format == "dummy":
-        load_weights(model, synthetic_tensors(config, seed, device))
-    elif load_format in ("auto", "safetensors"):
-        if folder is None:
-            raise CheckpointError("load_format 'auto' needs a checkpoint folder")
+        weights = synthetic_tensors(config, seed, device)
+        load_weights(model, tensor_progress(weights, total, "random weights"))
+    else:
         ckpt = SafetensorsCheckpoint(folder)
         try:
             extra = sorted(set(ckpt.file_of) - {s.name for s in specs})
@@ -261,13 +270,9 @@ def load_model(
                     len(extra),
                     ", ".join(extra[:3]),
                 )
-            load_weights(model, ckpt.tensors(specs))
+            load_weights(model, tensor_progress(ckpt.tensors(specs), total, "loading weights"))
         finally:
             ckpt.close()
-    else:
-        raise ValueError(
-            f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
-        )
     prepare_experts(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

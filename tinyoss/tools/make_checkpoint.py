@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -25,6 +27,9 @@ from tinyoss.config import ModelConfig
 from tinyoss.model.layout import TensorSpec, checkpoint_tensors
 from tinyoss.model.presets import GENERATION_CONFIG, preset_config
 from tinyoss.model.synthetic import synthetic_tensors
+from tinyoss.progress import tensor_progress
+
+log = logging.getLogger("tinyoss")
 
 SHARD_BYTES = 4_800_000_000
 
@@ -96,7 +101,9 @@ def make_checkpoint(
 
     specs = checkpoint_tensors(config)
     shards = shard_plan(specs, max_shard_bytes)
-    stream = None if data == "sparse" else iter(synthetic_tensors(config, seed))
+    total = sum(s.nbytes for s in specs)
+    weights = synthetic_tensors(config, seed)
+    stream = None if data == "sparse" else tensor_progress(weights, total, f"writing {preset}")
     if len(shards) == 1:
         write_safetensors(out / "model.safetensors", specs, stream)
         return out
@@ -106,7 +113,7 @@ def make_checkpoint(
         name = f"model-{i:05d}-of-{last:05d}.safetensors"
         write_safetensors(out / name, shard, stream)
         weight_map.update((spec.name, name) for spec in shard)
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out
 
@@ -130,8 +137,11 @@ def ensure_tiny(seed: int = 0) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("writing the built-in model tiny (random weights) to %s: first use only", target)
+    t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
     make_checkpoint("tiny", tmp, seed=seed)
+    log.info("wrote tiny in %.1f s", time.perf_counter() - t0)
     try:
         tmp.rename(target)
     except OSError:  # another process finished first

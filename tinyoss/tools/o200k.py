@@ -20,9 +20,11 @@ import base64
 import gzip
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
@@ -30,6 +32,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from tinyoss.tokenizer import SPECIAL_NAMES, VOCAB_SIZE, byte_to_unicode
+
+log = logging.getLogger("tinyoss")
 
 RANKS_FILE = Path(__file__).resolve().parent.parent / "data" / "o200k_base.tiktoken.gz"
 RANKS_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -173,9 +177,12 @@ def tokenizer_dir() -> Path:
     if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the o200k tokenizer files into %s: first use only", target)
+    t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{CACHE_NAME}-"))
     try:
         _write_fresh(tmp)
+        log.info("built the tokenizer in %.1f s", time.perf_counter() - t0)
         tmp.rename(target)
     except OSError:
         if not _complete(target):
