@@ -28,6 +28,7 @@ def percentile(values: list[float], q: float) -> float:
 def measure(args: argparse.Namespace, budget: float) -> dict:
     import torch
 
+    from bench.step_timer import StepTimer, start_streams
     from tinyoss import LLM, SamplingParams
     from tinyoss.engine.core import CoreRequest
 
@@ -39,38 +40,11 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
               max_prefill_graph_tokens=args.max_prefill_graph_tokens)
     core, rng = llm.engine, random.Random(0)
     ids = lambda n: [rng.randrange(1000, 150000) for _ in range(n)]  # noqa: E731
-    decode = SamplingParams(max_tokens=stream_len - 1024, ignore_eos=True, temperature=0)
-    for i in range(args.streams):
-        core.add(CoreRequest(f"s{i}", ids(1024), decode))
-    while any(s.num_computed < s.num_prompt for s in core.scheduler.running) or (
-        core.scheduler.waiting
-    ):
-        core.step()
-
-    events: list[tuple] = []  # CUDA events around each step while the prompt is admitted
-    launches: list[float] = []  # host seconds until the executor's launch returns, per step
-    launch = core.executor.launch
-
-    def timed_launch(plan):
-        t0 = time.perf_counter()
-        out = launch(plan)
-        launches.append(time.perf_counter() - t0)
-        return out
-
-    core.executor.launch = timed_launch
-
-    def step() -> tuple[float, list]:
-        launches.clear()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        e0.record()
-        deltas = core.step()
-        e1.record()
-        events.append((e0, e1, sum(launches)))
-        return time.perf_counter() - t0, deltas
-
+    start_streams(core, args.streams, 1024, stream_len - 1024, rng)
+    timer = StepTimer(core)
+    step = timer.step
     alone = [step()[0] for _ in range(args.alone_steps)]
-    events.clear()
+    timer.clear()
     core.add(CoreRequest("long", ids(args.long_len), SamplingParams(max_tokens=1)))
     during, chunks, start = [], [], time.perf_counter()
 
@@ -86,9 +60,7 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
         if any(d.request_id == "long" and d.token_ids for d in deltas):
             break
     ttft = time.perf_counter() - start
-    torch.cuda.synchronize()
-    gpu = [e0.elapsed_time(e1) for e0, e1, _ in events]  # ms; a step's launch gaps included
-    host = [h for _, _, h in events]
+    times = timer.times()
     for i in range(args.streams):
         core.abort(f"s{i}")
     while core.has_work():
@@ -105,7 +77,7 @@ def measure(args: argparse.Namespace, budget: float) -> dict:
                    "max": ms(max(during)), "steps": len(during)},
         "long_ttft_s": round(ttft, 3),
         "slowest": [  # (ms, GPU ms, launch ms, context, chunk) of the slowest steps
-            (ms(during[i]), round(gpu[i], 2), ms(host[i]), *chunks[i])
+            (ms(during[i]), ms(times[i][1]), ms(times[i][2]), *chunks[i])
             for i in sorted(range(len(during)), key=during.__getitem__)[-3:][::-1]
         ],
     }

@@ -13,7 +13,6 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -34,6 +33,7 @@ def main() -> None:
 
     import torch
 
+    from bench.step_timer import StepTimer, start_streams
     from tinyoss import LLM, SamplingParams
     from tinyoss.engine.core import CoreRequest
 
@@ -42,44 +42,19 @@ def main() -> None:
               max_prefill_graph_tokens=args.max_prefill_graph_tokens)
     core, rng = llm.engine, random.Random(0)
     ids = lambda n: [rng.randrange(1000, 150000) for _ in range(n)]  # noqa: E731
-    decode = SamplingParams(max_tokens=30000, ignore_eos=True, temperature=0)
-    for i in range(args.streams):
-        core.add(CoreRequest(f"s{i}", ids(1024), decode))
-    while any(s.num_computed < s.num_prompt for s in core.scheduler.running) or (
-        core.scheduler.waiting
-    ):
-        core.step()
-    ex = core.executor
-    launch = ex.launch
-    host: list[float] = []
-
-    def timed_launch(plan):
-        t0 = time.perf_counter()
-        out = launch(plan)
-        host.append(time.perf_counter() - t0)
-        return out
-
-    ex.launch = timed_launch
+    start_streams(core, args.streams, 1024, 30000, rng)
+    timer = StepTimer(core)
     sched = core.scheduler
     full = sched.max_num_batched_tokens
     for n in args.chunks:
         sched.max_num_batched_tokens = args.streams + n
         core.add(CoreRequest(f"long{n}", ids(args.prompt_len), SamplingParams(max_tokens=1)))
-        walls, gpus, hosts = [], [], []
+        timer.clear()
         for _ in range(args.max_steps):
-            torch.cuda.synchronize()
-            host.clear()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            e0.record()
-            deltas = core.step()
-            e1.record()
-            torch.cuda.synchronize()
-            walls.append(time.perf_counter() - t0)
-            gpus.append(e0.elapsed_time(e1) / 1e3)
-            hosts.append(sum(host))
+            _, deltas = timer.step()
             if any(d.request_id == f"long{n}" and d.finish_reason for d in deltas):
                 break
+        walls, gpus, hosts = zip(*timer.times())
         core.abort(f"long{n}")
         core.step()
         med = lambda v: 1e3 * statistics.median(v[2:])  # noqa: E731
