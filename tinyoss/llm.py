@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 from tinyoss import harmony
 from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
-from tinyoss.engine.core import CoreRequest
+from tinyoss.engine.core import CoreRequest, EngineCore
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.sampling_params import SamplingParams
 
@@ -196,6 +196,7 @@ class LLM:
         pending = set(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
+        prefill = _PrefillBar(self.engine, request_ids[0]) if use_tqdm else None
         try:
             while pending:
                 for out in self._step():
@@ -204,11 +205,14 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                if prefill is not None:
+                    prefill.update()
         finally:
             for request_id in pending:  # interrupted (e.g. Ctrl-C): free what is left
                 self._abort(request_id)
-            if bar is not None:
-                bar.close()
+            for b in (bar, prefill):
+                if b is not None:
+                    b.close()
         return [done[r] for r in request_ids]
 
 
@@ -355,6 +359,36 @@ def _check_chat_options(reasoning_effort: object, tools: object, tool_choice: ob
         )
     harmony.check_tools(tools or [])
     harmony.check_tool_choice(tool_choice, tools or [])
+
+
+class _PrefillBar:
+    """A bar over a long prompt's tokens while they are prefilled (the wait before the first
+    token), for a single request: `tinyoss chat` and `generate` of one prompt. Off where stderr
+    is no terminal, as the checkpoint bars are."""
+
+    MIN_TOKENS = 2048  # shorter prompts are prefilled in one step or two: nothing to watch
+
+    def __init__(self, engine: EngineCore, request_id: str) -> None:
+        from tqdm import tqdm
+
+        self.engine, self.request_id, self.bar = engine, request_id, None
+        progress = engine.prompt_progress(request_id)
+        if progress is not None and progress[1] >= self.MIN_TOKENS:
+            self.bar = tqdm(total=progress[1], desc="prefill", unit="tok", disable=None)
+
+    def update(self) -> None:
+        if self.bar is None:
+            return
+        progress = self.engine.prompt_progress(self.request_id)
+        done = self.bar.total if progress is None else progress[0]
+        self.bar.update(done - self.bar.n)
+        if done >= self.bar.total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _progress(total: int):

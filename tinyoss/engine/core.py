@@ -166,6 +166,14 @@ class EngineCore:
         self._retire(request_id)
         return True
 
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens prefilled or under way, prompt tokens) of a request, for a progress
+        bar; None once it is done (or unknown)."""
+        seqs = self.requests.get(request_id)
+        if not seqs:
+            return None
+        return min(s.num_computed for s in seqs), seqs[0].num_prompt
+
     def has_work(self) -> bool:
         return bool(self.requests) or self._in_flight is not None
 
