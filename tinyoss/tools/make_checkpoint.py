@@ -11,7 +11,6 @@ checkpoint then costs no disk and no time, for tests of the tensor inventory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -150,21 +149,13 @@ def ensure_tiny(seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="tinyoss make-checkpoint",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("preset", help="tiny, gpt-oss-20b or gpt-oss-120b")
-    p.add_argument("out", help="folder to write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", choices=("random", "sparse"), default="random")
-    p.add_argument("--max-shard-bytes", type=int, default=SHARD_BYTES)
-    args = p.parse_args(argv)
-    out = make_checkpoint(
-        args.preset, args.out, seed=args.seed, data=args.data, max_shard_bytes=args.max_shard_bytes
-    )
-    print(f"wrote {args.preset} checkpoint to {out}")
+    """`python -m tinyoss.tools.make_checkpoint ...` is `tinyoss make-checkpoint ...` (one
+    parser, with its help, in tinyoss/cli.py)."""
+    import sys
+
+    from tinyoss.cli import main as cli_main
+
+    cli_main(["make-checkpoint", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
