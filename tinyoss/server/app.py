@@ -18,10 +18,13 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -39,7 +42,15 @@ from tinyoss.engine.core_client import (
 from tinyoss.engine.output_processor import RequestOutput
 from tinyoss.server.limits import ServerLimits
 from tinyoss.server.metrics import Metrics
-from tinyoss.server.protocol import APIError, Prepared, parse_chat, parse_completion, tokenize
+from tinyoss.server.protocol import (
+    APIError,
+    Prepared,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize,
+)
 from tinyoss.server.responses import ChatChoice, TextChoice
 
 log = logging.getLogger("tinyoss.server")
@@ -363,6 +374,26 @@ def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> N
         )
 
 
+@dataclass(frozen=True)
+class Cors:
+    """CORS, as vLLM's --allowed-origins, --allowed-methods, --allowed-headers and
+    --allow-credentials set it (starlette's CORSMiddleware answers preflights, before the API
+    key is checked)."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "allow_origins": list(self.allowed_origins),
+            "allow_methods": list(self.allowed_methods),
+            "allow_headers": list(self.allowed_headers),
+            "allow_credentials": self.allow_credentials,
+        }
+
+
 def create_app(
     config: EngineConfig,
     *,
@@ -370,9 +401,11 @@ def create_app(
     api_key: str | None = None,
     on_fatal: Callable[[str], None] | None = None,
     limits: ServerLimits | None = None,
+    cors: Cors | None = None,
 ) -> Starlette:
     """The server app; its engine core starts in a process of its own once the app starts.
-    `on_fatal` is called when no core can run (a failed load, a failed restart)."""
+    `on_fatal` is called when no core can run (a failed load, a failed restart). `cors`: None,
+    no CORS headers at all."""
     limits = limits or ServerLimits()
     state = ServerState(config, model_name, api_key, on_fatal, limits)
 
@@ -486,6 +519,28 @@ def create_app(
         ]
         return await respond(request, Run(state, prep, "text_completion", choices))
 
+    async def tokenize_(request: Request) -> Response:
+        client = state.ready()
+        prep, token_strs = parse_tokenize(await body_of(request), client.info)
+        await tokenize(prep, client.tokenizer, client.info)
+        ids = prep.prompts[0]
+        strs = [client.tokenizer.id_to_token(i) for i in ids] if token_strs else None
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": client.info.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(request: Request) -> Response:
+        client = state.ready()
+        ids = parse_detokenize(await body_of(request), client.info)
+        decode = client.tokenizer.decode
+        text = await asyncio.to_thread(decode, ids) if len(ids) > 1 << 16 else decode(ids)
+        return JSONResponse({"prompt": text})
+
     async def models(request: Request) -> Response:
         card = {"id": state.model_name, "object": "model", "created": state.created}
         card["owned_by"] = "tinyoss"
@@ -513,7 +568,9 @@ def create_app(
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        if state.api_key and request.url.path.startswith("/v1") and not authorized(request):
+        path = request.url.path
+        keyed = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+        if state.api_key and keyed and not authorized(request):
             return _error_response(_unauthorized())  # no probing of /v1 without the key
         return _error_response(APIError(exc.status_code, f"{request.url.path}: {exc.detail}"))
 
@@ -529,12 +586,18 @@ def create_app(
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/tokenize", endpoint(tokenize_), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/version", endpoint(version, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
     ]
+    middleware = [] if cors is None else [Middleware(CORSMiddleware, **cors.kwargs())]
     app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+        middleware=middleware,
     )
     app.state.server = state
     return app

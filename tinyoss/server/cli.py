@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import socket
@@ -29,12 +30,86 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1 (default: env TINYOSS_API_KEY, else "
         "env VLLM_API_KEY; neither set: no key)",
     )
+    group = p.add_argument_group("CORS (vLLM's flags; off unless --allowed-origins is given)")
+    group.add_argument(
+        "--allowed-origins",
+        type=_json_list("--allowed-origins"),
+        default=None,
+        help='origins allowed to call the API from a browser, a JSON list: \'["*"]\' for any, '
+        '\'["https://app.example"]\' (default: none, no CORS headers)',
+    )
+    group.add_argument(
+        "--allowed-methods",
+        type=_json_list("--allowed-methods"),
+        default=None,
+        help='methods allowed, a JSON list (default \'["*"]\'); needs --allowed-origins',
+    )
+    group.add_argument(
+        "--allowed-headers",
+        type=_json_list("--allowed-headers"),
+        default=None,
+        help='request headers allowed, a JSON list (default \'["*"]\'); needs --allowed-origins',
+    )
+    group.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow credentials (cookies, Authorization) in cross-origin requests; needs "
+        "--allowed-origins",
+    )
     from tinyoss.cli import add_dataclass_args
     from tinyoss.server.limits import ServerLimits
     from tinyoss.server.vllm_flags import add_vllm_args
 
     add_dataclass_args(p.add_argument_group("server limits"), ServerLimits)
     add_vllm_args(p)
+
+
+def _json_list(flag: str):
+    """argparse type: a JSON list of strings, as vLLM takes its CORS flags."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a JSON list of strings, e.g. '[\"*\"]' or "
+                f"'[\"https://app.example\"]', not {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def cors(args: argparse.Namespace):
+    """The CORS settings the flags give (None: off), or a CliError for a flag without
+    --allowed-origins."""
+    from tinyoss.cli import CliError
+    from tinyoss.server.app import Cors
+
+    if args.allowed_origins is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--allowed-methods", args.allowed_methods),
+                ("--allowed-headers", args.allowed_headers),
+                ("--allow-credentials", args.allow_credentials or None),
+            )
+            if value is not None
+        ]
+        if given:
+            raise CliError(
+                f"{', '.join(given)} without --allowed-origins does nothing: CORS is off unless "
+                "--allowed-origins is given (e.g. --allowed-origins '[\"*\"]')"
+            )
+        return None
+    return Cors(
+        tuple(args.allowed_origins),
+        tuple(args.allowed_methods if args.allowed_methods is not None else ["*"]),
+        tuple(args.allowed_headers if args.allowed_headers is not None else ["*"]),
+        args.allow_credentials,
+    )
 
 
 def api_key(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -114,6 +189,8 @@ def serve(args: argparse.Namespace) -> None:
 
     from tinyoss.server.app import create_app
 
+    cors_options = cors(args)
+
     key, key_from = api_key(args)
     fatal: list[str] = []
 
@@ -122,7 +199,9 @@ def serve(args: argparse.Namespace) -> None:
         server.should_exit = True
 
     name = args.served_model_name or model
-    app = create_app(config, model_name=name, api_key=key, on_fatal=on_fatal, limits=limits)
+    app = create_app(
+        config, model_name=name, api_key=key, on_fatal=on_fatal, limits=limits, cors=cors_options
+    )
     log.info(
         "serving %r on http://%s:%d/v1 (API key: %s); the model loads in the background, "
         "GET /health answers 200 once it is ready",

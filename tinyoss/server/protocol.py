@@ -87,6 +87,29 @@ class Prepared:
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     _refuse_unsupported(body, tuple(_UNSUPPORTED))
+    segments = _render_chat(body)
+    logprobs, top = _flag(body, "logprobs"), body.get("top_logprobs")
+    _require(
+        top is None or _is_int(top) and 0 <= top <= MAX_LOGPROBS,
+        "top_logprobs",
+        f"top_logprobs={top!r} is invalid: must be an int in [0, {MAX_LOGPROBS}]",
+    )
+    _require(top is None or logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
+    max_tokens = body.get("max_completion_tokens")
+    params = _sampling(
+        body,
+        max_tokens=body.get("max_tokens") if max_tokens is None else max_tokens,
+        logprobs=(top or 0) if logprobs else None,
+        stop=body.get("stop"),
+    )
+    stops, params.stop = params.stop, []
+    _check_chars([segments], info.max_model_len, "messages")
+    return Prepared([segments], "messages", params, *_streaming(body), content_stop=stops)
+
+
+def _render_chat(body: dict) -> list[harmony.Segment]:
+    """The chat body's messages (with its tools, tool_choice, reasoning_effort) rendered to
+    harmony segments: the one path of /v1/chat/completions and /tokenize."""
     messages, tools = body.get("messages"), body.get("tools") or []
     choice = body.get("tool_choice")
     for param, check in (
@@ -111,23 +134,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         raise APIError(400, "the tool schemas are nested too deeply", param="tools") from e
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
-    logprobs, top = _flag(body, "logprobs"), body.get("top_logprobs")
-    _require(
-        top is None or _is_int(top) and 0 <= top <= MAX_LOGPROBS,
-        "top_logprobs",
-        f"top_logprobs={top!r} is invalid: must be an int in [0, {MAX_LOGPROBS}]",
-    )
-    _require(top is None or logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
-    max_tokens = body.get("max_completion_tokens")
-    params = _sampling(
-        body,
-        max_tokens=body.get("max_tokens") if max_tokens is None else max_tokens,
-        logprobs=(top or 0) if logprobs else None,
-        stop=body.get("stop"),
-    )
-    stops, params.stop = params.stop, []
-    _check_chars([segments], info.max_model_len, "messages")
-    return Prepared([segments], "messages", params, *_streaming(body), content_stop=stops)
+    return segments
 
 
 def parse_completion(body: dict, info: EngineInfo) -> Prepared:
@@ -160,6 +167,58 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     _check_chars(sources, info.max_model_len, "prompt")
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if echo else None
     return Prepared(sources, "prompt", params, *_streaming(body), echo=texts)
+
+
+def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:
+    """/tokenize's body: {"prompt": text} or {"messages": [...]} (rendered as a chat request
+    renders them, so the count is its prompt_tokens); and whether to return token strings."""
+    token_strs = _flag(body, "return_token_strs")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    _require(
+        prompt is None or messages is None,
+        "messages",
+        "give either prompt (text) or messages (a chat), not both",
+    )
+    if messages is not None:
+        segments = _render_chat(body)
+        add = body.get("add_generation_prompt")
+        _require(
+            add is None or isinstance(add, bool),
+            "add_generation_prompt",
+            f"add_generation_prompt={add!r}: must be a bool",
+        )
+        if add is False:  # without the closing `<|start|>assistant`
+            segments = segments[:-2]
+        what = "messages"
+    else:
+        _require(
+            isinstance(prompt, str),
+            "prompt",
+            "prompt must be a string (or give messages, a chat)"
+            if prompt is not None
+            else "give prompt (text) or messages (a chat) to tokenize",
+        )
+        _flag(body, "add_special_tokens")  # checked; gpt-oss prompts get no BOS or EOS
+        segments, what = [prompt], "prompt"
+    _check_chars([segments], info.max_model_len, what)
+    return Prepared([segments], what, SamplingParams(max_tokens=None)), token_strs
+
+
+def parse_detokenize(body: dict, info: EngineInfo) -> list[int]:
+    """/detokenize's body: {"tokens": [ids]}, each id in the vocabulary."""
+    tokens = body.get("tokens")
+    _require(
+        isinstance(tokens, list) and all(_is_int(t) for t in tokens),
+        "tokens",
+        "tokens must be a list of token ids (ints)",
+    )
+    bad = next((t for t in tokens if not 0 <= t < info.vocab_size), None)
+    _require(
+        bad is None,
+        "tokens",
+        f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
+    )
+    return tokens
 
 
 async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> None:
