@@ -3,17 +3,14 @@ model: counts equal a chat request's prompt_tokens, round trips, and errors by p
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
 
-from tests.test_server import TINY, TOOLS, Served, wait_healthy
+from tests.test_server import KEY, TINY, TOOLS, Served, post, wait_healthy
 from tinyoss.server.app import create_app
 from tinyoss.server.limits import ServerLimits
 
-KEY = "tok-key"
 MAX_BYTES = 1 << 16
 
 
@@ -33,12 +30,6 @@ def srv():
 @pytest.fixture(scope="module")
 def oai(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
-
-
-def post(srv, path: str, body, key: str | None = KEY) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(srv.url + path, content=content, headers=headers, timeout=30)
 
 
 def ok(r: httpx.Response) -> dict:
