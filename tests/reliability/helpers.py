@@ -523,6 +523,8 @@ def metrics(api: Api) -> dict[str, float]:
     for line in r.text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
+            # every series has a model_name label: keyed without it
+            name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
             with contextlib.suppress(ValueError):
                 out[name] = float(value)
     return out
@@ -531,9 +533,9 @@ def metrics(api: Api) -> dict[str, float]:
 def wait_idle(api: Api, deadline_s: float = 30.0) -> dict[str, float]:
     """Until /metrics says no request runs or waits and no KV block is held."""
     names = (
-        "tinyoss_num_requests_running",
-        "tinyoss_num_requests_waiting",
-        "tinyoss_kv_cache_usage_ratio",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
     )
     deadline = time.monotonic() + deadline_s
     while True:

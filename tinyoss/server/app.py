@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tinyoss import __version__
@@ -71,7 +71,7 @@ class ServerState:
         self.on_fatal = on_fatal
         self.client: CoreClient | None = None
         self.load_error: BaseException | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name, lambda: self.client and self.client.stats)
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -156,7 +156,7 @@ class Run:
     async def updates(self) -> AsyncIterator[list[dict]]:
         """The changed chunk choices after each engine output."""
         metrics, n = self.state.metrics, self.prep.params.n
-        start, last = self.start, {}
+        start, last, ended = self.start, {}, {}  # ended: choice index -> when it finished
         try:
             async with contextlib.aclosing(_merge(self.streams)) as outputs:
                 async for i, out in outputs:
@@ -166,15 +166,20 @@ class Run:
                     last[i], self.cached[i] = now, out.num_cached_tokens
                     choices = [self.choices[i * n + c.index] for c in out.outputs]
                     changed = [ch for c, o in zip(choices, out.outputs) if (ch := c.update(o))]
+                    for c in out.outputs:
+                        if self.choices[i * n + c.index].finish_reason is not None:
+                            ended.setdefault(i * n + c.index, now)
                     if changed:
                         yield changed
                     if self.done:
                         break
         finally:
-            if self.done:
-                metrics.finished += 1
-            else:
-                metrics.aborted += 1
+            now = time.monotonic()
+            for j, ch in enumerate(self.choices):
+                metrics.request_ended(ch.finish_reason, ended.get(j, now) - start, ch.num_tokens)
+            for prompt in self.prep.prompts:
+                metrics.prompt_tokens.observe(len(prompt))
+            (metrics.finished if self.done else metrics.aborted).inc()
 
     @property
     def done(self) -> bool:
@@ -422,7 +427,7 @@ def create_app(
                     raise _unauthorized()
                 return await handler(request)
             except ClientDisconnect:  # gone while sending its body: nothing ran
-                state.metrics.aborted += 1
+                state.metrics.aborted.inc()
                 return Response(status_code=499)
             except Exception as e:  # a bad request must never take the server down
                 return _error_response(_error(e))
@@ -563,9 +568,8 @@ def create_app(
         return JSONResponse({"version": __version__})
 
     async def metrics(request: Request) -> Response:
-        client = state.client
-        text = state.metrics.render(client.stats if client is not None else None)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         path = request.url.path

@@ -1,87 +1,137 @@
-"""`GET /metrics` in the Prometheus text format (version 0.0.4), written by hand.
+"""`GET /metrics` through prometheus_client, under vLLM's metric names.
 
-Engine numbers (queue, tokens, KV usage, preemptions, prefix-cache hits) are the engine core's,
-sent with each step's deltas; latencies and request outcomes are recorded by the server as outputs reach it. Twenty
-lines of formatting do not justify a dependency on prometheus_client.
+The names (and the `model_name` label on every series) are vLLM's (v1), so that dashboards and
+alerts written for a vLLM server work unchanged on tinyoss; metrics that vLLM has no name for
+stay under `tinyoss_` names. prometheus_client, not hand-written text: it escapes labels,
+formats values, spells counters' `_total` and histograms' `_bucket`/`_sum`/`_count` exactly as
+scrapers expect, and speaks whichever exposition format the scraper asks for (Prometheus text
+0.0.4 or 1.0.0, OpenMetrics). docs/serve.md lists the mapping.
+
+Engine numbers (queue, tokens, KV usage, preemptions, prefix-cache hits) are the engine core's
+totals as of its last step (CoreStats, sent with each step's deltas); a collector turns them
+into samples at scrape time. Latencies, token histograms and request outcomes are recorded by
+the server as outputs reach it. Each app has a registry of its own (never the global one), so
+several apps in one process do not clash.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from tinyoss.engine.core import CoreStats
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
-_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# vLLM's buckets, so heatmaps line up; inter-token latency gains a few finer ones at the bottom
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM's 1-2-5 series (it stops at max_model_len; gpt-oss's is 131072)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10**e <= 200_000)
 
 
-class Histogram:
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.doc, self.buckets = name, doc, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
+class _EngineCollector(Collector):
+    """The core's latest CoreStats as vLLM's gauges and counters (they are totals already)."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats | None]) -> None:
+        self.model_name, self.stats = model_name, stats
 
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
-            total += count
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {total}')
-        return out + [f"{self.name}_sum {self.sum}", f"{self.name}_count {total}"]
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats() or CoreStats()  # no engine yet: nothing ran
+        for kind, name, doc, value in (
+            (GaugeMetricFamily, "vllm:num_requests_running",
+             "Requests in the running batch.", s.num_requests_running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting",
+             "Requests waiting for a place in the batch.", s.num_requests_waiting),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+             "KV cache usage: the fraction of blocks held by requests (1 = full).",
+             s.kv_cache_usage),
+            (CounterMetricFamily, "vllm:num_preemptions",
+             "Sequences preempted for lack of KV blocks.", s.num_preemptions),
+            (CounterMetricFamily, "vllm:prompt_tokens",
+             "Prompt tokens submitted to the engine.", s.prompt_tokens),
+            (CounterMetricFamily, "vllm:generation_tokens",
+             "Tokens generated.", s.generation_tokens),
+            (CounterMetricFamily, "vllm:prefix_cache_queries",
+             "Prompt tokens looked up in the prefix cache (every prompt token submitted).",
+             s.prompt_tokens),
+            (CounterMetricFamily, "vllm:prefix_cache_hits",
+             "Prompt tokens found in the prefix cache (counted as requests finish).",
+             s.cached_prompt_tokens),
+        ):  # fmt: skip
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class Metrics:
-    """Server-side counters and histograms; touched only from the event loop."""
+    """One app's metrics; the server side is touched only from the event loop."""
 
-    def __init__(self) -> None:
-        self.finished = 0
-        self.aborted = 0
-        self.ttft = Histogram(
-            "tinyoss_time_to_first_token_seconds",
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats | None]) -> None:
+        self.registry = r = CollectorRegistry()
+        r.register(_EngineCollector(model_name, stats))
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token.",
             _TTFT_BUCKETS,
         )
-        self.itl = Histogram(
-            "tinyoss_inter_token_latency_seconds",
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
             "Time between successive outputs of one request.",
             _ITL_BUCKETS,
         )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Time from a request's arrival to its end (one sample per choice).",
+            _E2E_BUCKETS,
+        )
+        self.prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens of each request.", _TOKEN_BUCKETS
+        )
+        self.generation_tokens = hist(
+            "vllm:request_generation_tokens",
+            "Tokens generated for each request (one sample per choice).",
+            _TOKEN_BUCKETS,
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Requests ended (one per choice), by finish reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        for reason in ("stop", "length", "abort", "error"):  # tinyoss's; at 0 from the start
+            self._success.labels(model_name, reason)
+        self.model_name = model_name
+        # tinyoss's own: whole API requests (vLLM has no such count)
+        self.finished = counter("tinyoss_requests_finished", "API requests answered in full.")
+        self.aborted = counter(
+            "tinyoss_requests_aborted", "API requests cut short (client gone, engine error)."
+        )
 
-    def render(self, stats: CoreStats | None) -> str:
-        values: dict[str, float] = {
-            "requests_finished_total": self.finished,
-            "requests_aborted_total": self.aborted,
-        }
-        if stats is not None:  # the core's, as of its last step
-            values |= {
-                "num_requests_running": stats.num_requests_running,
-                "num_requests_waiting": stats.num_requests_waiting,
-                "kv_cache_usage_ratio": stats.kv_cache_usage,
-                "prompt_tokens_total": stats.prompt_tokens,
-                "generation_tokens_total": stats.generation_tokens,
-                "prefix_cache_hit_tokens_total": stats.cached_prompt_tokens,
-                "num_preemptions_total": stats.num_preemptions,
-            }
-        out = []
-        for name, value in values.items():
-            kind = "counter" if name.endswith("_total") else "gauge"
-            name = "tinyoss_" + name
-            out += [f"# HELP {name} {_DOCS[name]}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(out + self.ttft.lines() + self.itl.lines()) + "\n"
+    def request_ended(self, finish_reason: str | None, seconds: float, tokens: int) -> None:
+        """One choice's end: `finish_reason` as the API gave it (None: cut short)."""
+        # vLLM's engine-level reasons: a tool call is a stop; an unfinished choice an abort
+        reason = {None: "abort", "tool_calls": "stop"}.get(finish_reason, finish_reason)
+        self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(seconds)
+        self.generation_tokens.observe(tokens)
 
-
-_DOCS = {
-    "tinyoss_requests_finished_total": "Requests answered in full.",
-    "tinyoss_requests_aborted_total": "Requests cut short (client gone, engine error).",
-    "tinyoss_num_requests_running": "Requests in the running batch.",
-    "tinyoss_num_requests_waiting": "Requests waiting for a place in the batch.",
-    "tinyoss_kv_cache_usage_ratio": "Fraction of KV cache blocks held by requests.",
-    "tinyoss_prompt_tokens_total": "Prompt tokens submitted.",
-    "tinyoss_generation_tokens_total": "Tokens generated.",
-    "tinyoss_prefix_cache_hit_tokens_total": "Prompt tokens of finished requests found cached.",
-    "tinyoss_num_preemptions_total": "Sequences preempted for lack of KV blocks.",
-}
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition in the format `accept` (the scraper's Accept header) asks for, and its
+        content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -1,0 +1,200 @@
+"""GET /metrics under vLLM's names: after known requests on the tiny server, the exposition
+(parsed by prometheus_client's own parser) has every vLLM metric with the `model_name` label,
+its counters equal what the responses' usage said, and its histograms counted each request."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.core_hooks import SLOW, WEATHER
+from tests.test_server import KEY, TINY, TOOLS, Served, environ, wait_healthy
+from tinyoss.engine.core_process import HOOK_ENV
+from tinyoss.server.app import create_app
+
+NAME = "served-tiny"  # a served name other than the model's: the label must carry this one
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+VLLM_COUNTERS = (
+    "vllm:num_preemptions",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_success",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+)
+VLLM_HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("metrics") / "prompts.jsonl"
+    prompts.touch()
+    # the scripted hook (tests/core_hooks.py): WEATHER makes a tool call, SLOW slows each step
+    with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
+        app = create_app(TINY, model_name=NAME, api_key=KEY)
+        served = Served(app)
+        wait_healthy(served)
+        served.client = app.state.server.client
+        yield served
+        served.close()
+
+
+def scrape(srv, accept: str | None = None) -> tuple[dict, str]:
+    """{family name: family} and the content type."""
+    r = httpx.get(srv.url + "/metrics", headers={"Accept": accept} if accept else {})
+    assert r.status_code == 200
+    return {f.name: f for f in text_string_to_metric_families(r.text)}, r.headers["content-type"]
+
+
+def value(families: dict, family: str, sample: str, **labels: str) -> float:
+    found = [
+        s.value
+        for s in families[family].samples
+        if s.name == sample and s.labels == {"model_name": NAME, **labels}
+    ]
+    assert len(found) == 1, (sample, labels, families[family].samples)
+    return found[0]
+
+
+def post(srv, path: str, body: dict) -> dict:
+    r = httpx.post(srv.url + path, json={"model": NAME, **body}, headers=HEADERS, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(srv) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = srv.client.stats
+        if not (s.num_requests_running or s.num_requests_waiting) and s.kv_cache_usage == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"not idle: {srv.client.stats}")
+
+
+def test_vllm_metrics_count_what_was_served(srv):
+    before, content_type = scrape(srv)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    for name in VLLM_GAUGES + VLLM_COUNTERS + VLLM_HISTOGRAMS:
+        assert name in before, name
+    assert before["vllm:kv_cache_usage_perc"].type == "gauge"
+    assert before["vllm:prompt_tokens"].type == "counter"
+    assert before["vllm:e2e_request_latency_seconds"].type == "histogram"
+
+    full = {"ignore_eos": True}  # every request runs to its max_tokens
+    answers = [
+        post(srv, "/v1/completions", {"prompt": "count me", "max_tokens": 4, **full}),
+        post(srv, "/v1/completions", {"prompt": "count me too, please", "max_tokens": 7, **full}),
+        post(srv, "/v1/completions", {"prompt": "two of them", "max_tokens": 3, "n": 2, **full}),
+        post(
+            srv,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **full},
+        ),  # fmt: skip
+    ]
+    wait_idle(srv)
+    after, _ = scrape(srv)
+
+    def delta(family: str, sample: str, **labels: str) -> float:
+        return value(after, family, sample, **labels) - value(before, family, sample, **labels)
+
+    prompt = sum(a["usage"]["prompt_tokens"] for a in answers)
+    generated = sum(a["usage"]["completion_tokens"] for a in answers)
+    assert generated == 4 + 7 + 2 * 3 + 5  # ignore_eos: every request ran to max_tokens
+    assert delta("vllm:prompt_tokens", "vllm:prompt_tokens_total") == prompt
+    assert delta("vllm:generation_tokens", "vllm:generation_tokens_total") == generated
+    assert delta("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == prompt
+    cached = sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    assert delta("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == cached
+
+    reasons: dict[str, int] = {}
+    for a in answers:
+        for c in a["choices"]:
+            reasons[c["finish_reason"]] = reasons.get(c["finish_reason"], 0) + 1
+    assert reasons == {"length": 5}
+    for reason in ("stop", "length", "abort", "error"):  # each there, at 0 until it happens
+        got = delta("vllm:request_success", "vllm:request_success_total", finished_reason=reason)
+        assert got == reasons.get(reason, 0), reason
+
+    # one TTFT per prompt, one end-to-end latency and generation-token count per choice
+    h = "vllm:time_to_first_token_seconds"
+    assert delta(h, h + "_count") == 4
+    assert delta(h, h + "_bucket", le="+Inf") == 4
+    h = "vllm:e2e_request_latency_seconds"
+    assert delta(h, h + "_count") == 5
+    assert delta(h, h + "_sum") > 0
+    h = "vllm:inter_token_latency_seconds"
+    # one per engine output after a prompt's first (its n choices come together), at most one
+    # per token: (4-1) + (7-1) + (3-1) + (5-1) when every step's output is read on its own
+    assert 0 < delta(h, h + "_count") <= 15
+    h = "vllm:request_prompt_tokens"
+    assert delta(h, h + "_count") == 4
+    assert delta(h, h + "_sum") == prompt
+    h = "vllm:request_generation_tokens"
+    assert delta(h, h + "_count") == 5
+    assert delta(h, h + "_sum") == generated
+    assert delta(h, h + "_bucket", le="5.0") == 4  # 4, 3, 3 and 5 tokens; not the 7
+
+    for name in VLLM_GAUGES:
+        assert value(after, name, name) == 0
+    assert delta("vllm:num_preemptions", "vllm:num_preemptions_total") == 0
+    # tinyoss's own, under tinyoss names, labelled as well
+    assert delta("tinyoss_requests_finished", "tinyoss_requests_finished_total") == 4
+    assert delta("tinyoss_requests_aborted", "tinyoss_requests_aborted_total") == 0
+
+
+def test_scraper_gets_the_format_it_asks_for(srv):
+    families, content_type = scrape(srv, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    families, content_type = scrape(srv)
+    assert value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 0
+
+
+def test_tool_call_counts_as_stop_and_a_client_gone_as_abort(srv):
+    before, _ = scrape(srv)
+    messages = [{"role": "user", "content": WEATHER}]
+    answer = post(srv, "/v1/chat/completions", {"messages": messages, "tools": TOOLS})
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    body = {"model": NAME, "prompt": SLOW, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=HEADERS) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        next(lines), next(lines)  # a few tokens in, the client leaves
+    wait_idle(srv)
+    deadline = time.monotonic() + 10  # the server records the abort as the stream closes
+    while True:
+        after, _ = scrape(srv)
+        aborted = "tinyoss_requests_aborted"
+        if value(after, aborted, aborted + "_total") > value(before, aborted, aborted + "_total"):
+            break
+        assert time.monotonic() < deadline, "the disconnect was never counted"
+        time.sleep(0.05)
+
+    def delta(family: str, sample: str, **labels: str) -> float:
+        return value(after, family, sample, **labels) - value(before, family, sample, **labels)
+
+    success = "vllm:request_success", "vllm:request_success_total"
+    assert delta(*success, finished_reason="stop") == 1  # the tool call: vLLM's engine says stop
+    assert delta(*success, finished_reason="abort") == 1
+    for reason in ("length", "error"):
+        assert delta(*success, finished_reason=reason) == 0
+    assert delta("tinyoss_requests_aborted", "tinyoss_requests_aborted_total") == 1
+    assert delta("tinyoss_requests_finished", "tinyoss_requests_finished_total") == 1
+    h = "vllm:e2e_request_latency_seconds"
+    assert delta(h, h + "_count") == 2
+    h = "vllm:request_generation_tokens"
+    assert delta(h, h + "_count") == 2
+    generated = delta("vllm:generation_tokens", "vllm:generation_tokens_total")
+    # the aborted stream's tokens count as generated, as in vLLM: more than the tool call's
+    assert generated > answer["usage"]["completion_tokens"]
