@@ -69,9 +69,12 @@ def bytes_per_step(
     context: int,
     kv_dtype_bytes: int = 2,
     mxfp4_layers: tuple[str, ...] = (),
+    ranks: int = 1,
 ) -> dict:
     """What one decode step must read from memory, by part (dense weights in bf16 except the
-    `mxfp4_layers` quantized at load, from `parse_mxfp4_layers`; MXFP4 experts).
+    `mxfp4_layers` quantized at load, from `parse_mxfp4_layers`; MXFP4 experts). With tensor
+    parallelism, what each GPU reads: `c` is a rank's own config (its heads and intermediate
+    units, padding included) and lm_head holds 1/`ranks` of the vocabulary.
 
     Experts: each layer reads the distinct experts its `batch` tokens picked; with uniform
     routing that is E * (1 - (1 - k/E)**batch) on average (exactly k at batch 1).
@@ -93,7 +96,7 @@ def bytes_per_step(
     parts = {
         "attention_weights": L * (attn + router + 2 * h * 2),
         "experts": L * active * expert,
-        "lm_head": dense_bytes(c.vocab_size, h, "lm_head" in mxfp4_layers),
+        "lm_head": dense_bytes(-(-c.vocab_size // ranks), h, "lm_head" in mxfp4_layers),
         "kv_cache": kv,
     }
     parts["total"] = sum(parts.values())
@@ -139,10 +142,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         async_scheduling=not args.no_async_scheduling,
         mxfp4_backend=args.mxfp4_backend,
         mxfp4_layers=args.mxfp4_layers,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
-    records = [measure(llm.engine, args, mode) for mode in args.structured]
-    if args.profile:
-        profile(llm.engine, args)
+    try:
+        records = [measure(llm.engine, args, mode) for mode in args.structured]
+        if args.profile:
+            profile(llm.engine, args)
+    finally:
+        llm.engine.close()
     return records
 
 
@@ -173,7 +180,8 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
     context = args.input_len + args.output_len // 2
     layers = parse_mxfp4_layers(args.mxfp4_layers)
     config = engine.executor.model.config
-    need = bytes_per_step(config, args.batch_size, context, mxfp4_layers=layers)
+    ranks = args.tensor_parallel_size
+    need = bytes_per_step(config, args.batch_size, context, mxfp4_layers=layers, ranks=ranks)
     median = statistics.median(steps)
     record = {
         "gpu": torch.cuda.get_device_name(device),
@@ -181,6 +189,7 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         "command": " ".join(sys.argv),
         "model": args.model,
         "batch_size": args.batch_size,
+        "tensor_parallel_size": ranks,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "iterations": args.iters,
@@ -263,6 +272,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs the model is split over; bytes and roofline are per GPU")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="finish each step before launching the next")
     p.add_argument(
@@ -312,8 +323,10 @@ def report(record: dict, args: argparse.Namespace) -> None:
         f"TTFT {record['ttft_ms']:.1f} ms | decode {record['ms_per_step_median']:.3f} ms/step "
         f"(p90 {record['ms_per_step_p90']:.3f}) | {record['tok_per_s']:.1f} tok/s"
     )
+    per_gpu = " per GPU" if record["tensor_parallel_size"] > 1 else ""
     print(
-        f"bytes/step {need['total'] / 1e9:.3f} GB (attn {need['attention_weights'] / 1e9:.2f}, "
+        f"tensor parallel {record['tensor_parallel_size']} | bytes/step{per_gpu} "
+        f"{need['total'] / 1e9:.3f} GB (attn {need['attention_weights'] / 1e9:.2f}, "
         f"experts {need['experts'] / 1e9:.2f}, lm_head {need['lm_head'] / 1e9:.2f}, "
         f"kv {need['kv_cache'] / 1e9:.3f}) | copy bw {record['copy_bandwidth_gb_s']:.0f} GB/s | "
         f"achieved {record['achieved_gb_s']:.0f} GB/s = {100 * record['roofline_fraction']:.1f}% "

@@ -99,7 +99,8 @@ def add_dataclass_args(group: argparse._ArgumentGroup, cls: type) -> None:
             kwargs["type"] = int if "int" in f.type else float if "float" in f.type else str
         default = "" if f.default is None else f" (default: {f.default})"
         group.add_argument(
-            "--" + f.name.replace("_", "-"), help=f.metadata["help"] + default, **kwargs
+            "--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()),
+            help=f.metadata["help"] + default, **kwargs,
         )
 
 

@@ -230,8 +230,11 @@ MXFP4_BACKENDS = ("auto", "triton", "cutlass", "torch")
 ATTENTION_SINKS = ("auto", "false")
 
 
-def option(help: str, choices: tuple[str, ...] | None = None, **kw) -> object:
-    return field(metadata={"help": help, "choices": choices}, **kw)
+def option(
+    help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (), **kw
+) -> object:
+    """A field with its CLI help, choices and short flags (vLLM's, e.g. -tp)."""
+    return field(metadata={"help": help, "choices": choices, "aliases": aliases}, **kw)
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,13 @@ class EngineConfig:
         "launch the next decode step before the previous one's tokens reach the host",
         default=True,
     )
+    tensor_parallel_size: int = option(
+        "GPUs the model is split over (attention by heads, experts by their intermediate "
+        "dimension, the vocabulary by rows): one process per GPU, started by tinyoss; on the "
+        "CPU, processes (tests)",
+        aliases=("-tp",),
+        default=1,
+    )
     speculative_config: str | None = option(
         "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
         "K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} (drafts from the sequence's own "
@@ -333,6 +343,7 @@ class EngineConfig:
             ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1),
             ("decode_step_budget_ms", self.decode_step_budget_ms >= 0),
             ("max_prefill_graph_tokens", self.max_prefill_graph_tokens >= 0),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1),
         ]
         for name, ok in checks:
             if not ok:

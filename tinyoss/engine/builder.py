@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +18,9 @@ from tinyoss.config import EngineConfig, ModelConfig, parse_mxfp4_layers
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
+from tinyoss.engine.comm import Group
 from tinyoss.engine.executor import Executor
+from tinyoss.engine.workers import Peers, rank_device
 from tinyoss.engine.grammar import GrammarCompiler
 from tinyoss.engine.speculative import SpeculativeConfig, make_proposer
 from tinyoss.engine.kv_cache import (
@@ -30,7 +33,9 @@ from tinyoss.engine.kv_cache import (
 from tinyoss.engine.scheduler import PrefillCost, Scheduler
 from tinyoss.kernels.attention import TorchAttention
 from tinyoss.kernels.backends import BackendChoice, select_backends
+from tinyoss.model.gpt_oss import GptOssForCausalLM
 from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
+from tinyoss.model.sharding import Shard
 from tinyoss.model.presets import GENERATION_CONFIG, PRESETS, preset_config
 from tinyoss.model.quant_linear import quantize_layers
 from tinyoss.sampling_params import SamplingParams, StructuredOutputs
@@ -66,86 +71,61 @@ def load_tokenizer(folder: Path | None) -> Tokenizer:
     return Tokenizer.from_folder(tokenizer_dir())
 
 
+@dataclass
+class Rank:
+    """What every tensor-parallel rank builds alike: its slice of the model, its KV cache,
+    attention and CUDA graphs (rank 0 alone adds the scheduler, sampler and grammars)."""
+
+    model_config: ModelConfig  # the whole model's
+    backends: BackendChoice
+    model: GptOssForCausalLM
+    layout: CacheLayout
+    num_blocks: int
+    per_block: int  # bytes of one KV block on this rank
+    max_model_len: int
+    attention: object
+    graphs: CudaGraphRunner | None
+    pieces: PiecewiseGraphRunner | None
+    dtype: torch.dtype
+    device: torch.device
+
+    def executor(self, grammars: GrammarCompiler | None = None,
+                 peers: Peers | None = None) -> Executor:
+        return Executor(self.model, self.attention, len(self.layout.windows), self.device,
+                        self.graphs, self.pieces, grammars, peers)
+
+
 def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore:
     """The engine core for `config`; `folder`: the checkpoint, when the caller resolved it."""
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = rank_device(config, 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device cuda was asked for, but torch finds no CUDA GPU here")
-    dtype = _DTYPES.get(config.dtype) or (
-        torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
     if device.type == "cpu":
         configure_cpu_threads()
     folder = folder if folder is not None else checkpoint_folder(config)
     model_config = load_model_config(folder, config)
-    max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-    backends = select_backends(
-        device, config.attention_backend, config.mxfp4_backend, dtype=dtype,
-        max_num_tokens=max_step_tokens,
-    )
-    sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
-    t0 = time.perf_counter()
-    model = load_model(
-        folder, model_config, dtype=dtype, device=device, kernels=backends.kernels,
-        load_format=config.load_format, seed=config.seed,
-    )
-    log.info(
-        "loaded %s in %.1f s (%s, %s)", config.model, time.perf_counter() - t0, device,
-        str(dtype).removeprefix("torch."),
-    )
-    if sinks.value == "false":
-        disable_attention_sinks(model)
-        log.warning(
-            "attention sinks DISABLED (attention_sinks=false, from %s): the softmax runs without "
-            "the sink column; gpt-oss was trained with sinks and its output degrades without "
-            "them (debugging only)",
-            sinks.source,
-        )
-    quantize_layers(model, parse_mxfp4_layers(config.mxfp4_layers))
-
-    layout = CacheLayout.for_model(model_config)
-    per_block = kv_bytes_per_block(layout, config.block_size, model_config, dtype)
-    num_blocks = _num_kv_blocks(config, device, per_block)
-    max_model_len = _max_model_len(config, model_config, layout, num_blocks)
-    model.init_runtime(max_model_len, device)
-    # One block more than the manager hands out: padded CUDA-graph rows write there.
-    kv_tensors = allocate_kv_tensors(
-        layout, num_blocks + 1, config.block_size, model_config, dtype, device
-    )
-    kv = KVCacheManager(
-        num_blocks, config.block_size, layout.windows, config.enable_prefix_caching
-    )
-    if device.type == "cuda":  # nothing to tune or compile on the CPU
-        warm_up_moe(model, backends, model_config, max_step_tokens, dtype, device)
-    use_graphs = device.type == "cuda" and not config.enforce_eager
-    sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
-    attention = _attention(
-        config, model_config, backends, layout, kv_tensors, num_blocks, sizes, max_model_len
-    )
-    graphs = None
-    if use_graphs:
-        graphs = CudaGraphRunner(model, attention, sizes, len(layout.windows), device)
-        graphs.capture()
-    pieces = None
-    piece_sizes = piecewise_sizes(min(config.max_prefill_graph_tokens, max_step_tokens))
-    if use_graphs and piece_sizes:
-        pieces = PiecewiseGraphRunner(model, attention, piece_sizes, device)
-        pieces.capture()
+    Shard(0, config.tensor_parallel_size).check(model_config)  # before starting any worker
+    peers = Peers(config, folder, device) if config.tensor_parallel_size > 1 else None
+    rank = build_rank(config, folder, device, Shard(0, config.tensor_parallel_size),
+                      None if peers is None else peers.group)
     grammars = GrammarCompiler(
         lambda: load_tokenizer(folder).to_json(), model_config.vocab_size,
         list(model_config.eos_token_ids),
     )
-    executor = Executor(model, attention, len(layout.windows), device, graphs, pieces, grammars)
-    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    executor = rank.executor(grammars, peers)
+    scheduler = Scheduler(_kv_manager(rank, config), config.max_num_seqs,
+                          config.max_num_batched_tokens, rank.max_model_len)
+    num_blocks, dtype = rank.num_blocks, rank.dtype
+    tp = f" x {config.tensor_parallel_size} ranks" if peers else ""
     summary = (
-        f"model {config.model} on {device}, {str(dtype).removeprefix('torch.')}; backends: "
-        f"{backends.describe()}; CUDA graphs: {_graphs_summary(graphs, pieces)}; KV cache: "
-        f"{num_blocks * config.block_size} token slots ({num_blocks} blocks of "
-        f"{config.block_size}, {num_blocks * per_block / 2**30:.2f} GiB); max_model_len "
-        f"{max_model_len}; max_num_seqs {config.max_num_seqs}"
+        f"model {config.model} on {device}{tp}, {str(dtype).removeprefix('torch.')}; backends: "
+        f"{rank.backends.describe()}; CUDA graphs: {_graphs_summary(rank.graphs, rank.pieces)}; "
+        f"KV cache: {num_blocks * config.block_size} token slots ({num_blocks} blocks of "
+        f"{config.block_size}, {num_blocks * rank.per_block / 2**30:.2f} GiB{' a rank' * bool(tp)}"
+        f"); max_model_len {rank.max_model_len}; max_num_seqs {config.max_num_seqs}"
     )
     info = EngineInfo(
-        config.model, max_model_len, model_config.vocab_size, model_config.eos_token_ids,
+        config.model, rank.max_model_len, model_config.vocab_size, model_config.eos_token_ids,
         num_blocks, config.block_size, summary,
     )
     log.info(summary)
@@ -165,6 +145,92 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
             cost = _prefill_cost(core, config)
             scheduler.prefill_budget = (cost, config.decode_step_budget_ms / 1e3)
     return core
+
+
+def _kv_manager(rank: Rank, config: EngineConfig) -> KVCacheManager:
+    return KVCacheManager(
+        rank.num_blocks, config.block_size, rank.layout.windows, config.enable_prefix_caching
+    )
+
+
+def build_worker(config: EngineConfig, folder: Path | None, index: int,
+                 init: str) -> tuple[Executor, Group]:
+    """A tensor-parallel worker's executor (rank `index`) and its place in the group."""
+    device = rank_device(config, index)
+    if device.type == "cpu":
+        configure_cpu_threads()
+    group = Group(index, config.tensor_parallel_size, device, init)
+    rank = build_rank(config, folder, device, Shard(index, config.tensor_parallel_size), group)
+    return rank.executor(), group
+
+
+def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, shard: Shard,
+               group: Group | None) -> Rank:
+    """Model, KV cache, attention and CUDA graphs of one rank. Every rank runs this in the same
+    order: the collectives of the graph warm-ups meet."""
+    dtype = _DTYPES.get(config.dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    model_config = load_model_config(folder, config)
+    max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    backends = select_backends(
+        device, config.attention_backend, config.mxfp4_backend, dtype=dtype,
+        max_num_tokens=max_step_tokens,
+    )
+    if group is not None:
+        backends.kernels.all_reduce, backends.kernels.all_gather = (group.all_reduce,
+                                                                    group.all_gather)
+    sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
+    t0 = time.perf_counter()
+    model = load_model(
+        folder, model_config, dtype=dtype, device=device, kernels=backends.kernels,
+        load_format=config.load_format, seed=config.seed, shard=shard,
+    )
+    log.info(
+        "loaded %s%s in %.1f s (%s, %s)", config.model,
+        f" (rank {shard.rank} of {shard.size})" if shard.size > 1 else "",
+        time.perf_counter() - t0, device, str(dtype).removeprefix("torch."),
+    )
+    if sinks.value == "false":
+        disable_attention_sinks(model)
+        log.warning(
+            "attention sinks DISABLED (attention_sinks=false, from %s): the softmax runs without "
+            "the sink column; gpt-oss was trained with sinks and its output degrades without "
+            "them (debugging only)",
+            sinks.source,
+        )
+    quantize_layers(model, parse_mxfp4_layers(config.mxfp4_layers))
+
+    local = model.config
+    layout = CacheLayout.for_model(local)
+    per_block = kv_bytes_per_block(layout, config.block_size, local, dtype)
+    num_blocks = _num_kv_blocks(config, device, per_block)
+    if group is not None:  # every rank holds the same blocks
+        num_blocks = group.min(num_blocks)
+    max_model_len = _max_model_len(config, model_config, layout, num_blocks)
+    model.init_runtime(max_model_len, device)
+    # One block more than the manager hands out: padded CUDA-graph rows write there.
+    kv_tensors = allocate_kv_tensors(
+        layout, num_blocks + 1, config.block_size, local, dtype, device
+    )
+    if device.type == "cuda":  # nothing to tune or compile on the CPU
+        warm_up_moe(model, backends, local, max_step_tokens, dtype, device)
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
+    attention = _attention(
+        config, local, backends, layout, kv_tensors, num_blocks, sizes, max_model_len
+    )
+    graphs = None
+    if use_graphs:
+        graphs = CudaGraphRunner(model, attention, sizes, len(layout.windows), device)
+        graphs.capture()
+    pieces = None
+    piece_sizes = piecewise_sizes(min(config.max_prefill_graph_tokens, max_step_tokens))
+    if use_graphs and piece_sizes:
+        pieces = PiecewiseGraphRunner(model, attention, piece_sizes, device)
+        pieces.capture()
+    return Rank(model_config, backends, model, layout, num_blocks, per_block, max_model_len,
+                attention, graphs, pieces, dtype, device)
 
 
 def _random_weights(config: EngineConfig) -> str | None:

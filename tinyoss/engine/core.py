@@ -209,7 +209,8 @@ class EngineCore:
             try:
                 launched = (plan, self.executor.launch(plan))
             except Exception as e:
-                if not is_out_of_memory(e):
+                # with tensor parallelism the workers ran the step: no undoing it on rank 0
+                if not is_out_of_memory(e) or self.executor.peers is not None:
                     raise
                 return self._out_of_memory(plan, e)
         chaining = self.async_scheduling and (  # drafts need the previous tokens on the host
@@ -224,6 +225,12 @@ class EngineCore:
         if self._in_flight is not None:  # its grammar masks needed the tokens just read
             self.executor.complete(self._in_flight[1])
         return deltas
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (a single-GPU core holds nothing to stop)."""
+        if self.executor.peers is not None:
+            self.executor.peers.close()
+            self.executor.peers = None
 
     def _propose(self) -> None:
         """Drafts for every decoding sequence that can take them, within its limits."""

@@ -70,6 +70,7 @@ def run_core(
         traceback.print_exc()
         raise SystemExit(1) from e
     finally:
+        core.close()
         push.close()
         pull.close(linger=0)
         ctx.term()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyoss.engine.cuda_graphs import CudaGraphRunner
+from tinyoss.engine.workers import Peers
 from tinyoss.engine.grammar import GrammarCompiler, Matcher
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner
 from tinyoss.engine.sampler import Sampler, SamplingBatch, compute_logprobs
@@ -121,6 +122,16 @@ class LaunchedStep:
     drafts: list[int] | None = None  # a verify step: each row's drafted next token (or -1)
 
 
+@dataclass
+class StepLogits:
+    """What a step's forward pass leaves to sample: one row per sampled position."""
+
+    seq_ids: list[int]  # the sequence of each row
+    logits: torch.Tensor | None  # [rows, V]; None when nothing samples
+    drafts: list[int]  # each row's drafted next token, or -1
+    prompt: dict[int, tuple[torch.Tensor, list[int]]]  # seq -> prompt logits and their targets
+
+
 class Executor:
     def __init__(
         self,
@@ -131,8 +142,10 @@ class Executor:
         graphs: CudaGraphRunner | None = None,
         pieces: PiecewiseGraphRunner | None = None,
         grammars: GrammarCompiler | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.model = model
+        self.peers = peers  # tensor parallelism: the other ranks, which follow every plan
         self.attention = attention
         self.num_groups = num_groups
         self.device = device
@@ -147,21 +160,54 @@ class Executor:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queues the step's forward pass and sampling; nothing here waits for the GPU (prompt
         logprobs excepted)."""
+        if self.peers is not None:  # the workers queue the same forward pass
+            self.peers.send(plan)
         for seq_id in plan.finished:
             self.states.pop(seq_id, None)
         for new in plan.new:
             self.states[new.seq_id] = SamplerState(new, self.device, self.grammars)
         chained = self._chained_ids(plan)
-        batch = build_batch(plan, self.num_groups, self.device, chained)
-        if self.graphs is not None and plan.is_decode and self.graphs.bucket(len(plan.seqs)):
-            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-            launched = self._launched([s.seq_id for s in plan.seqs], logits, {})
+        out = self.forward(plan, chained)
+        prompt = {
+            seq_id: self._prompt_logprobs(logits, targets, self.states[seq_id].params)
+            for seq_id, (logits, targets) in out.prompt.items()
+        }
+        if out.logits is None:
+            launched = LaunchedStep([], None, None, prompt, [])
+        elif any(d >= 0 for d in out.drafts):
+            launched = self._verify(out.seq_ids, out.logits, out.drafts, prompt)
         else:
-            launched = self._mixed(plan, batch)
+            launched = self._launched(out.seq_ids, out.logits, prompt)
         if chained is None or not any(state.grammar for state, _ in launched.placeholders):
             self.complete(launched)
         self._last = launched
         return launched
+
+    def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> StepLogits:
+        """The step's forward pass and the logits it needs, in one fixed order: every
+        tensor-parallel rank runs this on the same plan, and their collectives meet."""
+        batch = build_batch(plan, self.num_groups, self.device, input_ids)
+        if self.graphs is not None and plan.is_decode and self.graphs.bucket(len(plan.seqs)):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            return StepLogits([s.seq_id for s in plan.seqs], logits, [-1] * len(plan.seqs), {})
+        hidden = self._forward(batch)
+        out = StepLogits([], None, [], {})
+        rows, offset = [], 0
+        for s in plan.seqs:
+            if s.prompt_logprobs is not None:
+                first, end = s.prompt_logprobs
+                index = [offset + p - 1 - s.start for p in range(first, end)]
+                out.prompt[s.seq_id] = (self.model.compute_logits(hidden[index]),
+                                        s.prompt_targets)
+            for j in range(s.num_tokens - s.num_sampled, s.num_tokens):  # drafts: several
+                rows.append(offset + j)
+                out.seq_ids.append(s.seq_id)
+                out.drafts.append(s.token_ids[j + 1] if j + 1 < s.num_tokens else -1)
+            offset += s.num_tokens
+        if rows:
+            out.logits = self.model.compute_logits(hidden[to_device(torch.tensor(rows),
+                                                                    self.device)])
+        return out
 
     def complete(self, launched: LaunchedStep) -> None:
         """Queues the sampling of a launched step (once the matchers hold the previous step's
@@ -199,7 +245,8 @@ class Executor:
         assert last is not None and last.tokens is not None, "a chained step follows a sample"
         row_of = {seq_id: row for row, seq_id in enumerate(last.seq_ids)}
         rows = torch.tensor([row_of[s.seq_id] for s in plan.seqs])
-        return last.tokens.index_select(0, to_device(rows, last.tokens.device))
+        ids = last.tokens.index_select(0, to_device(rows, last.tokens.device))
+        return ids if self.peers is None else self.peers.group.broadcast(ids)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """Hidden states of every token of the batch: piecewise graphs where a size holds it."""
@@ -207,30 +254,6 @@ class Executor:
             return self.pieces.run(batch.input_ids, batch.positions, batch.meta)
         self.attention.plan(batch.meta)
         return self.model(batch.input_ids, batch.positions, self.attention)
-
-    def _mixed(self, plan: StepPlan, batch: FlatBatch) -> LaunchedStep:
-        """A step with prefill tokens (or decodes no decode graph holds)."""
-        hidden = self._forward(batch)
-        rows, seq_ids, drafts, prompt = [], [], [], {}
-        offset = 0
-        for s in plan.seqs:
-            if s.prompt_logprobs is not None:
-                first, end = s.prompt_logprobs
-                index = [offset + p - 1 - s.start for p in range(first, end)]
-                k = self.states[s.seq_id].params.prompt_logprobs
-                prompt[s.seq_id] = self._prompt_logprobs(hidden[index], s.prompt_targets, k)
-            for j in range(s.num_tokens - s.num_sampled, s.num_tokens):  # drafts: several
-                rows.append(offset + j)
-                seq_ids.append(s.seq_id)
-                drafts.append(s.token_ids[j + 1] if j + 1 < s.num_tokens else -1)
-            offset += s.num_tokens
-        if not rows:
-            return LaunchedStep([], None, None, prompt, [])
-        index = to_device(torch.tensor(rows), self.device)
-        logits = self.model.compute_logits(hidden[index])
-        if any(d >= 0 for d in drafts):
-            return self._verify(seq_ids, logits, drafts, prompt)
-        return self._launched(seq_ids, logits, prompt)
 
     def _verify(
         self,
@@ -304,12 +327,11 @@ class Executor:
         return out
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, targets: list[int], k: int
+        self, logits: torch.Tensor, targets: list[int], params: SamplingParams
     ) -> list[TokenLogprob]:
-        """Logprobs of `targets`, each predicted by its row of `hidden`."""
-        logits = self.model.compute_logits(hidden)
-        ids = torch.tensor(targets, device=hidden.device)
-        lp, top_ids, top_lps = compute_logprobs(logits, ids, k)
+        """Logprobs of `targets`, each predicted by its row of `logits`."""
+        ids = torch.tensor(targets, device=logits.device)
+        lp, top_ids, top_lps = compute_logprobs(logits, ids, params.prompt_logprobs)
         lp, top_ids, top_lps = lp.tolist(), top_ids.tolist(), top_lps.tolist()
         return [
             TokenLogprob(t, lp[j], list(zip(top_ids[j], top_lps[j])))

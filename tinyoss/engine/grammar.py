@@ -10,8 +10,8 @@ which is how a chat request's schema is confined to harmony's final channel
 A `Matcher` follows one sequence: `GrammarCompiler.fill` writes the allowed next tokens of a
 step's matchers as bit rows (32 ids an int32), `Matcher.consume` advances past each sampled
 token. Rows are filled one after another: llguidance's thread pool (`LLExecutor`) measured
-+77% ms/step at batch 32 on the H100 against +5% for this loop (bench/results/). The host does this while the GPU runs
-the forward pass; the sampler applies the rows (`sampler.py`).
++77% ms/step at batch 32 on the H100 against +5% for this loop (bench/results/). The host
+does this while the GPU runs the forward pass; the sampler applies the rows (`sampler.py`).
 """
 
 from __future__ import annotations

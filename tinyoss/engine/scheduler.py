@@ -14,8 +14,9 @@ With async scheduling a decode step can be planned before the previous one's tok
 (`chain`): each sequence's query is then the token the previous step samples, which the
 executor takes on the device. A decode with drafted tokens (`Sequence.draft`, speculative
 decoding) queries its last token and the drafts and samples at each. Steps chain only when
-nothing could differ from running them one by one: every running sequence decodes, nobody waits to be admitted, no sampler needs the
-previous token (penalties), nobody can reach its length limit, and the cache has room.
+nothing could differ from running them one by one: every running sequence decodes, nobody
+waits to be admitted, no sampler needs the previous token (penalties), nobody can reach its
+length limit, and the cache has room.
 """
 
 from __future__ import annotations

@@ -72,8 +72,16 @@ class Kernels:
     norm_route: NormRouteFn | None = None
     # The experts, the residual add and the next RMSNorm fused (None: `moe`, then `rms_norm`)
     moe_norm: MoENormFn | None = None
+    # Tensor parallelism: the sum over ranks (in place) and the gather of vocabulary columns
+    # ([T, C] -> [T, ranks * C]); None on one GPU
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("moe", "norm", "router", "mxfp4_linear", "linear"), "torch"))
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the tensor-parallel ranks (x itself on one)."""
+        return x if self.all_reduce is None else self.all_reduce(x)
 
     def post_attention(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -93,6 +101,9 @@ class Kernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What ends a layer: the experts' output y, then (norm(y + residual), y + residual) with
         the next layer's input norm (or the final one)."""
+        if self.all_reduce is not None:  # the partial sums meet before the norm
+            y = self.all_reduce(self.moe(x, topk_weights, topk_ids, experts))
+            return self.rms_norm(y, norm_weight, eps, residual)
         if self.moe_norm is not None:
             return self.moe_norm(x, topk_weights, topk_ids, experts, residual, norm_weight, eps)
         return self.rms_norm(self.moe(x, topk_weights, topk_ids, experts), norm_weight, eps,

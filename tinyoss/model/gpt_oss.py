@@ -17,6 +17,7 @@ from tinyoss.config import ModelConfig
 from tinyoss.kernels import Kernels
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.model.rope import cos_sin_cache
+from tinyoss.model.sharding import Shard
 
 
 class AttentionBackend(Protocol):
@@ -81,7 +82,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn(self.layer, q, k, v, self.sinks, positions, rope_cache))
+        out = self.o_proj(attn(self.layer, q, k, v, self.sinks, positions, rope_cache))
+        return self.kernels.reduce(out)
 
 
 class Experts(nn.Module):
@@ -178,10 +180,28 @@ class DecoderLayer(nn.Module):
                                           residual, next_norm.weight, next_norm.eps)
 
 
+class VocabEmbedding(nn.Embedding):
+    """The embedding rows [start, start + rows) of the vocabulary: with tensor parallelism each
+    rank looks up the ids it holds (zeros elsewhere) and the all-reduce fills in the rest."""
+
+    def __init__(self, rows: int, hidden: int, start: int, kernels: Kernels) -> None:
+        super().__init__(rows, hidden)
+        self.start, self.kernels = start, kernels
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernels.all_reduce is None:
+            return super().forward(ids)
+        local = ids - self.start
+        held = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(local.clamp(0, self.num_embeddings - 1))
+        return self.kernels.reduce(x * held[:, None].to(x.dtype))
+
+
 class GptOssModel(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rows, start = shard.vocab_rows(config), shard.vocab_start(config)
+        self.embed_tokens = VocabEmbedding(rows, config.hidden_size, start, kernels)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers)
         )
@@ -189,14 +209,19 @@ class GptOssModel(nn.Module):
 
 
 class GptOssForCausalLM(nn.Module):
-    """Build under `torch.device("meta")`, then materialize with `init_runtime` and load weights."""
+    """Build under `torch.device("meta")`, then materialize with `init_runtime` and load weights.
 
-    def __init__(self, config: ModelConfig, kernels: Kernels | None = None) -> None:
+    With tensor parallelism (`shard`), `config` is the rank's own (`Shard.local_config`: its
+    heads and intermediate units; the whole vocabulary) and lm_head holds its vocabulary rows."""
+
+    def __init__(
+        self, config: ModelConfig, kernels: Kernels | None = None, shard: Shard = Shard()
+    ) -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels or Kernels()
-        self.model = GptOssModel(config, self.kernels)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.kernels)
+        self.model = GptOssModel(config, self.kernels, shard)
+        self.lm_head = Linear(config.hidden_size, shard.vocab_rows(config), False, self.kernels)
         self.rope_cache: torch.Tensor | None = None
 
     def init_runtime(self, max_len: int, device: torch.device) -> None:
@@ -217,4 +242,7 @@ class GptOssForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.kernels.all_gather is not None:
+            logits = self.kernels.all_gather(logits)[:, : self.config.vocab_size]
+        return logits.float()

@@ -10,7 +10,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,6 +19,7 @@ from tinyoss.config import ModelConfig
 from tinyoss.kernels import Kernels
 from tinyoss.model.gpt_oss import Attention, Experts, GptOssForCausalLM
 from tinyoss.model.layout import TensorSpec, checkpoint_tensors
+from tinyoss.model.sharding import Cut, Shard
 from tinyoss.model.synthetic import synthetic_tensors
 from tinyoss.progress import tensor_progress
 
@@ -116,9 +117,13 @@ class SafetensorsCheckpoint:
     def close(self) -> None:
         self._stack.close()
 
-    def read(self, spec: TensorSpec) -> torch.Tensor:
-        """The tensor named by `spec`, checked against the expected shape and dtype."""
-        return self._open(self.check(spec)).get_tensor(spec.name)
+    def read(self, spec: TensorSpec, cut: Cut | None = None) -> torch.Tensor:
+        """The tensor named by `spec`, checked against the expected shape and dtype; with `cut`
+        only that slice is read from the file (tensor parallelism)."""
+        handle = self._open(self.check(spec))
+        if cut is None:
+            return handle.get_tensor(spec.name)
+        return cut.pad(handle.get_slice(spec.name)[cut.index(len(spec.shape))])
 
     def check(self, spec: TensorSpec) -> str:
         """Checks a tensor's presence, shape and dtype from the header alone; returns its file."""
@@ -141,9 +146,11 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{where} has dtype {dtype}, expected {spec.dtype}")
         return file
 
-    def tensors(self, specs: Iterable[TensorSpec]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    def tensors(
+        self, specs: Iterable[TensorSpec], cut: Callable[[TensorSpec], Cut | None] = lambda s: None
+    ) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
         for spec in specs:
-            yield spec, self.read(spec)
+            yield spec, self.read(spec, cut(spec))
 
 
 def _targets(model: GptOssForCausalLM) -> dict[str, tuple[torch.Tensor, int]]:
@@ -227,11 +234,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, kernels: Kernels | None = None
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+    kernels: Kernels | None = None, shard: Shard = Shard(),
 ) -> GptOssForCausalLM:
-    """An empty model (uninitialised memory) on `device`: weights are written once, by loading."""
+    """An empty model (uninitialised memory) on `device`: weights are written once, by loading.
+    `config` is the whole model's; the model holds `shard`'s part of it."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = GptOssForCausalLM(config, kernels)
+        model = GptOssForCausalLM(shard.local_config(config), kernels, shard)
     return model.to_empty(device=device).eval()
 
 
@@ -244,8 +253,10 @@ def load_model(
     kernels: Kernels | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    shard: Shard = Shard(),
 ) -> GptOssForCausalLM:
-    """Builds the model and fills it from `folder`, or with random weights for `dummy`."""
+    """Builds the model and fills it from `folder`, or with random weights for `dummy` (the
+    same weights for any `shard`: each rank makes whole tensors and keeps its slice)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(
             f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
@@ -256,9 +267,16 @@ def load_model(
     total = sum(s.nbytes for s in specs)
     source = "random weights (load_format dummy)" if load_format == "dummy" else folder
     log.info("loading %d tensors (%.2f GB) from %s", len(specs), total / 1e9, source)
-    model = build_model(config, dtype=dtype, device=device, kernels=kernels)
+    model = build_model(config, dtype=dtype, device=device, kernels=kernels, shard=shard)
+
+    def cut(spec: TensorSpec) -> Cut | None:
+        return shard.cut(spec.name, spec.shape, config)
+
     if load_format == "dummy":
-        weights = synthetic_tensors(config, seed, device)
+        weights = (
+            (spec, t if (c := cut(spec)) is None else c.take(t))
+            for spec, t in synthetic_tensors(config, seed, device)
+        )
         load_weights(model, tensor_progress(weights, total, "random weights"))
     else:
         ckpt = SafetensorsCheckpoint(folder)
@@ -270,7 +288,8 @@ def load_model(
                     len(extra),
                     ", ".join(extra[:3]),
                 )
-            load_weights(model, tensor_progress(ckpt.tensors(specs), total, "loading weights"))
+            source = ckpt.tensors(specs, cut)
+            load_weights(model, tensor_progress(source, total, "loading weights"))
         finally:
             ckpt.close()
     prepare_experts(model)

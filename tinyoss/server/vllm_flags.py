@@ -47,8 +47,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--generation-config",), True, ("auto", "vllm"),
              "gpt-oss's generation_config.json sets no sampling defaults; tinyoss's are "
              "OpenAI's (temperature 1, top_p 1): give sampling parameters in each request"),
-    VllmFlag(("--tensor-parallel-size", "-tp"), True, ("1",),
-             f"{ONE_GPU}; for more throughput run one server per GPU (CUDA_VISIBLE_DEVICES)"),
     VllmFlag(("--pipeline-parallel-size", "-pp"), True, ("1",), ONE_GPU),
     VllmFlag(("--data-parallel-size", "-dp"), True, ("1",),
              "run one tinyoss serve per GPU (CUDA_VISIBLE_DEVICES=i) behind a load balancer"),

@@ -1,0 +1,157 @@
+"""Tensor parallelism on the CPU: ranks as threads (the split's numerics at 2, 4 and 8 ranks,
+padding included) and as real processes over gloo (the engine path: plans, chained steps,
+speculative steps, sampling on rank 0)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.test_model_reference import run_paged
+from tests.test_speculative import Replay
+from tinyoss import LLM, SamplingParams
+from tinyoss.config import ModelConfig
+from tinyoss.kernels import Kernels
+from tinyoss.model.loader import build_model, load_weights
+from tinyoss.model.presets import GENERATION_CONFIG, preset_config
+from tinyoss.model.sharding import Shard
+from tinyoss.model.synthetic import synthetic_tensors
+
+CPU = torch.device("cpu")
+
+
+class ThreadGroup:
+    """Collectives between threads (one a rank): each rank deposits its tensor, all wait, and
+    each reads the sum (or the concatenation) in rank order."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.parts: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def _exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.parts)
+        self.barrier.wait()
+        return parts
+
+    def kernels(self, rank: int) -> Kernels:
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            return x.copy_(torch.stack(self._exchange(rank, x)).sum(0))
+
+        def all_gather(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat(self._exchange(rank, x), dim=-1)
+
+        return Kernels(all_reduce=all_reduce, all_gather=all_gather)
+
+
+def _config() -> ModelConfig:
+    """tiny with 8 KV heads (so 8 ranks can split them) and 4 MXFP4 blocks of intermediate
+    units (so 8 ranks hold 1 each, half of them padding)."""
+    cfg = preset_config("tiny") | {"num_key_value_heads": 8, "intermediate_size": 128}
+    return ModelConfig.from_dict(cfg, GENERATION_CONFIG)
+
+
+def test_shard_cuts_at_real_shapes():
+    c = ModelConfig.from_dict(preset_config("gpt-oss-20b"), GENERATION_CONFIG)
+    gate_up = (32, 5760, 90, 16)
+    # 90 blocks over 4 ranks: 23 each (1472 interleaved gate/up rows), the last 21 real + 2 pad
+    cuts = [Shard(r, 4).cut("model.layers.0.mlp.experts.gate_up_proj_blocks", gate_up, c)
+            for r in range(4)]
+    assert [(k.start, k.stop, k.length) for k in cuts] == [
+        (0, 1472, 1472), (1472, 2944, 1472), (2944, 4416, 1472), (4416, 5760, 1472)]
+    down = Shard(7, 8).cut("model.layers.0.mlp.experts.down_proj_scales", (32, 2880, 90), c)
+    assert (down.dim, down.start, down.stop, down.length) == (2, 84, 90, 12)  # 6 real + 6 pad
+    assert Shard(3, 8).local_config(c).intermediate_size == 12 * 32
+    bias = Shard(1, 2).cut("model.layers.0.self_attn.o_proj.bias", (2880,), c)
+    assert bias.take(torch.ones(2880)).count_nonzero() == 0  # rank 0 alone adds the bias
+    assert Shard(0, 2).cut("model.layers.0.self_attn.o_proj.bias", (2880,), c) is None
+    o = Shard(1, 2).cut("model.layers.0.self_attn.o_proj.weight", (2880, 4096), c)
+    assert (o.dim, o.start, o.stop) == (1, 2048, 4096)
+    with pytest.raises(ValueError, match="must divide the model's 8 KV heads"):
+        Shard(0, 3).check(c)
+
+
+@pytest.fixture(scope="module")
+def whole():
+    """A random model and its weights, kept to split over ranks."""
+    config = _config()
+    weights = list(synthetic_tensors(config, seed=0))
+    model = build_model(config, dtype=torch.float32, device=CPU)
+    load_weights(model, weights)
+    model.init_runtime(256, CPU)
+    return config, weights, model
+
+
+@pytest.mark.parametrize("size", [2, 8])
+def test_ranks_as_threads_match_one_model(whole, size):
+    """The same random weights split over `size` ranks give the single model's logits, for a
+    prompt past the 128-token window (fp32: to rounding)."""
+    config, weights, model = whole
+    ids = torch.randint(0, config.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
+    want = run_paged(model, model.config, ids)
+    group, got = ThreadGroup(size), [None] * size
+
+    def rank(r: int) -> None:
+        shard = Shard(r, size)
+        part = build_model(config, dtype=torch.float32, device=CPU, kernels=group.kernels(r),
+                           shard=shard)
+        load_weights(part, ((s, t if (c := shard.cut(s.name, s.shape, config)) is None
+                             else c.take(t)) for s, t in weights))
+        part.init_runtime(256, CPU)
+        got[r] = run_paged(part, part.config, ids)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(size):
+        torch.testing.assert_close(got[r], want, rtol=1e-4, atol=1e-4)
+
+
+PROMPTS = [list(range(100, 400)), [5, 6, 7], list(range(1000, 1150))]
+
+
+def _run(llm: LLM) -> list:
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3,
+                              prompt_logprobs=2)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+    outs = [llm.generate(PROMPTS, greedy, use_tqdm=False)]  # speculates where configured
+    outs.append(llm.generate(PROMPTS, logprobs, use_tqdm=False))  # chained (async) steps
+    outs.append(llm.generate(PROMPTS[:2], seeded, use_tqdm=False))
+    return outs
+
+
+def test_two_processes_match_one(tiny_llm, tiny_dir):
+    """rank 0 and a worker process over gloo: the same tokens as one process, logprobs to
+    rounding; greedy requests with drafts (every third wrong) in verify steps on both ranks."""
+    want = _run(tiny_llm)
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2,
+              kv_cache_tokens=16384, max_num_batched_tokens=2048,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.proposer = Replay({tuple(p): o.outputs[0].token_ids
+                                  for p, o in zip(PROMPTS, want[0])}, wrong=3)
+    try:
+        got = _run(llm)
+        assert llm.engine.stats.spec_drafts > 0  # verify steps ran on both ranks
+        workers = llm.engine.executor.peers.procs
+        assert len(workers) == 1 and workers[0].poll() is None
+    finally:
+        llm.engine.close()
+    assert workers[0].wait(timeout=10) == 0
+    for a, b in zip(got, want):
+        for x, y in zip(a, b):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    for x, y in zip(got[1], want[1]):
+        pairs = list(zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]))
+        pairs += list(zip(x.outputs[0].logprobs, y.outputs[0].logprobs))
+        assert len(pairs) > 10
+        for p, q in pairs:
+            assert p.token_id == q.token_id
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
+            assert [t for t, _ in p.top] == [t for t, _ in q.top]

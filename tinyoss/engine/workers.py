@@ -1,0 +1,165 @@
+"""Tensor parallelism's processes: rank 0 (the engine core) starts one worker per other GPU.
+
+Each worker builds its slice of the model (`builder.build_rank`), KV cache and CUDA graphs,
+then follows rank 0: for every step plan it runs the same forward pass (`Executor.forward`), so
+that its collectives meet rank 0's. Only rank 0 schedules, samples and talks to clients; a
+worker never syncs with its host, and a chained step's input tokens reach it by a broadcast
+from rank 0's GPU.
+
+Workers are plain `python -m tinyoss.engine.workers` processes (the engine core may itself be a
+daemon process, which multiprocessing forbids to have children) joined to rank 0 by a socket
+pair: rank 0 sends the plans down it, pickled once for all workers. A worker that fails sends
+why up it and exits; rank 0 then cannot step (its collectives would wait forever), so it logs
+the reason and exits too (`tinyoss serve` starts a new engine core). A worker exits when rank 0
+goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+
+from tinyoss.config import EngineConfig
+from tinyoss.engine.comm import NO_MULTICAST, Group
+from tinyoss.engine.step import StepPlan
+
+log = logging.getLogger("tinyoss")
+
+_POLL_S = 0.5  # how often an idle worker checks that rank 0 still lives
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU from the configured one (cuda = cuda:0), or the CPU."""
+    base = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if base.type != "cuda":
+        return base
+    index = (base.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} needs GPUs "
+            f"{base.index or 0}..{(base.index or 0) + config.tensor_parallel_size - 1}, but "
+            f"torch sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", index)
+
+
+class Peers:
+    """Rank 0's side: the workers, their channels, and the group's collectives (`group`)."""
+
+    def __init__(self, config: EngineConfig, folder: Path | None, device: torch.device) -> None:
+        size = config.tensor_parallel_size
+        for rank in range(1, size):
+            rank_device(config, rank)  # every GPU exists, before anything starts
+        os.environ.update(NO_MULTICAST)
+        with socket.socket() as s:  # a free port for the group's rendezvous
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen] = []
+        self.closing = False
+        for rank in range(1, size):
+            ours, theirs = socket.socketpair()
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tinyoss.engine.workers", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env={**os.environ, **NO_MULTICAST},
+            ))
+            theirs.close()
+            conn = Connection(ours.detach())
+            conn.send((config, None if folder is None else str(folder), rank, init, os.getpid()))
+            self.conns.append(conn)
+        threading.Thread(target=self._watch, name="tinyoss-tp-watch", daemon=True).start()
+        log.info("tensor parallelism: %d ranks, workers started (pids %s)", size,
+                 [p.pid for p in self.procs])
+        self.group = Group(0, size, device, init)
+
+    def send(self, plan: StepPlan) -> None:
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(data)
+
+    def _watch(self) -> None:
+        """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why."""
+        ready = wait(self.conns + [p_sentinel(p) for p in self.procs])
+        if self.closing:
+            return
+        why = "it exited"
+        for conn in self.conns:
+            if conn in ready:
+                try:
+                    why = conn.recv()[1]
+                except (EOFError, OSError):
+                    pass
+        log.error("a tensor-parallel worker failed, so the engine cannot go on: %s", why)
+        os._exit(1)
+
+    def close(self) -> None:
+        self.closing = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"")  # the stop signal
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.group.close()
+
+
+def p_sentinel(proc: subprocess.Popen) -> int:
+    """A file descriptor that becomes readable when the process exits (Linux pidfd)."""
+    return os.pidfd_open(proc.pid)
+
+
+def follow(executor, group: Group, plan: StepPlan) -> None:
+    """A worker's step: rank 0's chained tokens (if the plan is chained), then the forward
+    pass; the logits are rank 0's to sample and are dropped here."""
+    ids = None
+    if plan.seqs and plan.seqs[0].token_ids is None:
+        ids = group.broadcast(torch.empty(len(plan.seqs), dtype=torch.long,
+                                          device=executor.device))
+    executor.forward(plan, ids)
+
+
+def _main(fd: int) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s tinyoss.worker: %(message)s")
+    conn = Connection(fd)
+    config, folder, rank, init, parent = conn.recv()
+    try:
+        from tinyoss.engine.builder import build_worker
+
+        executor, group = build_worker(config, None if folder is None else Path(folder), rank,
+                                       init)
+        with torch.inference_mode():
+            while True:
+                if not conn.poll(_POLL_S):
+                    if os.getppid() != parent:
+                        break
+                    continue
+                data = conn.recv_bytes()
+                if not data:
+                    break
+                follow(executor, group, pickle.loads(data))
+        group.close()
+    except BaseException as e:  # noqa: BLE001 - rank 0 must hear why
+        try:
+            conn.send(("dead", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))
