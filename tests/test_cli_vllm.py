@@ -41,8 +41,6 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         ["--disable-log-requests"],
         ["--disable-log-stats"],
         ["--enable-chunked-prefill"],
-        ["--tensor-parallel-size", "1"],
-        ["-tp", "1"],
         ["--quantization", "mxfp4"],
         ["--kv-cache-dtype", "auto"],
         ["--swap-space", "4"],
@@ -67,14 +65,14 @@ def test_the_parser_flags_say_harmony():
 @pytest.mark.parametrize(
     "argv, names",
     [
-        (["--tensor-parallel-size", "2"], ["--tensor-parallel-size 2", "one GPU", "only 1"]),
-        (["-tp", "4"], ["-tp 4", "one GPU"]),
+        (["--pipeline-parallel-size", "2"], ["--pipeline-parallel-size 2",
+                                             "tensor parallelism only", "only 1"]),
         (["--quantization", "fp8"], ["--quantization fp8", "only mxfp4", "--mxfp4-layers"]),
         (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype fp8", "fp8 KV cache is not supported"]),
         (["--tool-call-parser", "hermes"], ["--tool-call-parser hermes", "only openai"]),
         (["--reasoning-parser", "deepseek_r1"], ["--reasoning-parser deepseek_r1",
                                                  "openai_gptoss or GptOss or gpt_oss"]),
-        (["--enable-expert-parallel"], ["--enable-expert-parallel", "one GPU"]),
+        (["--enable-expert-parallel"], ["--enable-expert-parallel", "--tensor-parallel-size"]),
         (["--chat-template", "t.jinja"], ["--chat-template t.jinja", "harmony"]),
         (["--download-dir", "/data"], ["--download-dir /data", "HF_HUB_CACHE"]),
         (["--max-logprobs", "50"], ["--max-logprobs 50", "at most 20"]),
@@ -111,6 +109,12 @@ def test_api_key_from_flag_then_tinyoss_env_then_vllm_env(monkeypatch):
     monkeypatch.setenv("TINYOSS_API_KEY", "t")
     assert server_cli.api_key(argparse.Namespace(api_key=None)) == ("t", "env TINYOSS_API_KEY")
     assert server_cli.api_key(argparse.Namespace(api_key="f")) == ("f", "--api-key")
+
+
+def test_tensor_parallel_size_is_an_engine_flag():
+    assert _parse([]).tensor_parallel_size == 1
+    assert _parse(["-tp", "2"]).tensor_parallel_size == 2
+    assert _parse(["--tensor-parallel-size", "4"]).tensor_parallel_size == 4
 
 
 def test_prefix_caching_flags_exist():
@@ -150,7 +154,7 @@ def test_table_is_consistent():
     by_name = {f.names[0]: f for f in VLLM_FLAGS}
     assert not by_name["--quantization"].accepts("fp8")
     assert not by_name["--kv-cache-dtype"].accepts("fp8_e4m3")
-    assert not by_name["--tensor-parallel-size"].accepts("2")
+    assert not by_name["--pipeline-parallel-size"].accepts("2")
     # no table flag shadows a tinyoss flag
     serve = next(a for a in cli.build_parser()._actions
                  if isinstance(a, argparse._SubParsersAction)).choices["serve"]  # fmt: skip

@@ -178,6 +178,7 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         max_num_tokens=max_step_tokens,
     )
     if group is not None:
+        log.info("tensor-parallel all-reduce: %s", group.use_fast_all_reduce(dtype))
         backends.kernels.all_reduce, backends.kernels.all_gather = (group.all_reduce,
                                                                     group.all_gather)
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))

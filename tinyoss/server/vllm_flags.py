@@ -3,7 +3,8 @@
 People arrive with a `vllm serve` command line. Rather than argparse's bare "unrecognized
 arguments", each flag here is either accepted with one log line saying it changes nothing (its
 value, if any, is one of `harmless`), or refused with a message naming it and what to do. A flag
-that would change results (a quantization, an fp8 KV cache, several GPUs) is always refused: running anyway would quietly serve something else than was asked for.
+that would change results (a quantization, an fp8 KV cache, pipeline or expert parallelism) is
+always refused: running anyway would quietly serve something else than was asked for.
 
 This table is the only list: `tinyoss serve` builds its flags from it and docs/serve.md
 ("Coming from vLLM") lists it; tests/test_cli_vllm.py checks the two agree.
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 ANY = ("*",)  # `harmless` of a flag whose every use changes nothing (switches: ANY or ())
 HARMONY = "tinyoss always parses gpt-oss's harmony format: reasoning and tool calls"
-ONE_GPU = "tinyoss runs a model on one GPU (gpt-oss-120b fits one 80 GB GPU)"
+ONE_GPU = ("tinyoss splits a model over GPUs by tensor parallelism only "
+           "(--tensor-parallel-size)")
 
 
 @dataclass(frozen=True)
