@@ -72,7 +72,6 @@ def test_the_parser_flags_say_harmony():
         (["--tool-call-parser", "hermes"], ["--tool-call-parser hermes", "only openai"]),
         (["--reasoning-parser", "deepseek_r1"], ["--reasoning-parser deepseek_r1",
                                                  "openai_gptoss or GptOss or gpt_oss"]),
-        (["--enable-expert-parallel"], ["--enable-expert-parallel", "--tensor-parallel-size"]),
         (["--chat-template", "t.jinja"], ["--chat-template t.jinja", "harmony"]),
         (["--download-dir", "/data"], ["--download-dir /data", "HF_HUB_CACHE"]),
         (["--max-logprobs", "50"], ["--max-logprobs 50", "at most 20"]),

@@ -16,7 +16,7 @@ from tinyoss.config import ModelConfig
 from tinyoss.kernels import Kernels
 from tinyoss.model.loader import build_model, load_weights
 from tinyoss.model.presets import GENERATION_CONFIG, preset_config
-from tinyoss.model.sharding import Shard
+from tinyoss.model.sharding import Cut, Shard
 from tinyoss.model.synthetic import synthetic_tensors
 
 CPU = torch.device("cpu")
@@ -73,6 +73,9 @@ def test_shard_cuts_at_real_shapes():
     assert (o.dim, o.start, o.stop) == (1, 2048, 4096)
     with pytest.raises(ValueError, match="must divide the model's 8 KV heads"):
         Shard(0, 3).check(c)
+    ep = Shard(1, 4, experts=True)  # 8 of the 32 experts, whole, and the null expert
+    assert ep.cut("model.layers.0.mlp.experts.down_proj_bias", (32, 2880), c) == Cut(0, 8, 16, 9)
+    assert ep.local_config(c).intermediate_size == 2880 and ep.experts_held(c) == 9
 
 
 @pytest.fixture(scope="module")
@@ -86,17 +89,18 @@ def whole():
     return config, weights, model
 
 
-@pytest.mark.parametrize("size", [2, 8])
-def test_ranks_as_threads_match_one_model(whole, size):
+@pytest.mark.parametrize("size, experts", [(2, False), (8, False), (4, True)])
+def test_ranks_as_threads_match_one_model(whole, size, experts):
     """The same random weights split over `size` ranks give the single model's logits, for a
-    prompt past the 128-token window (fp32: to rounding)."""
+    prompt past the 128-token window (fp32: to rounding); experts cut (8 ranks: half of them
+    padding) or dealt out whole (expert parallelism)."""
     config, weights, model = whole
     ids = torch.randint(0, config.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
     want = run_paged(model, model.config, ids)
     group, got = ThreadGroup(size), [None] * size
 
     def rank(r: int) -> None:
-        shard = Shard(r, size)
+        shard = Shard(r, size, experts)
         part = build_model(config, dtype=torch.float32, device=CPU, kernels=group.kernels(r),
                            shard=shard)
         load_weights(part, ((s, t if (c := shard.cut(s.name, s.shape, config)) is None
@@ -127,12 +131,20 @@ def _run(llm: LLM) -> list:
     return outs
 
 
-def test_two_processes_match_one(tiny_llm, tiny_dir):
+@pytest.fixture(scope="module")
+def one_process(tiny_llm):
+    return _run(tiny_llm)
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_two_processes_match_one(one_process, tiny_dir, experts):
     """rank 0 and a worker process over gloo: the same tokens as one process, logprobs to
-    rounding; greedy requests with drafts (every third wrong) in verify steps on both ranks."""
-    want = _run(tiny_llm)
+    rounding; greedy requests with drafts (every third wrong) in verify steps on both ranks;
+    experts cut or dealt out whole (expert parallelism)."""
+    want = one_process
     llm = LLM(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2,
               kv_cache_tokens=16384, max_num_batched_tokens=2048,
+              enable_expert_parallel=experts,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     llm.engine.proposer = Replay({tuple(p): o.outputs[0].token_ids
                                   for p, o in zip(PROMPTS, want[0])}, wrong=3)

@@ -326,6 +326,13 @@ class EngineConfig:
         aliases=("-tp",),
         default=1,
     )
+    enable_expert_parallel: bool = option(
+        "with tensor_parallel_size N: deal the experts out whole (E/N a GPU) instead of cutting "
+        "each one; attention stays split by heads. Fewer, larger expert reads for large "
+        "batches; at small batches every GPU still reads k experts a token, so plain tensor "
+        "parallelism is faster for single streams",
+        default=False,
+    )
     speculative_config: str | None = option(
         "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
         "K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} (drafts from the sequence's own "

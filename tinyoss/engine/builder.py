@@ -104,9 +104,9 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
         configure_cpu_threads()
     folder = folder if folder is not None else checkpoint_folder(config)
     model_config = load_model_config(folder, config)
-    Shard(0, config.tensor_parallel_size).check(model_config)  # before starting any worker
+    _shard(config, 0).check(model_config)  # before starting any worker
     peers = Peers(config, folder, device) if config.tensor_parallel_size > 1 else None
-    rank = build_rank(config, folder, device, Shard(0, config.tensor_parallel_size),
+    rank = build_rank(config, folder, device, _shard(config, 0),
                       None if peers is None else peers.group)
     grammars = GrammarCompiler(
         lambda: load_tokenizer(folder).to_json(), model_config.vocab_size,
@@ -160,8 +160,12 @@ def build_worker(config: EngineConfig, folder: Path | None, index: int,
     if device.type == "cpu":
         configure_cpu_threads()
     group = Group(index, config.tensor_parallel_size, device, init)
-    rank = build_rank(config, folder, device, Shard(index, config.tensor_parallel_size), group)
+    rank = build_rank(config, folder, device, _shard(config, index), group)
     return rank.executor(), group
+
+
+def _shard(config: EngineConfig, rank: int) -> Shard:
+    return Shard(rank, config.tensor_parallel_size, config.enable_expert_parallel)
 
 
 def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, shard: Shard,
@@ -367,7 +371,8 @@ def warm_up_moe(
     expert gets tokens: autotuners (inside `Kernels.moe_warmup`, sized for this many tokens) and
     lazy JIT builds see every expert and the largest shape before serving and before CUDA-graph
     capture."""
-    ids = uniform_routing(tokens, m.num_experts_per_tok, m.num_local_experts, device)
+    held = model.model.layers[0].mlp.experts.gate_up_proj_blocks.shape[0]  # experts on this rank
+    ids = uniform_routing(tokens, m.num_experts_per_tok, held, device)
     weights = torch.full(ids.shape, 1 / ids.shape[1], dtype=torch.float32, device=device)
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(tokens, m.hidden_size, generator=gen, device=device).to(dtype)

@@ -94,9 +94,12 @@ class Experts(nn.Module):
     experts never sit in memory twice.
     """
 
-    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels, shard: Shard) -> None:
         super().__init__()
-        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        e, h, i = shard.experts_held(config), config.hidden_size, config.intermediate_size
+        # expert parallelism: the global ids of the experts held, and the null expert's index
+        self.first, self.end = shard.expert_range(config)
+        self.null = e - 1 if shard.experts and shard.size > 1 else None
         self.gate_up_proj_blocks = _param(e, 2 * i, h // 32, 16, dtype=torch.uint8)
         self.gate_up_proj_scales = _param(e, 2 * i, h // 32, dtype=torch.uint8)
         self.gate_up_proj_bias = _param(e, 2 * i)
@@ -106,6 +109,18 @@ class Experts(nn.Module):
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.kernels = kernels
         self.prepared: object | None = None
+
+    def localize(
+        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing in this rank's own expert ids: with expert parallelism, pairs of experts
+        held elsewhere go to the null expert with weight 0 (the all-reduce brings their
+        outputs); as given otherwise."""
+        if self.null is None:
+            return topk_weights, topk_ids
+        held = (topk_ids >= self.first) & (topk_ids < self.end)
+        ids = torch.where(held, topk_ids - self.first, self.null).to(topk_ids.dtype)
+        return topk_weights * held, ids
 
     def weights(self) -> ExpertWeights:
         assert self.prepared is None, "the checkpoint tensors were released by prepare()"
@@ -144,20 +159,20 @@ class MoE(nn.Module):
     norm before it (`Kernels.post_attention`), the experts with the norm after
     (`Kernels.moe_then_norm`), where the kernels can."""
 
-    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels, shard: Shard) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = Linear(config.hidden_size, config.num_local_experts, True, kernels)
-        self.experts = Experts(config, kernels)
+        self.experts = Experts(config, kernels, shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, layer: int, kernels: Kernels, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = MoE(config, kernels)
+        self.mlp = MoE(config, kernels, shard)
         self.kernels = kernels
 
     def forward(
@@ -176,6 +191,7 @@ class DecoderLayer(nn.Module):
         norm, router = self.post_attention_layernorm, self.mlp.router
         x, residual, top_weights, top_ids = self.kernels.post_attention(
             x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k)
+        top_weights, top_ids = self.mlp.experts.localize(top_weights, top_ids)
         return self.kernels.moe_then_norm(x, top_weights, top_ids, self.mlp.experts.packed(),
                                           residual, next_norm.weight, next_norm.eps)
 
@@ -203,7 +219,7 @@ class GptOssModel(nn.Module):
         rows, start = shard.vocab_rows(config), shard.vocab_start(config)
         self.embed_tokens = VocabEmbedding(rows, config.hidden_size, start, kernels)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, kernels, shard) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 

@@ -12,6 +12,12 @@ Rank r of N holds (Megatron's split, as vLLM and SGLang do for gpt-oss):
 - norms, router and sinks' scalars whole; o_proj's and down's biases on rank 0 only (zero
   elsewhere), so that the all-reduce of the partial sums adds them once.
 
+With expert parallelism (`experts=True`, vLLM's --enable-expert-parallel) the experts are not
+cut but dealt out whole: rank r holds experts [r*E/N, (r+1)*E/N) and one zero "null" expert
+after them, to which the pairs routed to other ranks go with weight 0 (`Experts.localize`), so
+that every MoE kernel runs unchanged. Attention, vocabulary and biases split as above, except
+that each expert's down bias lives with its expert.
+
 Each rank reads only its slices (`Cut`) from the memory-mapped safetensors.
 """
 
@@ -62,10 +68,16 @@ class Shard:
 
     rank: int = 0
     size: int = 1
+    experts: bool = False  # expert parallelism: whole experts dealt out, not cut
 
     def check(self, c: ModelConfig) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} of a group of {self.size}")
+        if self.experts and c.num_local_experts % self.size:
+            raise ValueError(
+                f"expert parallelism over {self.size} ranks needs the model's "
+                f"{c.num_local_experts} experts to split evenly"
+            )
         kv = c.num_key_value_heads
         if kv % self.size:
             raise ValueError(
@@ -86,7 +98,21 @@ class Shard:
 
     def expert_blocks(self, c: ModelConfig) -> int:
         """MXFP4 blocks of the intermediate dimension each rank holds (padded)."""
+        if self.experts:
+            return c.intermediate_size // MXFP4_BLOCK
         return -(-c.intermediate_size // MXFP4_BLOCK // self.size)
+
+    def expert_range(self, c: ModelConfig) -> tuple[int, int]:
+        """The experts this rank holds, [first, end) (all of them without expert parallelism)."""
+        if not self.experts or self.size == 1:
+            return 0, c.num_local_experts
+        n = c.num_local_experts // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def experts_held(self, c: ModelConfig) -> int:
+        """Experts in this rank's tensors: its own, and the null expert under parallelism."""
+        first, end = self.expert_range(c)
+        return end - first + (self.experts and self.size > 1)
 
     def vocab_rows(self, c: ModelConfig) -> int:
         return -(-c.vocab_size // self.size)
@@ -100,6 +126,9 @@ class Shard:
         if self.size == 1:
             return None
         r, n = self.rank, self.size
+        if self.experts and ".mlp.experts." in name:
+            first, end = self.expert_range(c)
+            return Cut(0, first, end, end - first + 1)  # + the null expert (zeros)
         if name.endswith(("self_attn.o_proj.bias", "mlp.experts.down_proj_bias")):
             return None if r == 0 else Cut(0, 0, 0, shape[0])
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.sinks")):

@@ -52,7 +52,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--pipeline-parallel-size", "-pp"), True, ("1",), ONE_GPU),
     VllmFlag(("--data-parallel-size", "-dp"), True, ("1",),
              "run one tinyoss serve per GPU (CUDA_VISIBLE_DEVICES=i) behind a load balancer"),
-    VllmFlag(("--enable-expert-parallel",), False, (), ONE_GPU),
     VllmFlag(("--quantization", "-q"), True, ("mxfp4",),
              "tinyoss runs gpt-oss's MXFP4 experts as shipped; --mxfp4-layers quantizes more "
              "layers (qkv, o, lm_head); other quantizations are not supported"),
