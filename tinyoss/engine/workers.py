@@ -89,7 +89,10 @@ class Peers:
 
     def _watch(self) -> None:
         """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why."""
-        ready = wait(self.conns + [p_sentinel(p) for p in self.procs])
+        sentinels = [os.pidfd_open(p.pid) for p in self.procs]
+        ready = wait(self.conns + sentinels)
+        for fd in sentinels:
+            os.close(fd)
         if self.closing:
             return
         why = "it exited"
@@ -117,11 +120,6 @@ class Peers:
         self.group.close()
 
 
-def p_sentinel(proc: subprocess.Popen) -> int:
-    """A file descriptor that becomes readable when the process exits (Linux pidfd)."""
-    return os.pidfd_open(proc.pid)
-
-
 def follow(executor, group: Group, plan: StepPlan) -> None:
     """A worker's step: rank 0's chained tokens (if the plan is chained), then the forward
     pass; the logits are rank 0's to sample and are dropped here."""
@@ -145,8 +143,8 @@ def _main(fd: int) -> None:
         with torch.inference_mode():
             while True:
                 if not conn.poll(_POLL_S):
-                    if os.getppid() != parent:
-                        break
+                    if os.getppid() != parent:  # rank 0 is gone, maybe mid-collective: a
+                        os._exit(0)  # clean shutdown could wait on the GPU forever
                     continue
                 data = conn.recv_bytes()
                 if not data:
