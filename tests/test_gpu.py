@@ -124,6 +124,29 @@ def test_graph_mode_plan_pads_and_matches_unpadded(attention_setup):
     assert _rel(padded[:3], eager) < 1e-3
 
 
+def test_verify_rows_match_reference(attention_setup):
+    """A verify step's graph plan (`rows`): several query tokens per sequence, each a row of
+    the decode kernel with its own key range (across the window edge, and past one split),
+    after a separate rope and store; padded to the graph's size."""
+    fi, ref, (hq, hk, d, bs, blocks) = attention_setup
+    query_lens, seq_lens = [4, 1, 6], [130, 50, 700]
+    meta = _meta(query_lens, seq_lens, bs, blocks, [128, 0], random.Random(5))
+    t, size = sum(query_lens), sum(query_lens) + 3
+    q = torch.randn(size, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(size, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(size, hk, d, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(hq, device="cuda") * 2
+    pos = [p for ql, n in zip(query_lens, seq_lens) for p in range(n - ql, n)]
+    pos = torch.tensor(pos + [0] * (size - t), device="cuda")
+    rope = _rope_table(4096)
+    for layer in (0, 1):
+        fi.plan(meta, graph_size=size, rows=True)
+        ref.plan(meta)
+        out = fi(layer, q.clone(), k.clone(), v, sinks, pos, rope)[:t]
+        expected = ref(layer, q[:t].float(), k[:t].float(), v[:t], sinks, pos[:t], rope)
+        assert _rel(out, expected) < ATTN_TOL, layer
+
+
 PROMPT_LENS = (7, 150, 400)
 
 
@@ -246,6 +269,34 @@ def test_speculative_greedy_on_the_gpu_equals_the_cpu_reference(tiny_dir, wrong)
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def test_speculative_verify_steps_replay_graphs(tiny_dir):
+    """With CUDA graphs, verify steps replay the verify graphs (every query token a decode-kernel
+    row); drafts from the engine's own greedy run are mostly accepted (bf16: the verify rows
+    run other dense kernels than single decodes, so an argmax may flip), and every request ends
+    with its tokens."""
+    from tests.test_speculative import Replay
+    from tinyoss import LLM
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 150000) for _ in range(n)] for n in (3, 140, 300)]
+    llm = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, kv_cache_tokens=8192,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    verify = llm.engine.executor.verify
+    assert verify is not None and 4 in verify.sizes
+    core, proposer = llm.engine, llm.engine.proposer
+    core.proposer = None
+    want = _greedy(llm, prompts)
+    core.proposer = Replay({tuple(p): w for p, w in zip(prompts, want)})
+    replays = []
+    run = verify.run
+    verify.run = lambda *a: replays.append(1) or run(*a)
+    got = _greedy(llm, prompts)
+    assert replays and all(len(g) == 32 for g in got)
+    s = core.stats
+    assert s.spec_accepted_tokens >= 0.8 * s.spec_draft_tokens, (s, got, want)
+    core.proposer = proposer
 
 
 @two_gpus

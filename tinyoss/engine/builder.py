@@ -86,13 +86,14 @@ class Rank:
     attention: object
     graphs: CudaGraphRunner | None
     pieces: PiecewiseGraphRunner | None
+    verify: CudaGraphRunner | None  # speculative verify steps
     dtype: torch.dtype
     device: torch.device
 
     def executor(self, grammars: GrammarCompiler | None = None,
                  peers: Peers | None = None) -> Executor:
         return Executor(self.model, self.attention, len(self.layout.windows), self.device,
-                        self.graphs, self.pieces, grammars, peers)
+                        self.graphs, self.pieces, grammars, peers, self.verify)
 
 
 def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore:
@@ -234,8 +235,22 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
     if use_graphs and piece_sizes:
         pieces = PiecewiseGraphRunner(model, attention, piece_sizes, device)
         pieces.capture()
+    verify = None
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    if use_graphs and speculative is not None:
+        tokens = verify_sizes(config.max_num_seqs, speculative.num_speculative_tokens)
+        verify = CudaGraphRunner(model, attention, tokens, len(layout.windows), device, rows=True)
+        verify.capture()
     return Rank(model_config, backends, model, layout, num_blocks, per_block, max_model_len,
-                attention, graphs, pieces, dtype, device)
+                attention, graphs, pieces, verify, dtype, device)
+
+
+def verify_sizes(max_num_seqs: int, k: int) -> list[int]:
+    """Query-token counts of the verify graphs: every count a single sequence's step can have
+    (2 .. k+1), then the decode buckets up to 64 tokens (larger steps take the piecewise
+    graphs)."""
+    top = min(64, max_num_seqs * (k + 1))
+    return sorted(set(range(2, min(k + 1, top) + 1)) | {s for s in graph_sizes(top) if s > 1})
 
 
 def _random_weights(config: EngineConfig) -> str | None:

@@ -5,6 +5,10 @@ the launch gaps. Graphs are captured largest first and share one memory pool. Ea
 token ids and positions from static buffers; attention reads its plan (made outside the graph,
 before every replay) from its own fixed buffers. Padded rows attend to a dummy cache block, and
 their logits are ignored.
+
+With `rows=True` a runner replays speculative verify steps instead: a graph per count of query
+tokens (each sequence's last token and its drafts), every token a row of the decode attention
+kernel with its own key range, and logits for every token.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ class CudaGraphRunner:
         sizes: list[int],
         num_groups: int,
         device: torch.device,
+        rows: bool = False,
     ) -> None:
         self.model = model
+        self.rows = rows
         self.attention = attention
         self.sizes = sizes
         self.num_groups = num_groups
@@ -58,7 +64,7 @@ class CudaGraphRunner:
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         for size in sorted(self.sizes, reverse=True):
             meta = AttentionMetadata([], [], [GroupMetadata([], [], empty)] * self.num_groups)
-            self.attention.plan(meta, graph_size=size)
+            self.attention.plan(meta, graph_size=size, rows=self.rows)
             self._forward(size)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -67,7 +73,8 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        what = "verify steps of" if self.rows else "decode batch sizes"
+        log.info("captured CUDA graphs for %s %s", what, self.sizes)
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.attention)
@@ -76,12 +83,13 @@ class CudaGraphRunner:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Logits [B, V] of a decode batch of B sequences (one new token each)."""
+        """Logits [B, V] of a decode batch of B sequences (one new token each), or of B query
+        tokens (`rows`)."""
         b = input_ids.shape[0]
         size = self.bucket(b)
         assert size is not None
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
-        self.attention.plan(meta, graph_size=size)
+        self.attention.plan(meta, graph_size=size, rows=self.rows)
         self.graphs[size].replay()
         return self.logits[:b]

@@ -122,6 +122,13 @@ class LaunchedStep:
     drafts: list[int] | None = None  # a verify step: each row's drafted next token (or -1)
 
 
+def _verifies(plan: StepPlan) -> bool:
+    """A verify step: every token samples (each sequence's last token and its drafts), at
+    least one sequence has drafts, and nobody wants prompt logprobs."""
+    return any(s.num_tokens > 1 for s in plan.seqs) and all(
+        s.num_sampled == s.num_tokens and s.prompt_logprobs is None for s in plan.seqs)
+
+
 @dataclass
 class StepLogits:
     """What a step's forward pass leaves to sample: one row per sampled position."""
@@ -143,8 +150,10 @@ class Executor:
         pieces: PiecewiseGraphRunner | None = None,
         grammars: GrammarCompiler | None = None,
         peers: Peers | None = None,
+        verify: CudaGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.verify = verify  # graphs of verify steps (speculative decoding)
         self.peers = peers  # tensor parallelism: the other ranks, which follow every plan
         self.attention = attention
         self.num_groups = num_groups
@@ -190,6 +199,11 @@ class Executor:
         if self.graphs is not None and plan.is_decode and self.graphs.bucket(len(plan.seqs)):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
             return StepLogits([s.seq_id for s in plan.seqs], logits, [-1] * len(plan.seqs), {})
+        if self.verify is not None and _verifies(plan) and self.verify.bucket(len(batch.positions)):
+            logits = self.verify.run(batch.input_ids, batch.positions, batch.meta)
+            seq_ids = [s.seq_id for s in plan.seqs for _ in range(s.num_tokens)]
+            drafts = [d for s in plan.seqs for d in s.token_ids[1:] + [-1]]
+            return StepLogits(seq_ids, logits, drafts, {})
         hidden = self._forward(batch)
         out = StepLogits([], None, [], {})
         rows, offset = [], 0

@@ -16,6 +16,11 @@ Each program also applies the rotary embedding to its queries, and the program h
 newest key rotates it and stores it and its value in the cache before reading the cache: the
 rope and K/V-store launches of a decode step live here (what `rope_triton` and
 `store_kv_triton` do for prefill, with the same arithmetic).
+
+Several query rows of one sequence (a speculative verify step: the last token and its drafts,
+each row its own position and key range) cannot store their keys here: a row would read its
+predecessors' slots before their programs wrote them. Such steps rotate and store every row
+first (`rope_triton`, `store_kv_triton`) and launch with `stored=True`, which only reads.
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     max_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    FINAL: tl.constexpr):
+                    FINAL: tl.constexpr, STORED: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
-    (every range fits one split): the attention output itself, sink included, into out."""
+    (every range fits one split): the attention output itself, sink included, into out.
+    STORED: q is rotated and the new keys are in the cache already."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -66,7 +72,7 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     pos = tl.load(pos_ptr + b).to(tl.int64)
     cos = tl.load(rope_ptr + pos * D + d % (D // 2))
     sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
-    if end == hi:  # this split holds the newest key: rotate it, store it and its value
+    if end == hi and not STORED:  # this split holds the newest key: rotate and store it
         one = tl.arange(0, 1)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         k_new = _rotated(kn_ptr + b * kv_stride + h * D, one, one >= 0, d, cos, sin, D // 2)
@@ -78,7 +84,11 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         tl.debug_barrier()  # the stores reach the cache before this program reads it
     rows = tl.arange(0, GROUP_PAD)
     heads = h * GROUP + rows
-    q = _rotated(q_ptr + b * q_stride, heads, rows < GROUP, d, cos, sin, D // 2)
+    if STORED:
+        q = tl.load(q_ptr + b * q_stride + heads[:, None] * D + d[None, :],
+                    mask=(rows < GROUP)[:, None], other=0.0)
+    else:
+        q = _rotated(q_ptr + b * q_stride, heads, rows < GROUP, d, cos, sin, D // 2)
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
@@ -156,12 +166,14 @@ class DecodeAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  rope_cache: torch.Tensor, tables: torch.Tensor, ranges: torch.Tensor,
-                 sinks: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                 sinks: torch.Tensor, scale: float, window: int = 0,
+                 stored: bool = False) -> torch.Tensor:
         """q [B, Hq, D], k and v [B, Hk, D] (one new token per sequence, not yet rotated; views
         into the q/k/v output are fine), slots [B] (their cache slots; < 0: not stored),
         positions [B], rope_cache [max_len, D] (cos | sin), tables [B, max_blocks] int32,
         ranges [B, 2] int32 (first and end key index within the table's tokens, the new key
-        last; at most `window` keys when nonzero) -> out [B, Hq * D]."""
+        last; at most `window` keys when nonzero) -> out [B, Hq * D]. `stored`: q is rotated
+        and k, v are in the cache (rows of one sequence in one launch)."""
         b = q.shape[0]
         page = k_cache.shape[1]
         assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride(0) == v.stride(0)
@@ -173,5 +185,5 @@ class DecodeAttention:
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, SPLIT=self.split,
-            BLOCK_KV=BLOCK_KV, FINAL=final, **common)
+            BLOCK_KV=BLOCK_KV, FINAL=final, STORED=stored, **common)
         return out

@@ -6,7 +6,9 @@ wrappers silently ignore `sinks` on Hopper, so prefill and mixed steps go throug
 into the kernel), planned once per step. Pure decode steps (one query per sequence, the steps
 CUDA graphs replay) use `DecodeAttention`, which needs no host-side plan at all: planning only
 copies block tables and key ranges into fixed buffers, and it also applies the rotary embedding
-and stores the new K/V rows (no separate launches for them).
+and stores the new K/V rows (no separate launches for them). Verify steps under CUDA graphs
+(`rows=True`: a few query rows per sequence) run it too, one row each with its own key range,
+after a rope and a K/V-store launch.
 """
 
 from __future__ import annotations
@@ -54,18 +56,29 @@ class FlashInferAttention:
         self.decode_attention = DecodeAttention(max_num_seqs, max_model_len, num_qo_heads,
                                                 num_kv_heads, head_dim, self.device)
         self.decoding = False
+        self.stored = False  # decode kernel after a separate K/V store (`rows`)
 
-    def plan(self, meta: AttentionMetadata, graph_size: int | None = None) -> None:
-        """Prepares every group for this step; `graph_size` pads a decode batch to that size."""
-        num_seqs = graph_size or meta.num_seqs
-        pad = num_seqs - meta.num_seqs
+    def plan(self, meta: AttentionMetadata, graph_size: int | None = None,
+             rows: bool = False) -> None:
+        """Prepares every group for this step; `graph_size` pads a decode batch to that size;
+        `rows`: each query token is a row of the decode kernel (a verify step's graph), and
+        `graph_size` counts rows."""
+        num_rows = sum(meta.query_lens) if rows else meta.num_seqs
+        pad = (graph_size or num_rows) - num_rows
         self.decoding = graph_size is not None or all(q == 1 for q in meta.query_lens)
+        self.stored = rows
         for g, group in enumerate(meta.groups):
             n = group.slot_mapping.shape[0]
             self.slots[g][:n].copy_(group.slot_mapping, non_blocking=True)
             self.slots[g][n:n + pad].fill_(self.dummy_block * self.block_size)
-            kv_lens = [s - k for s, k in zip(meta.seq_lens, group.kv_starts)] + [1] * pad
-            tables = group.block_tables + [[self.dummy_block]] * pad
+            kv_lens = [s - k for s, k in zip(meta.seq_lens, group.kv_starts)]
+            tables = group.block_tables
+            if rows:  # row i of a sequence's q tokens sees keys up to its own position
+                kv_lens = [n - (q - 1 - i) for n, q in zip(kv_lens, meta.query_lens)
+                           for i in range(q)]
+                tables = [t for t, q in zip(tables, meta.query_lens) for _ in range(q)]
+            kv_lens = kv_lens + [1] * pad
+            tables = tables + [[self.dummy_block]] * pad
             if self.decoding:
                 self._plan_decode(g, kv_lens, tables)
             else:
@@ -102,10 +115,13 @@ class FlashInferAttention:
         k_cache, v_cache = self.kv_caches[layer]
         t = q.shape[0]
         if self.decoding:
+            if self.stored:
+                q, k = rope_triton(q, k, positions, rope_cache)
+                store_kv_triton(k_cache, v_cache, k, v, self.slots[g][:t])
             return self.decode_attention(q, k, v, k_cache, v_cache, self.slots[g][:t],
                                          positions, rope_cache, self.tables[g][:t],
                                          self.ranges[g][:t], sinks, self.scale,
-                                         self.group_windows[g])
+                                         self.group_windows[g], stored=self.stored)
         q, k = rope_triton(q, k, positions, rope_cache)
         store_kv_triton(k_cache, v_cache, k, v, self.slots[g][:t])
         out = self.prefill[g].run(q.contiguous(), (k_cache, v_cache), sinks, self.scale)
