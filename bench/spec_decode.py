@@ -140,9 +140,12 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/spec_decode.py is a GPU benchmark: it needs a CUDA GPU")
+    # the config sizes the verify graphs (k + 1 tokens up to the largest k); the proposer is
+    # set per measurement below
+    spec = {"method": "ngram", "num_speculative_tokens": max(args.ks)}
     llm = LLM(args.model, load_format=args.load_format, max_num_seqs=1,
               max_model_len=3 * args.input_len + 2 * args.output_len + 64,
-              enable_prefix_caching=False,
+              enable_prefix_caching=False, speculative_config=spec,
               gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     engine = llm.engine
     rng = random.Random(0)
