@@ -223,8 +223,12 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         warm_up_moe(model, backends, local, max_step_tokens, dtype, device)
     use_graphs = device.type == "cuda" and not config.enforce_eager
     sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
-    attention = _attention(
-        config, local, backends, layout, kv_tensors, num_blocks, sizes, max_model_len
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    tokens = []  # the verify graphs' query-token counts
+    if use_graphs and speculative is not None:
+        tokens = verify_sizes(config.max_num_seqs, speculative.num_speculative_tokens)
+    attention = _attention(  # its decode rows: sequences, or a verify step's tokens
+        config, local, backends, layout, kv_tensors, num_blocks, sizes + tokens, max_model_len
     )
     graphs = None
     if use_graphs:
@@ -236,9 +240,7 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         pieces = PiecewiseGraphRunner(model, attention, piece_sizes, device)
         pieces.capture()
     verify = None
-    speculative = SpeculativeConfig.parse(config.speculative_config)
-    if use_graphs and speculative is not None:
-        tokens = verify_sizes(config.max_num_seqs, speculative.num_speculative_tokens)
+    if tokens:
         verify = CudaGraphRunner(model, attention, tokens, len(layout.windows), device, rows=True)
         verify.capture()
     return Rank(model_config, backends, model, layout, num_blocks, per_block, max_model_len,
