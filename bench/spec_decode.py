@@ -18,6 +18,11 @@ Random weights accept no real draft, so besides n-gram lookup this measures:
     model's greedy continuation C of a prompt P is recorded, then the prompt is P + C + P; the
     lookup drafts C after the repeated P. Whether the random model repeats C there is its own
     business: the acceptance it gets is reported as measured.
+(e) with `--eagle3 LAYOUT` (nvidia: the target's 201k-token head; specforge: a 32k draft
+    vocabulary), a full-size synthetic EAGLE-3 draft in that layout: the GPU time of its
+    drafting after each step (CUDA events around it), decode with it (random drafts: nothing
+    is accepted, so this is its cost), the oracle with the draft's cost included, and the
+    published acceptance lengths projected at verify + draft cost.
 Greedy decoding, input `--input-len` random tokens, `--output-len` generated tokens.
 """
 
@@ -39,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tinyoss import LLM, SamplingParams  # noqa: E402
 from tinyoss.engine.core import CoreRequest  # noqa: E402
 from tinyoss.engine.speculative import NgramProposer  # noqa: E402
+from tinyoss.tools.eagle3_checkpoints import write_synthetic_draft  # noqa: E402
 
 # Published mean acceptance lengths (tokens per verify step, the bonus token included).
 PUBLISHED = {
@@ -123,6 +129,54 @@ def profile(engine, prompt: list[int], greedy: list[int], k: int = 3) -> None:
                                     max_name_column_width=60))
 
 
+def eagle3(engine, drafter, prompt: list[int], args, base: dict, by_k: dict,
+           continuations: dict[int, list[int]]) -> dict:
+    """(e): the draft's GPU time a step, decode with it, the oracle with its cost."""
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    propose = drafter.propose
+
+    def timed(*a, **kw):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = propose(*a, **kw)
+        end.record()
+        events.append((start, end))
+        return out
+
+    drafter.propose = timed
+    engine.executor.drafter = drafter
+    rows = []
+    print(f"EAGLE-3 ({args.eagle3} layout, full size, random weights) | k | draft GPU ms/step | "
+          "ms/step (nothing accepted) | tok/s | oracle + draft tok/s | speed-up")
+    for k in args.ks:
+        drafter.k, engine.scheduler.draft_lookahead = k, k - 1
+        events.clear()
+        r = measure(engine, prompt, args, None, k, f"eagle{k}")
+        torch.cuda.synchronize()
+        r["draft_ms"] = statistics.median(a.elapsed_time(b) for a, b in events)
+        r["same_tokens_as_plain"] = r.pop("tokens") == base["tokens"]
+        oracle = measure(engine, prompt, args, Replay(prompt, continuations[k]), k, f"eo{k}")
+        r["oracle_tok_per_s"] = oracle["tok_per_s"]
+        r["oracle_speedup"] = oracle["tok_per_s"] / base["tok_per_s"]
+        rows.append(r)
+        print(f"{k} | {r['draft_ms']:.3f} | {r['ms_per_step']:.3f} | {r['tok_per_s']:.1f} | "
+              f"{r['oracle_tok_per_s']:.1f} | {r['oracle_speedup']:.2f}x")
+    engine.executor.drafter = None
+    projections = []
+    for label, k, length in PUBLISHED.get(args.model, []):
+        row = next((r for r in rows if r["k"] == k), None)
+        if row is not None and k in by_k:
+            ms = by_k[k]["verify_ms_per_step"] + row["draft_ms"]
+            tps = length / (ms / 1e3)
+            projections.append({"source": label, "k": k, "acceptance_length": length,
+                                "ms_per_step": ms, "tok_per_s": tps,
+                                "speedup": tps / base["tok_per_s"]})
+            print(f"PROJECTION (published acceptance; measured verify + draft cost): {label}: "
+                  f"{length} tokens/step at k={k} -> {tps:.0f} tok/s "
+                  f"({tps / base['tok_per_s']:.2f}x)")
+    return {"layout": args.eagle3, "rows": rows, "projections": projections}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,6 +189,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--profile", action="store_true",
                    help="also: the GPU kernels of verify steps at k=3 (torch profiler)")
+    p.add_argument("--eagle3", default=None, choices=["nvidia", "specforge"],
+                   help="also measure a full-size synthetic EAGLE-3 draft in this layout")
     p.add_argument("--commit", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -143,11 +199,20 @@ def main() -> None:
     # the config sizes the verify graphs (k + 1 tokens up to the largest k); the proposer is
     # set per measurement below
     spec = {"method": "ngram", "num_speculative_tokens": max(args.ks)}
+    if args.eagle3:
+        from tinyoss.engine.builder import load_model_config
+        from tinyoss.config import EngineConfig
+
+        target = load_model_config(None, EngineConfig(model=args.model, load_format="dummy"))
+        folder = write_synthetic_draft(Path("/tmp/tinyoss-bench-eagle3") / args.eagle3,
+                                       args.eagle3, target, small=False)
+        spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": max(args.ks)}
     llm = LLM(args.model, load_format=args.load_format, max_num_seqs=1,
               max_model_len=3 * args.input_len + 2 * args.output_len + 64,
               enable_prefix_caching=False, speculative_config=spec,
               gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     engine = llm.engine
+    drafter, engine.executor.drafter = engine.executor.drafter, None  # (e) alone drafts
     rng = random.Random(0)
     prompt = [rng.randrange(199998) for _ in range(args.input_len)]
     base = measure(engine, prompt, args, None, 0, "plain")
@@ -155,12 +220,12 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | {args.model} | batch 1 | in {args.input_len} out "
           f"{args.output_len} | {engine.info.summary}")
     print(f"no speculation: {base['ms_per_step']:.3f} ms/step, {base['tok_per_s']:.1f} tok/s")
-    rows = []
+    rows, continuations = [], {}
     print("k | verify ms/step | x decode step | oracle tokens/step | oracle tok/s | speed-up | "
           "same tokens as plain decode")
     for k in args.ks:
         cost = measure(engine, prompt, args, Replay(prompt, greedy, wrong=True), k, f"cost{k}")
-        verified = cost.pop("tokens")
+        verified = continuations[k] = cost.pop("tokens")
         r = measure(engine, prompt, args, Replay(prompt, verified), k, f"oracle{k}")
         r["verify_ms_per_step"] = cost["ms_per_step"]
         r["cost_ratio"] = cost["ms_per_step"] / base["ms_per_step"]
@@ -190,6 +255,8 @@ def main() -> None:
     print(f"n-gram (k={k}) on P + C + P: {ngram['tokens_per_step']:.2f} tokens/step, "
           f"{ngram['tok_per_s']:.1f} tok/s against {plain['tok_per_s']:.1f} without "
           f"({ngram['speedup']:.2f}x), same tokens {ngram['same_tokens']}")
+    eagle = None if drafter is None else eagle3(engine, drafter, prompt, args, base, by_k,
+                                                 continuations)
     if args.profile:
         profile(engine, prompt, greedy)
     if args.json:
@@ -199,7 +266,7 @@ def main() -> None:
                   "command": " ".join(sys.argv), "model": args.model,
                   "engine": engine.info.summary, "base": base | {"tokens": None},
                   "oracle": rows, "projections": projections,
-                  "ngram": ngram, "ngram_plain": plain}  # fmt: skip
+                  "ngram": ngram, "ngram_plain": plain, "eagle3": eagle}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 

@@ -147,6 +147,40 @@ def test_verify_rows_match_reference(attention_setup):
         assert _rel(out, expected) < ATTN_TOL, layer
 
 
+def test_draft_attention_matches_reference(attention_setup):
+    """An EAGLE-3 draft layer's attention on the GPU: the step's plan with no sinks (-inf), and
+    `decode_rows` on device-computed tables, key ranges and slots (one of them < 0: not
+    stored), against the torch reference."""
+    fi, ref, (hq, hk, d, bs, blocks) = attention_setup
+    no_sinks = torch.full((hq,), float("-inf"), device="cuda")
+    rope = _rope_table(4096)
+    meta = _meta([40, 1], [40, 300], bs, blocks, [128, 0], random.Random(3))
+    q = torch.randn(41, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(41, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(41, hk, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor(list(range(40)) + [299], device="cuda")
+    fi.plan(meta)
+    ref.plan(meta)
+    out = fi(1, q.clone(), k.clone(), v, no_sinks, pos, rope)
+    expected = ref(1, q.float(), k.float(), v, no_sinks, pos, rope)
+    assert out.isfinite().all() and _rel(out, expected) < ATTN_TOL
+
+    tables = torch.randperm(blocks, device="cuda")[:3 * 40].view(3, 40).to(torch.int32)
+    position = torch.tensor([0, 200, 631], device="cuda")
+    slots = tables.gather(1, (position // bs)[:, None])[:, 0].long() * bs + position % bs
+    real, slots[2] = slots[2].item(), -1
+    ranges = torch.stack([torch.zeros_like(position), position + 1], 1).to(torch.int32)
+    q, k, v = (torch.randn(3, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+    kept = fi.kv_caches[1][0].view(-1, hk, d)[real].clone()
+    out = fi.decode_rows(1, q, k, v, no_sinks, position, rope, tables, ranges, slots)
+    expected = ref.decode_rows(1, q.float(), k.float(), v, no_sinks, position, rope, tables,
+                               ranges, slots)
+    assert out.isfinite().all() and _rel(out, expected) < ATTN_TOL
+    stored = fi.kv_caches[1][0].view(-1, hk, d)
+    assert _rel(stored[slots[:2]], ref.kv_caches[1][0].view(-1, hk, d)[slots[:2]]) < 1e-2
+    assert torch.equal(stored[real], kept)  # slot < 0: nothing stored
+
+
 PROMPT_LENS = (7, 150, 400)
 
 
@@ -266,6 +300,42 @@ def test_speculative_greedy_on_the_gpu_equals_the_cpu_reference(tiny_dir, wrong)
     stats = gpu.engine.stats
     assert stats.spec_drafts > 0
     assert (stats.spec_accepted_tokens == stats.spec_draft_tokens) == (wrong == 0)
+
+
+def test_eagle3_drafting_on_the_gpu(tiny_dir, tmp_path):
+    """EAGLE-3 on the GPU: in fp32 through the torch kernels, the CPU reference's tokens and the
+    reference draft's proposals, exactly; in bf16 under CUDA graphs (FlashInfer prefill, the
+    decode kernel's verify rows and `decode_rows`), drafts that mostly agree with the reference
+    draft in bf16 (near-ties part: the target's states differ in rounding), self-consistent
+    greedy output, and every block back."""
+    from tests.test_eagle3_engine import (amplify_attention, eagle3_llm, record_drafts,
+                                          reference_drafts)
+    from tinyoss import LLM
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 150000) for _ in range(n)] for n in (3, 140, 300)]
+    want = _greedy(LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192),
+                   prompts)
+    fp32 = eagle3_llm(tmp_path, "specforge", device="cuda", dtype="float32",
+                      attention_backend="torch", mxfp4_backend="torch", enforce_eager=True,
+                      max_num_seqs=8, kv_cache_tokens=8192)
+    amplify_attention(fp32.engine)
+    records = record_drafts(fp32.engine)
+    assert _greedy(fp32, prompts) == want
+    assert len(records) > 20
+    assert all(d == reference_drafts(fp32.engine, t) for t, d in records[::3])
+    del fp32
+
+    llm = eagle3_llm(tmp_path, "nvidia", device="cuda", max_num_seqs=8, kv_cache_tokens=8192)
+    core = llm.engine
+    assert core.executor.verify is not None and core.executor.graphs is not None
+    amplify_attention(core)
+    records = record_drafts(core)
+    computed = _greedy(llm, prompts)
+    agree = [d == reference_drafts(core, t) for t, d in records[::2]]
+    assert sum(agree) >= 0.7 * len(agree), f"{sum(agree)} of {len(agree)}"
+    assert core.scheduler.kv.usage() == 0
+    assert _greedy(llm, prompts) == computed
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -170,8 +170,16 @@ def test_serve_takes_vllms_speculative_config_flag():
 
     ngram = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert SpeculativeConfig.parse(config(ngram).speculative_config).num_speculative_tokens == 2
-    with pytest.raises(ValueError, match="'eagle3' is not supported"):
-        config('{"method": "eagle3", "model": "d", "num_speculative_tokens": 3}')
+    eagle = SpeculativeConfig.parse(config('{"method": "eagle3", "model": "d"}').speculative_config)
+    assert (eagle.model, eagle.num_speculative_tokens) == ("d", 3)  # the published default
+    for bad, words in (('{"method": "eagle3"}', "needs \"model\""),
+                       ('{"method": "ngram", "model": "d"}', "needs \"model\""),
+                       ('{"method": "medusa", "model": "d"}', "'medusa' is not supported")):
+        with pytest.raises(ValueError, match=words):
+            config(bad)
+    with pytest.raises(ValueError, match="one GPU only"):
+        EngineConfig(model="tiny", tensor_parallel_size=2,
+                     speculative_config={"method": "eagle3", "model": "d"})
 
 
 def test_steps_still_chain_when_no_sequence_can_take_drafts(prompts_and_reference):

@@ -336,7 +336,9 @@ class EngineConfig:
     speculative_config: str | None = option(
         "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
         "K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} (drafts from the sequence's own "
-        "earlier tokens; greedy output is unchanged); a dict in Python; default: off",
+        "earlier tokens) or {\"method\": \"eagle3\", \"model\": DRAFT_FOLDER, "
+        "\"num_speculative_tokens\": K} (an EAGLE-3 draft model; K defaults to 3); greedy output "
+        "is unchanged; a dict in Python; default: off",
         default=None,
     )
 
@@ -364,7 +366,10 @@ class EngineConfig:
         parse_mxfp4_layers(self.mxfp4_layers)
         from tinyoss.engine.speculative import SpeculativeConfig  # torch: imported late
 
-        SpeculativeConfig.parse(self.speculative_config)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("an EAGLE-3 draft model runs on one GPU only: drop "
+                             "tensor_parallel_size or use the ngram method")
 
 
 MXFP4_DENSE_LAYERS = ("qkv", "o", "lm_head")  # what `mxfp4_layers` can add to the experts

@@ -19,6 +19,7 @@ from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
 from tinyoss.engine.comm import Group
+from tinyoss.engine.eagle3_drafter import Eagle3Drafter
 from tinyoss.engine.executor import Executor
 from tinyoss.engine.workers import Peers, rank_device
 from tinyoss.engine.grammar import GrammarCompiler
@@ -33,6 +34,7 @@ from tinyoss.engine.kv_cache import (
 from tinyoss.engine.scheduler import PrefillCost, Scheduler
 from tinyoss.kernels.attention import TorchAttention
 from tinyoss.kernels.backends import BackendChoice, select_backends
+from tinyoss.model.eagle3 import Eagle3Config, load_draft
 from tinyoss.model.gpt_oss import GptOssForCausalLM
 from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
 from tinyoss.model.sharding import Shard
@@ -87,13 +89,14 @@ class Rank:
     graphs: CudaGraphRunner | None
     pieces: PiecewiseGraphRunner | None
     verify: CudaGraphRunner | None  # speculative verify steps
+    drafter: Eagle3Drafter | None  # an EAGLE-3 draft model
     dtype: torch.dtype
     device: torch.device
 
     def executor(self, grammars: GrammarCompiler | None = None,
                  peers: Peers | None = None) -> Executor:
         return Executor(self.model, self.attention, len(self.layout.windows), self.device,
-                        self.graphs, self.pieces, grammars, peers, self.verify)
+                        self.graphs, self.pieces, grammars, peers, self.verify, self.drafter)
 
 
 def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore:
@@ -139,6 +142,8 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     if speculative is not None:
         core.proposer = make_proposer(speculative)
         core.num_speculative_tokens = speculative.num_speculative_tokens
+        if rank.drafter is not None:
+            scheduler.draft_lookahead = speculative.num_speculative_tokens - 1
         log.info("speculative decoding: %s", speculative)
     if device.type == "cuda":
         warm_up_steps(core, config)
@@ -208,7 +213,11 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
     quantize_layers(model, parse_mxfp4_layers(config.mxfp4_layers))
 
     local = model.config
-    layout = CacheLayout.for_model(local)
+    speculative = SpeculativeConfig.parse(config.speculative_config)
+    draft_config = None
+    if speculative is not None and speculative.model is not None:
+        draft_config = _draft_config(speculative.model, model_config)
+    layout = CacheLayout.for_model(local, draft_layers=int(draft_config is not None))
     per_block = kv_bytes_per_block(layout, config.block_size, local, dtype)
     num_blocks = _num_kv_blocks(config, device, per_block)
     if group is not None:  # every rank holds the same blocks
@@ -223,19 +232,21 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         warm_up_moe(model, backends, local, max_step_tokens, dtype, device)
     use_graphs = device.type == "cuda" and not config.enforce_eager
     sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
-    speculative = SpeculativeConfig.parse(config.speculative_config)
     tokens = []  # the verify graphs' query-token counts
     if use_graphs and speculative is not None:
         tokens = verify_sizes(config.max_num_seqs, speculative.num_speculative_tokens)
     attention = _attention(  # its decode rows: sequences, or a verify step's tokens
         config, local, backends, layout, kv_tensors, num_blocks, sizes + tokens, max_model_len
     )
+    piece_sizes = piecewise_sizes(min(config.max_prefill_graph_tokens, max_step_tokens))
+    if draft_config is not None:  # before any capture: the graphs write the states too
+        rows = max([max_step_tokens] + sizes + tokens + piece_sizes)
+        model.keep_aux_hidden(draft_config.aux_layer_ids, rows)
     graphs = None
     if use_graphs:
         graphs = CudaGraphRunner(model, attention, sizes, len(layout.windows), device)
         graphs.capture()
     pieces = None
-    piece_sizes = piecewise_sizes(min(config.max_prefill_graph_tokens, max_step_tokens))
     if use_graphs and piece_sizes:
         pieces = PiecewiseGraphRunner(model, attention, piece_sizes, device)
         pieces.capture()
@@ -243,8 +254,33 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
     if tokens:
         verify = CudaGraphRunner(model, attention, tokens, len(layout.windows), device, rows=True)
         verify.capture()
+    drafter = None
+    if draft_config is not None:
+        t0 = time.perf_counter()
+        draft = load_draft(speculative.model, model_config, dtype=dtype, device=device,
+                           target_embed=model.model.embed_tokens, target_lm_head=model.lm_head,
+                           max_len=max_model_len)
+        drafter = Eagle3Drafter(draft, attention, local.num_hidden_layers, model.rope_cache,
+                                speculative.num_speculative_tokens, config.block_size,
+                                layout.windows.index(0), max_model_len)
+        log.info("loaded the EAGLE-3 draft %s in %.1f s (target layers %s)", speculative.model,
+                 time.perf_counter() - t0, list(draft_config.aux_layer_ids))
     return Rank(model_config, backends, model, layout, num_blocks, per_block, max_model_len,
-                attention, graphs, pieces, verify, dtype, device)
+                attention, graphs, pieces, verify, drafter, dtype, device)
+
+
+def _draft_config(folder: str, target: ModelConfig) -> Eagle3Config:
+    """The draft's config, checked for what sharing the target's KV cache needs."""
+    c = Eagle3Config.from_folder(folder, target)
+    geometry = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    want = (target.num_attention_heads, target.num_key_value_heads, target.head_dim)
+    if geometry != want or c.sliding_window:
+        raise ValueError(
+            f"the EAGLE-3 draft in {folder} has {geometry[0]} query heads, {geometry[1]} KV heads "
+            f"of {geometry[2]}{' and a sliding window' * bool(c.sliding_window)}; tinyoss keeps a "
+            f"draft's keys in the target's cache and needs the target's {want[0]}, {want[1]} and "
+            f"{want[2]} with full attention (as every published gpt-oss draft has)")
+    return c
 
 
 def verify_sizes(max_num_seqs: int, k: int) -> list[int]:

@@ -132,9 +132,12 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._in_flight: tuple[StepPlan, LaunchedStep] | None = None
-        # speculative decoding: drafts up to `num_speculative_tokens` tokens a step
+        # speculative decoding: drafts up to `num_speculative_tokens` tokens a step, from a
+        # proposer on the host (n-gram lookup) or from the executor's draft model, which
+        # returns each sequence's drafts with its step's results (`drafted`)
         self.proposer: Proposer | None = None
         self.num_speculative_tokens = 0
+        self.drafted: dict[int, list[int]] = {}
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, request: CoreRequest) -> None:
@@ -201,7 +204,7 @@ class EngineCore:
         results are read."""
         launched, self._in_flight = self._in_flight, None
         if launched is None:
-            if self.proposer is not None:
+            if self.num_speculative_tokens:
                 self._propose()
             plan = self.scheduler.schedule()
             if plan is None:
@@ -214,7 +217,7 @@ class EngineCore:
                     raise
                 return self._out_of_memory(plan, e)
         chaining = self.async_scheduling and (  # drafts need the previous tokens on the host
-            self.proposer is None
+            not self.num_speculative_tokens
             or not any(can_speculate(s.params) for s in self.scheduler.running)
         )
         if chaining and launched[1].tokens is not None:
@@ -239,10 +242,14 @@ class EngineCore:
             if seq.num_tokens - seq.num_computed != 1 or not can_speculate(seq.params):
                 continue
             room = min(k, seq.max_tokens - seq.num_output - 1, max_len - len(seq.token_ids) - 1)
-            seq.draft = self.proposer.propose(seq.token_ids, seq.num_prompt, room)
+            if self.proposer is None:
+                seq.draft = self.drafted.pop(seq.seq_id, [])[: max(0, room)]
+            else:
+                seq.draft = self.proposer.propose(seq.token_ids, seq.num_prompt, room)
 
     def _finish(self, plan: StepPlan, launched: LaunchedStep) -> list[SeqDelta]:
         result = self.executor.result(launched)
+        self.drafted.update(result.drafts)
         max_len = self.info.max_model_len
         deltas = []
         for item in plan.seqs:
@@ -321,6 +328,7 @@ class EngineCore:
         return deltas
 
     def _drop(self, seq: Sequence) -> None:
+        self.drafted.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
         del self._seqs[seq.seq_id]
 

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from tinyoss.engine.cuda_graphs import CudaGraphRunner
+from tinyoss.engine.eagle3_drafter import Eagle3Drafter
 from tinyoss.engine.workers import Peers
 from tinyoss.engine.grammar import GrammarCompiler, Matcher
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner
 from tinyoss.engine.sampler import Sampler, SamplingBatch, compute_logprobs
-from tinyoss.engine.speculative import verify
+from tinyoss.engine.speculative import can_speculate, verify
 from tinyoss.engine.step import NewSeq, StepPlan, StepResult, TokenLogprob
 from tinyoss.engine.transfer import HostCopy, to_device
 from tinyoss.kernels.attention import AttentionMetadata, GroupMetadata
@@ -120,6 +121,8 @@ class LaunchedStep:
     placeholders: list[tuple[SamplerState, int]]  # where each row's token goes in its state
     logits: torch.Tensor | None = None  # kept until `Executor.complete` samples them
     drafts: list[int] | None = None  # a verify step: each row's drafted next token (or -1)
+    verified: tuple[torch.Tensor, torch.Tensor] | None = None  # its tokens and acceptance
+    proposed: HostCopy | None = None  # an EAGLE-3 draft's proposals for the next step
 
 
 def _verifies(plan: StepPlan) -> bool:
@@ -137,6 +140,8 @@ class StepLogits:
     logits: torch.Tensor | None  # [rows, V]; None when nothing samples
     drafts: list[int]  # each row's drafted next token, or -1
     prompt: dict[int, tuple[torch.Tensor, list[int]]]  # seq -> prompt logits and their targets
+    batch: FlatBatch | None = None  # the step's flat batch
+    rows: list[int] | None = None  # the batch row of each logits row
 
 
 class Executor:
@@ -151,8 +156,10 @@ class Executor:
         grammars: GrammarCompiler | None = None,
         peers: Peers | None = None,
         verify: CudaGraphRunner | None = None,
+        drafter: Eagle3Drafter | None = None,
     ) -> None:
         self.model = model
+        self.drafter = drafter  # an EAGLE-3 draft model, run after each step's sampling
         self.verify = verify  # graphs of verify steps (speculative decoding)
         self.peers = peers  # tensor parallelism: the other ranks, which follow every plan
         self.attention = attention
@@ -189,6 +196,9 @@ class Executor:
             launched = self._launched(out.seq_ids, out.logits, prompt)
         if chained is None or not any(state.grammar for state, _ in launched.placeholders):
             self.complete(launched)
+        if self.drafter is not None and out.logits is not None and any(
+                can_speculate(self.states[i].params) for i in out.seq_ids):
+            launched.proposed = self._propose(plan, out, launched)
         self._last = launched
         return launched
 
@@ -198,14 +208,16 @@ class Executor:
         batch = build_batch(plan, self.num_groups, self.device, input_ids)
         if self.graphs is not None and plan.is_decode and self.graphs.bucket(len(plan.seqs)):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-            return StepLogits([s.seq_id for s in plan.seqs], logits, [-1] * len(plan.seqs), {})
+            n = len(plan.seqs)
+            return StepLogits([s.seq_id for s in plan.seqs], logits, [-1] * n, {}, batch,
+                              list(range(n)))
         if self.verify is not None and _verifies(plan) and self.verify.bucket(len(batch.positions)):
             logits = self.verify.run(batch.input_ids, batch.positions, batch.meta)
             seq_ids = [s.seq_id for s in plan.seqs for _ in range(s.num_tokens)]
             drafts = [d for s in plan.seqs for d in s.token_ids[1:] + [-1]]
-            return StepLogits(seq_ids, logits, drafts, {})
+            return StepLogits(seq_ids, logits, drafts, {}, batch, list(range(len(seq_ids))))
         hidden = self._forward(batch)
-        out = StepLogits([], None, [], {})
+        out = StepLogits([], None, [], {}, batch)
         rows, offset = [], 0
         for s in plan.seqs:
             if s.prompt_logprobs is not None:
@@ -221,6 +233,7 @@ class Executor:
         if rows:
             out.logits = self.model.compute_logits(hidden[to_device(torch.tensor(rows),
                                                                     self.device)])
+        out.rows = rows
         return out
 
     def complete(self, launched: LaunchedStep) -> None:
@@ -280,10 +293,26 @@ class Executor:
         the token after them, per row; `result` takes each sequence's run."""
         states = [self.states[i] for i in seq_ids]
         batch = SamplingBatch.build(states, logits.shape[-1], logits.device)
-        tokens, accepted = verify(logits, batch, to_device(torch.tensor(drafts), self.device))
+        drafted = to_device(torch.tensor(drafts), self.device)
+        tokens, accepted = verify(logits, batch, drafted)
         sums = logits.sum(-1, dtype=torch.float32)  # finite iff the row is
         host = HostCopy.start([tokens, sums, accepted])
-        return LaunchedStep(seq_ids, None, host, prompt, [], drafts=drafts)
+        chosen = torch.where(accepted, drafted, tokens)  # the token after each row
+        return LaunchedStep(seq_ids, None, host, prompt, [], drafts=drafts,
+                            verified=(chosen, accepted))
+
+    def _propose(self, plan: StepPlan, out: StepLogits, launched: LaunchedStep) -> HostCopy:
+        """Queues the draft model's proposals for the step's sequences (after its tokens)."""
+        if launched.verified is not None:
+            chosen, accepted = launched.verified
+        else:
+            assert launched.tokens is not None, "a drafting step is sampled at launch"
+            chosen, accepted = launched.tokens, None
+        batch = out.batch
+        t = batch.input_ids.shape[0]
+        drafts = self.drafter.propose(plan, batch.input_ids, batch.positions,
+                                      self.model.aux_hidden[:t], out.rows, chosen, accepted)
+        return HostCopy.start([drafts])
 
     def _launched(
         self, seq_ids: list[int], logits: torch.Tensor, prompt: dict[int, list[TokenLogprob]]
@@ -300,6 +329,10 @@ class Executor:
                 out.failed.add(seq_id)
         if launched.host is None:
             return out
+        if launched.proposed is not None:
+            (drafts,) = (t.tolist() for t in launched.proposed.wait())
+            ids = list(dict.fromkeys(launched.seq_ids))  # the sampling sequences, in order
+            out.drafts = dict(zip(ids, drafts))
         if launched.drafts is not None:
             return self._verified(launched, out)
         tokens, sums, logprobs, top_ids, top_lps = (

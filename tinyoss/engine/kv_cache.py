@@ -33,12 +33,14 @@ class CacheLayout:
     layer_slot: list[int]  # per layer: which K/V tensor pair holds it
 
     @classmethod
-    def for_model(cls, config: ModelConfig) -> CacheLayout:
+    def for_model(cls, config: ModelConfig, draft_layers: int = 0) -> CacheLayout:
+        """The model's layers, then `draft_layers` full-attention layers of a draft model that
+        keeps its K/V in the same blocks (EAGLE-3), numbered after the model's."""
         windows: list[int] = []
         layer_group, layer_slot = [], []
         per_group: dict[int, int] = {}
-        for layer in range(config.num_hidden_layers):
-            w = config.window(layer)
+        for layer in range(config.num_hidden_layers + draft_layers):
+            w = config.window(layer) if layer < config.num_hidden_layers else 0
             if w not in windows:
                 windows.append(w)
             g = windows.index(w)
@@ -250,12 +252,26 @@ class KVCacheManager:
                 hi = mid - 1
         return lo
 
+    def reserve(self, blocks: SeqBlocks, num_tokens: int) -> bool:
+        """Full-attention tables extended to cover `num_tokens` tokens (an EAGLE-3 draft's
+        lookahead, written past a step's last position); False, nothing taken, if full."""
+        total = -(-num_tokens // self.block_size)
+        full = [g for g, w in enumerate(self.windows) if not w]
+        want = sum(max(0, total - blocks.dropped[g] - len(blocks.tables[g])) for g in full)
+        if want > self.num_free:
+            return False
+        for g in full:
+            table = blocks.tables[g]
+            table.extend(self._take() for _ in range(total - blocks.dropped[g] - len(table)))
+        return True
+
     def step_view(
         self, blocks: SeqBlocks, start: int, num_tokens: int
     ) -> tuple[list[list[int]], list[int], list[list[int]]]:
         """Per group: a copy of the block table up to the step's last position (a sequence may
-        hold blocks beyond it, taken for drafted tokens that were rejected), the first position
-        it covers, and the cache slot of each position in [start, start + num_tokens)."""
+        hold blocks beyond it, taken for drafted tokens that were rejected or for a draft
+        model's lookahead), the first position it covers, and the cache slot of each position
+        in [start, start + num_tokens)."""
         bs = self.block_size
         end = -(-(start + num_tokens) // bs)  # blocks that cover positions below the end
         tables = [list(t[: end - d]) for t, d in zip(blocks.tables, blocks.dropped)]

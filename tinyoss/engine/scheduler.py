@@ -72,6 +72,8 @@ class Scheduler:
         # chunks short enough that running streams keep their pace (stall-free batching).
         self.prefill_budget: tuple[PrefillCost, float] | None = None
         self._dropped: list[int] = []  # finished sequences the executor still has state for
+        # With an EAGLE-3 draft model: the positions it writes past a step (None: no draft).
+        self.draft_lookahead: int | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -208,6 +210,8 @@ class Scheduler:
                 firsts,
                 slots,
             )
+            if self.draft_lookahead is not None:
+                self._draft_view(item, seq)
             if seq.wants_prompt_logprobs:
                 first = max(seq.num_prompt_logprobs + 1, begin + 1)
                 last = min(begin + n, seq.num_prompt) - 1
@@ -220,6 +224,20 @@ class Scheduler:
             seq.num_pending += sampled
             self.name_full_blocks(seq)
         return plan
+
+    def _draft_view(self, item: ScheduledSeq, seq: Sequence) -> None:
+        """What a draft model's passes after the step need beyond the target's plan: the next
+        prompt token after a chunk, and room for `draft_lookahead` positions past the step in
+        the full-attention blocks (where the cache is full, the lookahead's keys go nowhere:
+        the drafts get worse, the output stays the same)."""
+        end = item.start + item.num_tokens
+        if end < seq.num_tokens and item.token_ids is not None:
+            item.following = seq.token_ids[end]
+        if item.num_sampled and self.draft_lookahead:
+            ahead = min(end + self.draft_lookahead, self.max_model_len)
+            if self.kv.reserve(seq.blocks, ahead):
+                g = self.kv.windows.index(0)
+                item.lookahead_blocks = seq.blocks.tables[g][len(item.block_tables[g]):]
 
     # -- after a step -----------------------------------------------------------------------
     def name_full_blocks(self, seq: Sequence) -> None:

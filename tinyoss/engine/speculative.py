@@ -34,18 +34,24 @@ from torch import Tensor
 from tinyoss.engine.sampler import SamplingBatch, race, scores
 from tinyoss.sampling_params import SamplingParams
 
-_METHODS = ("ngram",)
+_METHODS = ("ngram", "eagle3")
+# Drafts a step when the config names none: SGLang's and NVIDIA's published EAGLE-3 setting for
+# gpt-oss (3 draft steps); also where a verify step costs least per token it may gain
+# (bench/results/2026-11-24_h100_spec_decode.md).
+DEFAULT_NUM_TOKENS = 3
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` keys: method, num_speculative_tokens, and for n-gram
-    lookup prompt_lookup_max / prompt_lookup_min (the longest and shortest suffix matched)."""
+    """vLLM's `--speculative-config` keys: method, num_speculative_tokens, for n-gram lookup
+    prompt_lookup_max / prompt_lookup_min (the longest and shortest suffix matched), for an
+    EAGLE-3 draft its `model` (a folder)."""
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int = DEFAULT_NUM_TOKENS
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -63,13 +69,16 @@ class SpeculativeConfig:
                              '"ngram", "num_speculative_tokens": 3}')  # fmt: skip
         if value.get("method") not in _METHODS:
             raise ValueError(f"speculative_config method {value.get('method')!r} is not "
-                             f"supported: give one of {', '.join(_METHODS)} (EAGLE-3 and other "
-                             "draft models are not supported yet)")  # fmt: skip
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+                             f"supported: give one of {', '.join(_METHODS)}")  # fmt: skip
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "model"}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"speculative_config has unsupported keys {unknown}: give "
                              f"{', '.join(sorted(known))}")  # fmt: skip
         config = cls(**value)
+        if (config.method == "eagle3") != isinstance(config.model, str):
+            raise ValueError('speculative_config needs "model" (the draft\'s folder) with method '
+                             '"eagle3", and only then')  # fmt: skip
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1)):
             v = getattr(config, name)
             if not (isinstance(v, int) and v >= low):
@@ -109,8 +118,11 @@ class NgramProposer:
         return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The host-side proposer; None for a draft model, which the executor runs."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    return None
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -52,6 +52,11 @@ class ScheduledSeq:
     # Prompt positions [begin, end) whose next-token logprobs this step computes (or None).
     prompt_logprobs: tuple[int, int] | None = None
     prompt_targets: list[int] = field(default_factory=list)  # the tokens those predict
+    # For an EAGLE-3 draft model: the prompt token after a chunk that ends inside the prompt
+    # (-1 when the step samples the next token), and the full-attention blocks the sequence
+    # holds past the step's table, where the draft writes its lookahead.
+    following: int = -1
+    lookahead_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -80,3 +85,4 @@ class StepResult:
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)  # sequences that failed, and why
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # a draft model's proposals

@@ -89,6 +89,30 @@ class TorchAttention:
             start += q_len
         return out
 
+    def decode_rows(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+        positions: torch.Tensor, rope_cache: torch.Tensor, tables: torch.Tensor,
+        ranges: torch.Tensor, slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query per row, planned by device tensors instead of `plan` (an EAGLE-3 draft's
+        own decode passes, whose positions the host never sees): tables [B, W] (a full-attention
+        table, from position 0), ranges [B, 2] (the keys' first and end position, the new key
+        last), slots [B] (< 0: not stored)."""
+        q, k = apply_rope(q, k, positions, rope_cache)
+        k_cache, v_cache = self.kv_caches[layer]
+        write_kv(k_cache, v_cache, k, v, slots)
+        bs = k_cache.shape[1]
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for i, (lo, hi) in enumerate(ranges.tolist()):
+            blocks = tables[i, : -(-hi // bs)].long()
+            keys = k_cache[blocks].flatten(0, 1)[lo:hi]
+            values = v_cache[blocks].flatten(0, 1)[lo:hi]
+            k_pos = torch.arange(lo, hi, device=q.device)
+            o = attend(q[i : i + 1], keys, values, sinks, positions[i : i + 1], k_pos,
+                       self.windows[layer], self.scale)
+            out[i] = o.flatten().to(out.dtype)
+        return out
+
 
 def write_kv(
     k_cache: torch.Tensor,

@@ -127,6 +127,17 @@ class FlashInferAttention:
         out = self.prefill[g].run(q.contiguous(), (k_cache, v_cache), sinks, self.scale)
         return out.view(t, -1)
 
+    def decode_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    sinks: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                    tables: torch.Tensor, ranges: torch.Tensor,
+                    slots: torch.Tensor) -> torch.Tensor:
+        """As `TorchAttention.decode_rows`: the decode kernel on tables, key ranges and slots
+        the caller computed on the device (no plan; capturable in a CUDA graph)."""
+        k_cache, v_cache = self.kv_caches[layer]
+        return self.decode_attention(q, k, v, k_cache, v_cache, slots, positions, rope_cache,
+                                     tables, ranges, sinks, self.scale,
+                                     self.group_windows[self.layer_groups[layer]])
+
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)

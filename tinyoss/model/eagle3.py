@@ -27,6 +27,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,10 @@ _ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Spe
                   "Eagle3DraftModel", "LlamaForCausalLM")
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _ID_DTYPES = ("I64", "I32")
+
+# The draft layer's attention: q [T, Hq, D], k and v [T, Hk, D] (q and k not yet rotated),
+# positions [T] -> [T, Hq * D]; it rotates, stores the new keys and values, and attends.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -245,6 +250,27 @@ class Eagle3KVCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def attend(self, c: Eagle3Config, rope_cache: torch.Tensor) -> Attend:
+        """The draft layer's attention over this cache (q and k not yet rotated)."""
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+            q, k = apply_rope(q, k, positions, rope_cache)
+            self.write(positions, k.to(self.k.dtype), v.to(self.v.dtype))
+            n, group = self.length, c.num_attention_heads // c.num_key_value_heads
+            keys = self.k[:n].to(q.dtype).repeat_interleave(group, dim=1)
+            vals = self.v[:n].to(q.dtype).repeat_interleave(group, dim=1)
+            scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) / math.sqrt(c.head_dim)
+            diff = positions[:, None] - torch.arange(n, device=q.device)[None, :]  # [T, S]
+            visible = diff >= 0
+            if c.sliding_window:
+                visible &= diff < c.sliding_window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out = torch.einsum("hts,shd->thd", scores.softmax(-1), vals.float()).to(q.dtype)
+            return out.reshape(q.shape[0], -1)
+
+        return attend
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -267,28 +293,12 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.attention_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
-                cache: Eagle3KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         c = self.c
         q = self.q_proj(x).view(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(-1, c.num_key_value_heads, c.head_dim)  # [T, Hk, D]
         v = self.v_proj(x).view(-1, c.num_key_value_heads, c.head_dim)
-        q, k = apply_rope(q, k, positions, rope_cache)
-        cache.write(positions, k.to(cache.k.dtype), v.to(cache.v.dtype))
-        n = cache.length
-        keys = cache.k[:n].to(q.dtype).repeat_interleave(c.num_attention_heads
-                                                         // c.num_key_value_heads, dim=1)
-        vals = cache.v[:n].to(q.dtype).repeat_interleave(c.num_attention_heads
-                                                         // c.num_key_value_heads, dim=1)
-        scores = torch.einsum("thd,shd->hts", q.float(), keys.float()) / math.sqrt(c.head_dim)
-        kpos = torch.arange(n, device=x.device)
-        diff = positions[:, None] - kpos[None, :]  # [T, S]
-        visible = diff >= 0
-        if c.sliding_window:
-            visible &= diff < c.sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out = torch.einsum("hts,shd->thd", scores.softmax(-1), vals.float()).to(x.dtype)
-        return self.o_proj(out.reshape(-1, c.q_size))
+        return self.o_proj(attend(q, k, v, positions))
 
 
 class _MLP(nn.Module):
@@ -338,18 +348,22 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                cache: Eagle3KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: Eagle3KVCache | Attend) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] (fc output, or the previous step's feedback) -> (normed [T, H] for the
-        logits, feedback [T, H] for the next draft step)."""
+        logits, feedback [T, H] for the next draft step). `cache`: this module's own per-sequence
+        cache, or the attention of an engine that keeps the draft's K/V in its paged cache."""
         c, layer = self.config, self.midlayer
-        if int(positions.max()) >= self.rope_cache.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is past the draft's rope table "
-                             f"({self.rope_cache.shape[0]}): build Eagle3Draft with max_len")
+        if isinstance(cache, Eagle3KVCache):
+            if int(positions.max()) >= self.rope_cache.shape[0]:
+                raise ValueError(f"position {int(positions.max())} is past the draft's rope "
+                                 f"table ({self.rope_cache.shape[0]}): build Eagle3Draft with "
+                                 "max_len")
+            cache = cache.attend(c, self.rope_cache)
         embeds = layer.input_layernorm(self.embed_tokens(token_ids))  # [T, H]
         normed = layer.hidden_norm(hidden)
         residual = normed if c.norm_before_residual else hidden
         x = torch.cat([embeds, normed], dim=-1)  # [T, 2H]
-        x = layer.self_attn(x, positions, self.rope_cache, cache) + residual
+        x = layer.self_attn(x, positions, cache) + residual
         y = layer.mlp(layer.post_attention_layernorm(x)) + x
         out = self.norm(y)
         return out, (out if c.norm_output else y)

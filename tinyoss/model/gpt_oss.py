@@ -239,6 +239,17 @@ class GptOssForCausalLM(nn.Module):
         self.model = GptOssModel(config, self.kernels, shard)
         self.lm_head = Linear(config.hidden_size, shard.vocab_rows(config), False, self.kernels)
         self.rope_cache: torch.Tensor | None = None
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
+
+    def keep_aux_hidden(self, layers: tuple[int, ...], max_tokens: int) -> None:
+        """From now on every forward pass also writes the residual stream entering each of
+        `layers` (what an EAGLE-3 draft reads) side by side into `aux_hidden[:T]` [T, n * H]: a
+        fixed buffer, so CUDA graphs captured afterwards write it too."""
+        embed = self.model.embed_tokens.weight
+        self.aux_layers = tuple(layers)
+        self.aux_hidden = torch.zeros(max_tokens, len(layers) * self.config.hidden_size,
+                                      dtype=embed.dtype, device=embed.device)
 
     def init_runtime(self, max_len: int, device: torch.device) -> None:
         """Builds what is computed rather than loaded: the rotary table for `max_len` positions."""
@@ -250,9 +261,12 @@ class GptOssForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] (tokens of all sequences, back to back) -> hidden [T, H]."""
         assert self.rope_cache is not None, "init_runtime() must run before forward()"
-        layers = self.model.layers
+        layers, h = self.model.layers, self.config.hidden_size
         x, residual = layers[0].input_layernorm(self.model.embed_tokens(input_ids))
         for i, layer in enumerate(layers):
+            if i in self.aux_layers:
+                j = self.aux_layers.index(i)
+                self.aux_hidden[: x.shape[0], j * h : (j + 1) * h].copy_(residual)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, residual = layer(x, residual, positions, self.rope_cache, attn, nxt)
         return x
