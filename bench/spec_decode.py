@@ -95,6 +95,9 @@ def measure(engine, prompt: list[int], args, proposer, k: int, tag: str) -> dict
     return {
         "k": k,
         "ms_per_step": 1e3 * statistics.median(steps),
+        "ms_per_step_mean_p90_max": [1e3 * statistics.fmean(steps),
+                                     1e3 * statistics.quantiles(steps, n=10)[-1],
+                                     1e3 * max(steps)],
         "tokens_per_step": sum(emitted) / len(emitted),
         "tok_per_s": sum(emitted) / total,
         "tokens": tokens,
@@ -159,8 +162,10 @@ def eagle3(engine, drafter, prompt: list[int], args, base: dict, by_k: dict,
         r["oracle_tok_per_s"] = oracle["tok_per_s"]
         r["oracle_speedup"] = oracle["tok_per_s"] / base["tok_per_s"]
         rows.append(r)
-        print(f"{k} | {r['draft_ms']:.3f} | {r['ms_per_step']:.3f} | {r['tok_per_s']:.1f} | "
-              f"{r['oracle_tok_per_s']:.1f} | {r['oracle_speedup']:.2f}x")
+        mean, p90, top = r["ms_per_step_mean_p90_max"]
+        print(f"{k} | {r['draft_ms']:.3f} | {r['ms_per_step']:.3f} (mean {mean:.2f}, p90 "
+              f"{p90:.2f}, max {top:.1f}) | {r['tok_per_s']:.1f} | {r['oracle_tok_per_s']:.1f} | "
+              f"{r['oracle_speedup']:.2f}x")
     engine.executor.drafter = None
     projections = []
     for label, k, length in PUBLISHED.get(args.model, []):

@@ -94,8 +94,9 @@ def reference_drafts(core, tokens: list[int]) -> list[int]:
 def amplify_attention(core) -> None:
     """Makes attention dominate the draft's output, so that wrong keys change its drafts."""
     attn = core.executor.drafter.draft.midlayer.self_attn
+    c = attn.c
     with torch.no_grad():
-        attn.v_proj.weight.mul_(8)
+        attn.qkv_proj.weight[c.q_size + c.kv_size :].mul_(8)  # v
         attn.o_proj.weight.mul_(8)
 
 

@@ -260,6 +260,7 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         draft = load_draft(speculative.model, model_config, dtype=dtype, device=device,
                            target_embed=model.model.embed_tokens, target_lm_head=model.lm_head,
                            max_len=max_model_len)
+        draft.use_linear(backends.kernels.linear)  # the target's GEMVs
         drafter = Eagle3Drafter(draft, attention, local.num_hidden_layers, model.rope_cache,
                                 speculative.num_speculative_tokens, config.block_size,
                                 layout.windows.index(0), max_model_len)

@@ -284,32 +284,42 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """A dense layer computed by `fn` (F.linear; an engine sets its own GEMV kernels)."""
+
+    fn: Callable = staticmethod(F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.weight, self.bias)
+
+
 class _Attention(nn.Module):
+    """q, k and v in one matmul (`qkv_proj`: the checkpoint's q_proj, k_proj, v_proj rows)."""
+
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.q_size, bias=c.attention_bias)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.kv_size, bias=c.attention_bias)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.attention_bias)
+        self.qkv_proj = Linear(2 * c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.attention_bias)
+        self.o_proj = Linear(c.q_size, c.hidden_size, bias=c.attention_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         c = self.c
-        q = self.q_proj(x).view(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(-1, c.num_key_value_heads, c.head_dim)  # [T, Hk, D]
-        v = self.v_proj(x).view(-1, c.num_key_value_heads, c.head_dim)
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
+        k = k.reshape(-1, c.num_key_value_heads, c.head_dim)  # [T, Hk, D]
+        v = v.reshape(-1, c.num_key_value_heads, c.head_dim)
         return self.o_proj(attend(q, k, v, positions))
 
 
 class _MLP(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _MidLayer(nn.Module):
@@ -331,15 +341,21 @@ class Eagle3Draft(nn.Module):
         c = self.config = config
         self.input_norm = (RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
                            if c.norm_before_fc else None)
-        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = _MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         # draft id -> target id (d2t offsets already added); None: the vocabularies coincide
         self.register_buffer("draft_to_target", None)
         self.register_buffer("rope_cache", cos_sin_cache(c.rope, c.head_dim, max_len, device),
                              persistent=False)
+
+    def use_linear(self, fn: Callable) -> None:
+        """Computes every dense layer with `fn` (F.linear's signature) from now on."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.fn = fn
 
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, 3 * H_target] target states (aux layers in increasing order) -> [T, H]."""
@@ -466,6 +482,19 @@ def _as_weight(t: torch.Tensor | nn.Module | None) -> torch.Tensor | None:
     return t.weight if isinstance(t, nn.Module) else t
 
 
+def _fused(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's q/k/v and gate/up projections as the fused layers that hold them."""
+    out = dict(tensors)
+    for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
+                                                 "self_attn.v_proj")),
+                         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{part}.{kind}" for part in parts]
+            if names[0] in out:
+                out[f"{prefix}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
 def load_draft(
     folder: str | Path,
     target: ModelConfig,
@@ -530,12 +559,12 @@ def load_draft(
                                   "or infinite values: the download is corrupt")
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Eagle3Draft(config, max_len=1, device="meta")
-    for name, t in tensors.items():
+    for name, t in _fused(tensors, prefix).items():
         module_name, _, attr = name.replace("layers.0.", "midlayer.").rpartition(".")
         model.get_submodule(module_name).register_parameter(
             attr, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
     model.embed_tokens = nn.Embedding.from_pretrained(embed.to(device=device, dtype=dtype))
-    model.lm_head = nn.Linear(h, draft_vocab, bias=False, device="meta")
+    model.lm_head = Linear(h, draft_vocab, bias=False, device="meta")
     model.lm_head.weight = nn.Parameter(lm_head.to(device=device, dtype=dtype),
                                         requires_grad=False)
     model.draft_to_target = None if d2t is None else d2t.to(device)

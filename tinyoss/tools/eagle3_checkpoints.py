@@ -180,7 +180,8 @@ def draft_tensors(layout: str, target: ModelConfig, d: dict, seed: int) -> dict[
     if layout != "nvidia":
         # a sorted draft vocabulary that keeps the harmony specials (ids near the top)
         specials = torch.tensor([200002, 200005, 200006, 200008, 200012])
-        picks = torch.randperm(vocab - 1000, generator=g)[: dv - len(specials)]
+        picks = torch.randperm(vocab - 1000, generator=g)
+        picks = picks[~torch.isin(picks, specials)][: dv - len(specials)]
         ids = torch.cat([picks, specials]).unique().sort().values
         assert len(ids) == dv, f"draft vocabulary of {dv} tokens needs {dv} distinct ids"
         d2t = ids - torch.arange(dv)
