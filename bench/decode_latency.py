@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         mxfp4_backend=args.mxfp4_backend,
         mxfp4_layers=args.mxfp4_layers,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
     )
     try:
         records = [measure(llm.engine, args, mode) for mode in args.structured]
@@ -158,8 +159,10 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                             structured_outputs=STRUCTURED[mode])  # fmt: skip
-    ttfts, steps = [], []
+    ttfts, steps, emitted = [], [], 0
     for it in range(args.warmup + args.iters):
+        if it == args.warmup:
+            start = engine.stats.spec_drafts, engine.stats.spec_accepted_tokens
         for b in range(args.batch_size):
             ids = [rng.randrange(199998) for _ in range(args.input_len)]
             engine.add(CoreRequest(f"it{it}-{b}", ids, params))
@@ -168,14 +171,15 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         while len(started) < args.batch_size:  # prefill until every sequence has a first token
             started.update(d.request_id for d in engine.step() if d.token_ids)
         ttft = time.perf_counter() - t0
-        times = []
+        times, tokens = [], 0
         while engine.has_work():
             t = time.perf_counter()
-            engine.step()
+            tokens += sum(len(d.token_ids) for d in engine.step())
             times.append(time.perf_counter() - t)
         if it >= args.warmup:
             ttfts.append(ttft)
             steps.extend(times)
+            emitted += tokens
     bandwidth = copy_bandwidth(device)
     context = args.input_len + args.output_len // 2
     layers = parse_mxfp4_layers(args.mxfp4_layers)
@@ -208,6 +212,13 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         "roofline_fraction": need["total"] / median / bandwidth,
         "roofline_tok_per_s": args.batch_size * bandwidth / need["total"],
     }
+    if args.speculative_config:  # steps emit several tokens: speed from the tokens themselves
+        drafts = engine.stats.spec_drafts - start[0]
+        accepted = engine.stats.spec_accepted_tokens - start[1]
+        record |= {"speculative_config": args.speculative_config,
+                   "tok_per_s": emitted / sum(steps),
+                   "mean_acceptance_length": 1 + accepted / max(1, drafts),
+                   "verify_steps": drafts}
     return record
 
 
@@ -287,6 +298,9 @@ def main() -> None:
     )
     p.add_argument("--structured", nargs="+", choices=tuple(STRUCTURED), default=["none"],
                    help="constraint modes to measure in turn on one engine (none, json, string)")
+    p.add_argument("--speculative-config", default=None,
+                   help="vLLM's JSON (e.g. {\"method\": \"eagle3\", \"model\": DRAFT}): tok/s "
+                   "counts every emitted token; prints the mean acceptance length")
     p.add_argument("--profile", action="store_true", help="print a per-kernel time table")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write the record to this file")
@@ -323,6 +337,11 @@ def report(record: dict, args: argparse.Namespace) -> None:
         f"TTFT {record['ttft_ms']:.1f} ms | decode {record['ms_per_step_median']:.3f} ms/step "
         f"(p90 {record['ms_per_step_p90']:.3f}) | {record['tok_per_s']:.1f} tok/s"
     )
+    if "mean_acceptance_length" in record:
+        print(f"speculative decoding {record['speculative_config']}: mean acceptance length "
+              f"{record['mean_acceptance_length']:.2f} tokens a verify step over "
+              f"{record['verify_steps']} of them (the roofline figures below count one token "
+              "a step)")
     per_gpu = " per GPU" if record["tensor_parallel_size"] > 1 else ""
     print(
         f"tensor parallel {record['tensor_parallel_size']} | bytes/step{per_gpu} "

@@ -151,8 +151,10 @@ def eagle3(engine, drafter, prompt: list[int], args, base: dict, by_k: dict,
     rows = []
     print(f"EAGLE-3 ({args.eagle3} layout, full size, random weights) | k | draft GPU ms/step | "
           "ms/step (nothing accepted) | tok/s | oracle + draft tok/s | speed-up")
+    built_k, graphs = drafter.k, drafter.graphs
     for k in args.ks:
         drafter.k, engine.scheduler.draft_lookahead = k, k - 1
+        drafter.graphs = graphs if k == built_k else {}  # captured for the built k only
         events.clear()
         r = measure(engine, prompt, args, None, k, f"eagle{k}")
         torch.cuda.synchronize()
@@ -161,12 +163,14 @@ def eagle3(engine, drafter, prompt: list[int], args, base: dict, by_k: dict,
         oracle = measure(engine, prompt, args, Replay(prompt, continuations[k]), k, f"eo{k}")
         r["oracle_tok_per_s"] = oracle["tok_per_s"]
         r["oracle_speedup"] = oracle["tok_per_s"] / base["tok_per_s"]
+        r["draft_graphs"] = bool(drafter.graphs)
         rows.append(r)
         mean, p90, top = r["ms_per_step_mean_p90_max"]
-        print(f"{k} | {r['draft_ms']:.3f} | {r['ms_per_step']:.3f} (mean {mean:.2f}, p90 "
+        print(f"{k}{'' if drafter.graphs else ' (eager)'} | {r['draft_ms']:.3f} | "
+              f"{r['ms_per_step']:.3f} (mean {mean:.2f}, p90 "
               f"{p90:.2f}, max {top:.1f}) | {r['tok_per_s']:.1f} | {r['oracle_tok_per_s']:.1f} | "
               f"{r['oracle_speedup']:.2f}x")
-    engine.executor.drafter = None
+    engine.executor.drafter, drafter.k, drafter.graphs = None, built_k, graphs
     projections = []
     for label, k, length in PUBLISHED.get(args.model, []):
         row = next((r for r in rows if r["k"] == k), None)
@@ -260,6 +264,17 @@ def main() -> None:
     print(f"n-gram (k={k}) on P + C + P: {ngram['tokens_per_step']:.2f} tokens/step, "
           f"{ngram['tok_per_s']:.1f} tok/s against {plain['tok_per_s']:.1f} without "
           f"({ngram['speedup']:.2f}x), same tokens {ngram['same_tokens']}")
+    # n-gram on P alone: the lookup searches the model's own output, which pays once a greedy
+    # continuation falls into a loop (random weights often do); the loop's period is reported
+    tail = greedy[-64:]
+    period = next((q for q in range(1, 33) if tail[q:] == tail[:-q]), None)
+    own = measure(engine, prompt, args, NgramProposer(4, 1), k, "ngram-own")
+    own["speedup"] = own["tok_per_s"] / base["tok_per_s"]
+    own["same_tokens"] = own.pop("tokens") == greedy
+    own["period_of_greedy_tail"] = period
+    print(f"n-gram (k={k}) on P (lookup in its own output; the greedy tail's period: {period}): "
+          f"{own['tokens_per_step']:.2f} tokens/step, {own['tok_per_s']:.1f} tok/s "
+          f"({own['speedup']:.2f}x), same tokens {own['same_tokens']}")
     eagle = None if drafter is None else eagle3(engine, drafter, prompt, args, base, by_k,
                                                  continuations)
     if args.profile:
@@ -271,7 +286,8 @@ def main() -> None:
                   "command": " ".join(sys.argv), "model": args.model,
                   "engine": engine.info.summary, "base": base | {"tokens": None},
                   "oracle": rows, "projections": projections,
-                  "ngram": ngram, "ngram_plain": plain, "eagle3": eagle}  # fmt: skip
+                  "ngram": ngram, "ngram_plain": plain, "ngram_own": own,
+                  "eagle3": eagle}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 

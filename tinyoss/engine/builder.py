@@ -264,6 +264,8 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         drafter = Eagle3Drafter(draft, attention, local.num_hidden_layers, model.rope_cache,
                                 speculative.num_speculative_tokens, config.block_size,
                                 layout.windows.index(0), max_model_len)
+        if use_graphs and not isinstance(attention, TorchAttention):  # planned on the device
+            drafter.capture(config.max_num_seqs)
         log.info("loaded the EAGLE-3 draft %s in %.1f s (target layers %s)", speculative.model,
                  time.perf_counter() - t0, list(draft_config.aux_layer_ids))
     return Rank(model_config, backends, model, layout, num_blocks, per_block, max_model_len,

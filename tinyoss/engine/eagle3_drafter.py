@@ -17,19 +17,26 @@ fed back to the next pass.
 
 Passes 2..k take one row per sequence at the following positions through the attention's
 `decode_rows`: positions, cache slots and key ranges are computed on the device from the
-acceptance, so nothing waits for the host. They write into the blocks the scheduler reserved
-past the step (`ScheduledSeq.lookahead_blocks`).
+acceptance, so nothing waits for the host, and all k - 1 of them replay as one CUDA graph per
+batch size (`capture`). They write into the blocks the scheduler reserved past the step
+(`ScheduledSeq.lookahead_blocks`); padded graph rows have no blocks and store nothing.
 
 Drafts are greedy (q(d) = 1): `speculative.verify`'s rejection sampling stays exact.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from tinyoss.engine.cuda_graphs import graph_sizes
 from tinyoss.engine.step import StepPlan
 from tinyoss.engine.transfer import to_device
 from tinyoss.model.eagle3 import Eagle3Draft
+
+
+log = logging.getLogger("tinyoss")
 
 
 class Eagle3Drafter:
@@ -43,9 +50,41 @@ class Eagle3Drafter:
         self.block_size = block_size
         self.full_group = full_group
         self.max_model_len = max_model_len
-        c = draft.config
+        c, device = draft.config, rope_cache.device
         # no sink: exp(-inf) adds nothing to a softmax denominator
-        self.sinks = torch.full((c.num_attention_heads,), float("-inf"), device=rope_cache.device)
+        self.sinks = torch.full((c.num_attention_heads,), float("-inf"), device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.static: dict[str, torch.Tensor] = {}
+
+    def capture(self, max_num_seqs: int) -> None:
+        """CUDA graphs of passes 2..k for each decode batch size: inputs and output in fixed
+        buffers, one replay for all k - 1 one-token passes."""
+        if self.k < 2:
+            return
+        sizes = graph_sizes(max_num_seqs)
+        top, device = max(sizes), self.rope_cache.device
+        width = -(-self.max_model_len // self.block_size) + 1
+        weight = self.draft.fc.weight
+        self.static = {
+            "token": torch.zeros(top, dtype=torch.long, device=device),
+            "position": torch.zeros(top, dtype=torch.long, device=device),
+            "feedback": torch.zeros(top, self.draft.config.hidden_size, dtype=weight.dtype,
+                                    device=device),
+            "table": torch.zeros(top, width, dtype=torch.int32, device=device),
+            "table_lens": torch.zeros(top, dtype=torch.long, device=device),  # 0: no blocks
+            "drafts": torch.zeros(top, self.k - 1, dtype=torch.long, device=device),
+        }
+        pool = None
+        for size in sorted(sizes, reverse=True):
+            self._replayed_passes(size)  # warm-up: compiles outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._replayed_passes(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+        log.info("captured CUDA graphs of EAGLE-3 draft passes for batch sizes %s", sizes)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -60,13 +99,12 @@ class Eagle3Drafter:
         chosen [R]: the token each sampled row is followed by if the sequence stops there;
         accepted [R]: whether a verify row's draft was accepted (None: one row a sequence)."""
         device = input_ids.device
-        following, first_row, tables, seg = [], [], [], []
+        following, tables, seg = [], [], []  # seg: each sampled row's sequence
         for s in plan.seqs:
             assert s.token_ids is not None, "a drafting step is never chained"
             following += s.token_ids[1:] + [s.following]
             if s.num_sampled:
-                seg += [len(first_row)] * s.num_sampled
-                first_row.append(len(seg) - s.num_sampled)
+                seg += [len(tables)] * s.num_sampled
                 tables.append(s.block_tables[self.full_group] + s.lookahead_blocks)
         width = max(len(t) for t in tables)
         host = torch.tensor(following + rows + seg + [len(t) for t in tables]
@@ -88,15 +126,39 @@ class Eagle3Drafter:
         plan_attention = self._attend_planned
         normed, feedback = draft.forward(draft.combine(aux), next_ids, positions, plan_attention)
         token = draft.propose_ids(normed[last])
-        out = [token]
         position, feedback = positions[last], feedback[last]
+        if self.k < 2:
+            return token[:, None]
+        size = min((n for n in self.graphs if n >= s), default=None)
+        if size is None:
+            rest = self._passes(token, position, feedback, table, table_lens)
+            return torch.cat([token[:, None], rest], 1)
+        st = self.static
+        for name, value in (("token", token), ("position", position), ("feedback", feedback),
+                            ("table_lens", table_lens)):
+            st[name][:s].copy_(value)
+        st["table_lens"][s:size].zero_()
+        st["table"][:s, : table.shape[1]].copy_(table)
+        self.graphs[size].replay()
+        return torch.cat([token[:, None], st["drafts"][:s]], 1)
+
+    def _passes(self, token: torch.Tensor, position: torch.Tensor, feedback: torch.Tensor,
+                table: torch.Tensor, table_lens: torch.Tensor) -> torch.Tensor:
+        """Passes 2..k from draft 1: drafts 2..k [S, k - 1]."""
+        out = []
         for _ in range(self.k - 1):
             position = position + 1
-            normed, feedback = draft.forward(feedback, token, position,
-                                             self._decode_rows(position, table, table_lens))
-            token = draft.propose_ids(normed)
+            normed, feedback = self.draft.forward(feedback, token, position,
+                                                  self._decode_rows(position, table, table_lens))
+            token = self.draft.propose_ids(normed)
             out.append(token)
         return torch.stack(out, 1)
+
+    def _replayed_passes(self, size: int) -> None:
+        st = self.static
+        st["drafts"][:size] = self._passes(st["token"][:size], st["position"][:size],
+                                           st["feedback"][:size], st["table"][:size],
+                                           st["table_lens"][:size])
 
     def _attend_planned(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor) -> torch.Tensor:

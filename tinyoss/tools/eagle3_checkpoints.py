@@ -220,3 +220,25 @@ def write_synthetic_draft(
     save_file(draft_tensors(layout, target, d, seed), folder / "model.safetensors",
               metadata={"format": "pt"})
     return folder
+
+
+def main() -> None:
+    """`python -m tinyoss.tools.eagle3_checkpoints OUT --layout nvidia --target gpt-oss-20b`:
+    a random full-size draft (for benchmarks; `--small` for tests)."""
+    import argparse
+
+    from tinyoss.model.presets import PRESETS, preset_config
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out")
+    p.add_argument("--layout", default="nvidia", choices=sorted(LAYOUTS + tuple(ALIASES)))
+    p.add_argument("--target", default="gpt-oss-20b", choices=sorted(PRESETS))
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    target = ModelConfig.from_dict(preset_config(args.target))
+    print(write_synthetic_draft(args.out, args.layout, target, seed=args.seed, small=args.small))
+
+
+if __name__ == "__main__":
+    main()
