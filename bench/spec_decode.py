@@ -132,6 +132,12 @@ def profile(engine, prompt: list[int], greedy: list[int], k: int = 3) -> None:
                                     max_name_column_width=60))
 
 
+def _period(tokens: list[int]) -> int | None:
+    """The smallest period (<= 32) of the last 64 tokens, if they repeat."""
+    tail = tokens[-64:]
+    return next((q for q in range(1, 33) if tail[q:] == tail[:-q]), None)
+
+
 def eagle3(engine, drafter, prompt: list[int], args, base: dict, by_k: dict,
            continuations: dict[int, list[int]]) -> dict:
     """(e): the draft's GPU time a step, decode with it, the oracle with its cost."""
@@ -198,6 +204,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--profile", action="store_true",
                    help="also: the GPU kernels of verify steps at k=3 (torch profiler)")
+    p.add_argument("--ngram-search", type=int, default=0,
+                   help="try up to N random prompts for one whose greedy continuation loops")
     p.add_argument("--eagle3", default=None, choices=["nvidia", "specforge"],
                    help="also measure a full-size synthetic EAGLE-3 draft in this layout")
     p.add_argument("--commit", default=None)
@@ -264,15 +272,21 @@ def main() -> None:
     print(f"n-gram (k={k}) on P + C + P: {ngram['tokens_per_step']:.2f} tokens/step, "
           f"{ngram['tok_per_s']:.1f} tok/s against {plain['tok_per_s']:.1f} without "
           f"({ngram['speedup']:.2f}x), same tokens {ngram['same_tokens']}")
-    # n-gram on P alone: the lookup searches the model's own output, which pays once a greedy
-    # continuation falls into a loop (random weights often do); the loop's period is reported
-    tail = greedy[-64:]
-    period = next((q for q in range(1, 33) if tail[q:] == tail[:-q]), None)
-    own = measure(engine, prompt, args, NgramProposer(4, 1), k, "ngram-own")
+    # n-gram on a prompt alone: the lookup searches the model's own output, which pays once a
+    # greedy continuation falls into a loop; with --ngram-search N, the first of N random
+    # prompts whose continuation loops (the period of its last 64 tokens is reported)
+    own_prompt, plain_tokens, tried = prompt, greedy, 1
+    period = _period(greedy)
+    while period is None and tried <= args.ngram_search:
+        own_prompt = [rng.randrange(199998) for _ in range(args.input_len)]
+        plain_tokens, _, _ = decode(engine, own_prompt, args.output_len, f"search{tried}")
+        period, tried = _period(plain_tokens), tried + 1
+    own = measure(engine, own_prompt, args, NgramProposer(4, 1), k, "ngram-own")
     own["speedup"] = own["tok_per_s"] / base["tok_per_s"]
-    own["same_tokens"] = own.pop("tokens") == greedy
-    own["period_of_greedy_tail"] = period
-    print(f"n-gram (k={k}) on P (lookup in its own output; the greedy tail's period: {period}): "
+    own["same_tokens"] = own.pop("tokens") == plain_tokens
+    own["period_of_greedy_tail"], own["prompts_tried"] = period, tried
+    print(f"n-gram (k={k}) on a prompt alone (lookup in its own output; prompts tried: "
+          f"{tried}; the greedy tail's period: {period}): "
           f"{own['tokens_per_step']:.2f} tokens/step, {own['tok_per_s']:.1f} tok/s "
           f"({own['speedup']:.2f}x), same tokens {own['same_tokens']}")
     eagle = None if drafter is None else eagle3(engine, drafter, prompt, args, base, by_k,

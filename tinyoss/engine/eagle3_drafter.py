@@ -5,7 +5,10 @@ The draft (`tinyoss.model.eagle3`) is one decoder layer over the target's residu
 three layers, which the target's forward pass leaves in `aux_hidden`. Its K/V live in the
 target's paged cache as one more full-attention layer (`CacheLayout.for_model(...,
 draft_layers=1)`): same blocks, same slots, same rollback; a prefix-cache hit finds the
-draft's keys next to the target's.
+draft's keys next to the target's. (Two approximations there, which change drafts, never output:
+a block's last draft key depends on the token after the block, which a request sharing only the
+block may not have; and blocks computed by steps in which no sequence could take drafts, where
+the draft does not run, hold no draft keys.)
 
 Pass 1 runs the draft over every token of the step with the attention plan the target's step
 made: row i's input is the target's state at row i and the token after it, which is the next
