@@ -21,9 +21,10 @@ K sum differs (words reduced every K step instead of after the loop): fp32 round
 Not faster on an H100 (bench_grouped_gemv.py beside this file, 20b shapes): the Gluon pair GEMV
 took the same time whether the T*4 pairs hit 4 experts or 21 (T = 8: 192 vs 200 us), so it is
 not bound by DRAM (a repeated expert's rows come from L2: the pairs' programs of one row tile
-run side by side) but by instruction issue, and this Triton kernel spends more instructions a weight and
-row than it saves by dequantizing once: 1.7-2.3x slower than the pair GEMV with random routing,
-1.4-1.9x with every token on the same four experts, over 25 tile/variant configurations.
+run side by side) but by instruction issue, and this Triton kernel spends more instructions a
+weight and row than it saves by dequantizing once: 1.7-2.3x slower than the pair GEMV with
+random routing, 1.4-1.9x with every token on the same four experts, over 25 tile/variant
+configurations.
 """
 
 from __future__ import annotations
