@@ -17,7 +17,11 @@ Random weights accept no real draft, so besides n-gram lookup this measures:
 (d) n-gram lookup on a prompt built so that lookup finds the model's own continuation: the
     model's greedy continuation C of a prompt P is recorded, then the prompt is P + C + P; the
     lookup drafts C after the repeated P. Whether the random model repeats C there is its own
-    business: the acceptance it gets is reported as measured.
+    business: the acceptance it gets is reported as measured. The random model is chaotic:
+    neither that, nor its own output, nor a prompt of one token repeated (`--ngram-repeat N`)
+    gives lookup anything to find. `--ngram-last-token` makes it predictable instead: every
+    block's input norms zeroed leave a model whose next token depends on the last
+    token alone, so C comes again after P + C + P (same kernels and bytes, other tokens).
 (e) with `--eagle3 LAYOUT` (nvidia: the target's 201k-token head; specforge: a 32k draft
     vocabulary), a full-size synthetic EAGLE-3 draft in that layout: the GPU time of its
     drafting after each step (CUDA events around it), decode with it (random drafts: nothing
@@ -138,6 +142,76 @@ def _period(tokens: list[int]) -> int | None:
     return next((q for q in range(1, 33) if tail[q:] == tail[:-q]), None)
 
 
+def lookup_rate(prompt: list[int], out: list[int], k: int) -> float:
+    """Tokens a step that n-gram lookup (k drafts) would get on `out`, computed on the host."""
+    proposer, i, steps = NgramProposer(4, 1), 0, 0
+    while i < len(out):
+        drafts = proposer.propose(prompt + out[:i], len(prompt), k)
+        n = next((a for a, d in enumerate(drafts) if i + a >= len(out) or d != out[i + a]),
+                 len(drafts))
+        i, steps = i + n + 1, steps + 1
+    return len(out) / steps
+
+
+def ngram_repeat(engine, pool: list[int], args, base: dict, k: int = 4) -> dict:
+    """(d'): a prompt the random model continues predictably. A prompt of one token t repeated
+    makes every attention layer average near-identical values, so the state at its end hardly
+    depends on the position and the continuation tends to settle (t again, or a short cycle).
+    Of `--ngram-repeat` candidates t (distinct tokens of the model's own greedy output and of
+    the random prompt, which random heads favour), the one whose 64-token greedy continuation
+    n-gram lookup would draft best is measured with and without n-gram speculation."""
+    candidates = list(dict.fromkeys(pool))[: args.ngram_repeat]
+    scored = []
+    for i, t in enumerate(candidates):
+        prompt = [t] * args.input_len
+        out, _, _ = decode(engine, prompt, 64, f"repeat{i}")
+        scored.append((lookup_rate(prompt, out, k), t))
+    rate, best = max(scored)
+    prompt = [best] * args.input_len
+    ngram = measure(engine, prompt, args, NgramProposer(4, 1), k, "repeat-ngram")
+    plain = measure(engine, prompt, args, None, 0, "repeat-plain")
+    ngram["speedup"] = ngram["tok_per_s"] / plain["tok_per_s"]
+    ngram["same_tokens"] = ngram.pop("tokens") == plain["tokens"]
+    ngram["token"], ngram["candidates"] = best, len(candidates)
+    ngram["predicted_tokens_per_step_64"] = rate
+    ngram["candidate_rates"] = sorted(r for r, _ in scored)[::-1][:10]
+    ngram["period_of_greedy_tail"] = _period(plain.pop("tokens"))
+    print(f"n-gram (k={k}) on token {best} repeated {args.input_len} times (best of "
+          f"{len(candidates)} tokens; lookup on 64 tokens predicted {rate:.2f} tokens/step): "
+          f"{ngram['tokens_per_step']:.2f} tokens/step, {ngram['tok_per_s']:.1f} tok/s against "
+          f"{plain['tok_per_s']:.1f} without ({ngram['speedup']:.2f}x), same tokens "
+          f"{ngram['same_tokens']}, greedy tail period {ngram['period_of_greedy_tail']}")
+    return {"ngram": ngram, "plain": plain}
+
+
+def ngram_last_token(engine, prompt: list[int], args, k: int = 4) -> dict:
+    """(d''): a random model made to continue predictably. Each block's input norms are zeroed
+    in place, so attention and the MoE see zeros and add their biases only (attention's
+    through values that are all alike, weighted against the sink by the context's length): the
+    residual stream is the last token's embedding plus near-constants, and the next token
+    depends on the last token alone. The greedy continuation C of a prompt P then comes again
+    after P + C + P, where lookup drafts it. The kernels, the bytes read and so the cost of
+    every step are the unmodified model's; only which tokens come out changes. This runs
+    last: the weights stay zeroed."""
+    with torch.no_grad():
+        for layer in engine.executor.model.model.layers:
+            layer.input_layernorm.weight.zero_()
+            layer.post_attention_layernorm.weight.zero_()
+    c, _, _ = decode(engine, prompt, args.output_len, "last-c")
+    looped = prompt + c + prompt
+    ngram = measure(engine, looped, args, NgramProposer(4, 1), k, "last-ngram")
+    plain = measure(engine, looped, args, None, 0, "last-plain")
+    ngram["speedup"] = ngram["tok_per_s"] / plain["tok_per_s"]
+    ngram["same_tokens"] = ngram.pop("tokens") == plain["tokens"]
+    ngram["plain_repeats_c"] = sum(a == b for a, b in zip(plain.pop("tokens"), c)) / len(c)
+    print(f"n-gram (k={k}) on P + C + P with the blocks' input norms zeroed (the next "
+          f"token depends on the last token; plain decode repeats "
+          f"{100 * ngram['plain_repeats_c']:.0f}% of C): {ngram['tokens_per_step']:.2f} "
+          f"tokens/step, {ngram['tok_per_s']:.1f} tok/s against {plain['tok_per_s']:.1f} "
+          f"without ({ngram['speedup']:.2f}x), same tokens {ngram['same_tokens']}")
+    return {"ngram": ngram, "plain": plain}
+
+
 def eagle3(engine, drafter, prompt: list[int], args, base: dict, by_k: dict,
            continuations: dict[int, list[int]]) -> dict:
     """(e): the draft's GPU time a step, decode with it, the oracle with its cost."""
@@ -206,6 +280,12 @@ def main() -> None:
                    help="also: the GPU kernels of verify steps at k=3 (torch profiler)")
     p.add_argument("--ngram-search", type=int, default=0,
                    help="try up to N random prompts for one whose greedy continuation loops")
+    p.add_argument("--ngram-repeat", type=int, default=0,
+                   help="try N prompts of one token repeated for the most predictable greedy "
+                        "continuation, and measure n-gram lookup on it")
+    p.add_argument("--ngram-last-token", action="store_true",
+                   help="last: zero the blocks' input norms, so the model predicts from the "
+                        "last token alone, and measure n-gram lookup on P + C + P")
     p.add_argument("--eagle3", default=None, choices=["nvidia", "specforge"],
                    help="also measure a full-size synthetic EAGLE-3 draft in this layout")
     p.add_argument("--commit", default=None)
@@ -289,10 +369,12 @@ def main() -> None:
           f"{tried}; the greedy tail's period: {period}): "
           f"{own['tokens_per_step']:.2f} tokens/step, {own['tok_per_s']:.1f} tok/s "
           f"({own['speedup']:.2f}x), same tokens {own['same_tokens']}")
+    repeat = ngram_repeat(engine, greedy + prompt, args, base) if args.ngram_repeat else None
     eagle = None if drafter is None else eagle3(engine, drafter, prompt, args, base, by_k,
                                                  continuations)
     if args.profile:
         profile(engine, prompt, greedy)
+    last = ngram_last_token(engine, prompt, args) if args.ngram_last_token else None
     if args.json:
         commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                capture_output=True, text=True).stdout.strip()
@@ -301,6 +383,7 @@ def main() -> None:
                   "engine": engine.info.summary, "base": base | {"tokens": None},
                   "oracle": rows, "projections": projections,
                   "ngram": ngram, "ngram_plain": plain, "ngram_own": own,
+                  "ngram_repeat": repeat, "ngram_last_token": last,
                   "eagle3": eagle}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
