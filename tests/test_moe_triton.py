@@ -246,3 +246,53 @@ def test_moe_norm_is_moe_then_add_rms_norm(t):
     assert not got.isnan().any()
     with pytest.raises(ValueError, match="residual must be contiguous"):
         mt.moe_norm_triton(x, weights, ids, w, residual.T, norm_w, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only: the tensor-core pair GEMV (moe_gemv_mma, Hopper, built with nvcc)
+
+
+def _mma():
+    from tinyoss.kernels.hardware import capability
+    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
+
+    cap = capability()
+    if cap != (9, 0) or _nvcc() is None:
+        pytest.skip("the tensor-core MoE GEMV needs sm_90 and nvcc")
+    mma, why = load(cap)
+    assert mma is not None, why  # sm_90 with nvcc: it must build
+    return mma
+
+
+@gpu
+@pytest.mark.parametrize("t,scale", [(4, 1.0), (8, 1.0), (4, 3e4), (4, 1e-6)])
+def test_mma_gemv_matches_gluon(t, scale):
+    """Each pair's fp32 output equals the Gluon kernel's to ~1e-7 (the bound is 1e-5), also for
+    activations past fp16's range or far below 1 (staged times a power of two); below
+    MMA_MIN_TOKENS the Gluon kernel runs."""
+    mma = _mma()
+    x, weights, ids, w = big_case(600 + t, t)
+    x = (x.float() * scale).to(DTYPE)
+    got = mt._gemv_pairs(x, weights, ids, w, None, mma)
+    want = mt._gemv_pairs(x, weights, ids, w, None)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(mt.moe_triton(x, weights, ids, w, mma=mma), moe_torch(x, weights, ids, w)) < TOL
+    x1, weights1, ids1, _ = big_case(7, mt.MMA_MIN_TOKENS - 1)
+    assert torch.equal(mt._gemv_pairs(x1, weights1, ids1, w, None, mma),
+                       mt._gemv_pairs(x1, weights1, ids1, w, None))
+
+
+@gpu
+def test_mma_gemv_captures_in_cuda_graph():
+    mma = _mma()
+    x, weights, ids, w = big_case(90, 6)
+    mt.moe_triton(x, weights, ids, w, mma=mma)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mt.moe_triton(x, weights, ids, w, mma=mma)
+    x2, weights2, ids2, _ = big_case(91, 6)
+    x.copy_(x2)
+    weights.copy_(weights2)
+    ids.copy_(ids2)
+    graph.replay()
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL

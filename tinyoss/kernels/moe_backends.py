@@ -14,6 +14,7 @@ and cannot run stops start-up with the GPU and what would run instead: no silent
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ from tinyoss.kernels.hardware import (
     sm_name,
 )
 from tinyoss.settings import resolve
+
+log = logging.getLogger("tinyoss")
 
 ENV = "TINYOSS_MXFP4_BACKEND"
 INSTALL_FLASHINFER = "the flashinfer package is not installed (pip install 'tinyoss[cuda]')"
@@ -140,8 +143,17 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
     if backend == "triton":
         from tinyoss.kernels.moe_triton import moe_norm_triton, moe_triton
 
-        kernels.moe = moe_triton
-        kernels.moe_norm = moe_norm_triton
+        kernels.moe, kernels.moe_norm = moe_triton, moe_norm_triton
+        if p.device_type == "cuda":
+            from tinyoss.kernels.moe_gemv_mma import MMA_MIN_TOKENS, load
+
+            mma, why = load(p.capability)
+            log.info("MoE GEMV from %d tokens a step on the tensor cores: %s", MMA_MIN_TOKENS,
+                     why if mma else f"no, {why}; the Gluon kernel runs")
+            if mma is not None:
+                kernels.moe = functools.partial(moe_triton, mma=mma)
+                kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)
+                backend = "triton+mma"
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
+from tinyoss.kernels.moe_gemv_mma import MMA_MIN_TOKENS, MmaGemv
 from tinyoss.kernels.moe_torch import ExpertWeights
 
 
@@ -602,16 +603,19 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              w: ExpertWeights, config: GemvConfig | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, mma: MmaGemv | None = None) -> torch.Tensor:
     """The pair-GEMV path: x [T, H] -> [T, H]; three launches, no host synchronisation."""
     out = _output(x, out)
-    _combine_pairs(_gemv_pairs(x, topk_weights, topk_ids, w, config), out)
+    _combine_pairs(_gemv_pairs(x, topk_weights, topk_ids, w, config, mma), out)
     return out
 
 
 def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                w: ExpertWeights, config: GemvConfig | None) -> torch.Tensor:
-    """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs."""
+                w: ExpertWeights, config: GemvConfig | None,
+                mma: MmaGemv | None = None) -> torch.Tensor:
+    """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
+    `mma` (the tensor-core kernel, when given) from MMA_MIN_TOKENS tokens on, else Gluon's
+    (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -625,7 +629,11 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     act = _empty((pairs, i), torch.float32, x.device)
-    if x.is_cuda and GLUON:
+    if mma is not None and t >= MMA_MIN_TOKENS and mma.supports(x, w):
+        ids = ids.to(torch.int32)
+        mma.gate_up(x.contiguous(), k, ids, *gu, wts, act, w.alpha, w.limit)
+        mma.down(act, ids, *dn, wts, y, w.alpha, w.limit)
+    elif x.is_cuda and GLUON:
         tiles = {"block_k": cfg.block_k, "num_warps": cfg.num_warps}
         pair_gemv_gluon(x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, w.alpha, w.limit,
                         swiglu=True, block_n=cfg.block_n1, **tiles)
@@ -652,13 +660,14 @@ def moe_triton(
     w: ExpertWeights,
     out: torch.Tensor | None = None,
     gemv: GemvConfig | None = None,
+    mma: MmaGemv | None = None,
 ) -> torch.Tensor:
     """Drop-in for `moe_torch`: x [T, H], topk_weights [T, K], topk_ids [T, K] -> [T, H];
-    `gemv` configures the pair GEMV (default `GemvConfig()`).
+    `gemv` configures the pair GEMV (default `GemvConfig()`), `mma` the tensor-core one.
 
     The path depends only on the static T, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out)
+        return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out, mma=mma)
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
 
 
@@ -671,6 +680,7 @@ def moe_norm_triton(
     norm_weight: torch.Tensor,
     eps: float,
     gemv: GemvConfig | None = None,
+    mma: MmaGemv | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Kernels.moe_then_norm`: `moe_triton`, whose top-k combine also adds the residual and
     takes the RMSNorm (one launch for what was two): (norm(moe + residual), moe + residual),
@@ -679,7 +689,7 @@ def moe_norm_triton(
         raise ValueError(f"residual must be contiguous {tuple(x.shape)} {x.dtype}, "
                          f"got {tuple(residual.shape)} {residual.dtype}")
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv)
+        y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
     else:
         y = _prefill_pairs(x, topk_weights, topk_ids, w, None)
     t, h = x.shape

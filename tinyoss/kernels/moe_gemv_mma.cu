@@ -1,0 +1,218 @@
+// The MoE pair GEMV on Hopper's tensor cores: what moe_gemv_gluon computes (rows of one expert
+// against one pair's activations; bias, clamped SwiGLU or routing weight fused), for 4 to 8
+// tokens a step. See moe_gemv_mma.py for when it runs and how it is built.
+//
+// A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
+// holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
+// position stands for as long as x uses the same, so thread t loads word t (8 codes) of a
+// 32-code scale block for its two rows, and one block is two MMAs: codes (0, 4), (1, 5), then
+// (2, 6), (3, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
+// to bits 11..9, which is the code's value times 2**-14 (E2M1 subnormals land on fp16
+// subnormals, which the tensor cores take). The block's E8M0 scale multiplies the MMA's fp32
+// result, so an MMA never mixes blocks. x is staged once a program in shared memory as fp16
+// pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
+// 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
+// hi + lo, two more MMAs, ~22 bits. Every column of B holds the same x, so each column of D is
+// the product.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int TILES = 4;          // 16-row tiles a program
+constexpr int ROWS = 16 * TILES;  // weight rows a program
+
+template <int J>
+__device__ __forceinline__ uint32_t pair16(uint32_t q) {
+  // codes J (low half) and J + 4 (high half) of a word of 8 as fp16 bits, value * 2**-14
+  constexpr int A = 9 - 4 * J, B = 12 - 4 * J;
+  const uint32_t em = A >= 0 ? (q << A) : (q >> -A);
+  return (em & 0x0E000E00u) | ((q << B) & 0x80008000u);
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
+  return (uint32_t)__half_as_ushort(lo) | ((uint32_t)__half_as_ushort(hi) << 16);
+}
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
+// out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
+// share a row tile, each a contiguous part of K, summed through shared memory at the end.
+template <bool SWIGLU, int U, int KSPLIT, typename XT>
+__global__ void __launch_bounds__(TILES * KSPLIT * 32)
+    pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
+                  const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                  const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                  float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                  long stride_se, float alpha, float limit) {
+  constexpr bool SPLIT = !SWIGLU;  // fp32 x: hi + lo
+  extern __shared__ uint4 smem[];
+  __shared__ float xmax[TILES * KSPLIT];
+  const int nblk = K / 32, per = nblk / KSPLIT;
+  uint4* xs = smem;                                           // [K / 8] fp16 pairs (hi)
+  uint4* xl = smem + K / 8;                                   // [K / 8] (lo)
+  uint8_t* ss = (uint8_t*)(smem + (SPLIT ? 2 : 1) * (K / 8));  // [ROWS][nblk] scales
+  const int pair = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % TILES;
+  const int part = (threadIdx.x >> 5) / TILES, first = part * per;
+  const int g = lane >> 2, t = lane & 3;
+  const long e = ids[pair];
+  const int row0 = blockIdx.y * ROWS;
+  // SwiGLU: row g is the gate and row g + 8 the up row of one output (2j and 2j + 1 in the
+  // checkpoint); else 16 consecutive rows
+  const int la = SWIGLU ? 2 * (warp * 8 + g) : warp * 16 + g;
+  const int lb = SWIGLU ? la + 1 : la + 8;
+  const uint32_t* qa = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
+                                                         (long)(row0 + la) * stride_q) + t + 4 * first;
+  const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
+                                                         (long)(row0 + lb) * stride_q) + t + 4 * first;
+  uint32_t wa[U], wb[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
+    wa[u] = __ldg(qa + 4 * u);
+    wb[u] = __ldg(qb + 4 * u);
+  }
+  const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
+  for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
+    reinterpret_cast<uint4*>(ss)[i] = sg[i];
+  }
+  const XT* xr = x + (long)(pair / x_div) * K;
+  float pre = 1.f;  // x is staged times pre
+  if (!SPLIT) {
+    float m = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) m = fmaxf(m, fabsf(to_f(xr[i])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) xmax[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.f;
+#pragma unroll
+    for (int w = 0; w < TILES * KSPLIT; ++w) m = fmaxf(m, xmax[w]);
+    int ex = 0;
+    frexpf(m, &ex);  // m < 2**ex
+    pre = m > 0.f ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+  }
+  for (int w = threadIdx.x; w < K / 8; w += blockDim.x) {
+    __half h[8], l[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = to_f(xr[8 * w + j]) * pre;
+      h[j] = __float2half_rn(v);
+      l[j] = __float2half_rn(v - __half2float(h[j]));
+    }
+    xs[w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]), pack(h[3], h[7]));
+    if (SPLIT) {
+      xl[w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]), pack(l[3], l[7]));
+    }
+  }
+  __syncthreads();
+  float acc_a = 0.f, acc_b = 0.f;
+  for (int b0 = 0; b0 < per; b0 += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int b = first + b0 + u;
+      const uint4 xv = xs[4 * b + t];
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      const uint32_t a0 = pair16<0>(wa[u]), a1 = pair16<0>(wb[u]);
+      const uint32_t a2 = pair16<1>(wa[u]), a3 = pair16<1>(wb[u]);
+      const uint32_t c0 = pair16<2>(wa[u]), c1 = pair16<2>(wb[u]);
+      const uint32_t c2 = pair16<3>(wa[u]), c3 = pair16<3>(wb[u]);
+      mma(d, a0, a1, a2, a3, xv.x, xv.y);
+      mma(d, c0, c1, c2, c3, xv.z, xv.w);
+      if (SPLIT) {
+        const uint4 xw = xl[4 * b + t];
+        mma(d, a0, a1, a2, a3, xw.x, xw.y);
+        mma(d, c0, c1, c2, c3, xw.z, xw.w);
+      }
+      acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
+      acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
+    }
+    if (b0 + U < per) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        wa[u] = __ldg(qa + 4 * (b0 + U + u));
+        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+      }
+    }
+  }
+  if (KSPLIT > 1) {  // the other parts' sums into part 0's
+    float* red = reinterpret_cast<float*>(smem);  // x is read no more
+    __syncthreads();
+    if (part > 0 && t == 0) {
+      red[((part - 1) * TILES + warp) * 16 + g] = acc_a;
+      red[((part - 1) * TILES + warp) * 16 + 8 + g] = acc_b;
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int p = 1; p < KSPLIT; ++p) {
+      acc_a += red[((p - 1) * TILES + warp) * 16 + g];
+      acc_b += red[((p - 1) * TILES + warp) * 16 + 8 + g];
+    }
+  }
+  if (t == 0) {
+    const int ra = row0 + la, rb = row0 + lb;
+    const float undo = 16384.f / pre;  // the decode's 2**-14 and x's staging factor
+    const float ha = acc_a * undo + __bfloat162float(bias[e * N + ra]);
+    const float hb = acc_b * undo + __bfloat162float(bias[e * N + rb]);
+    if (SWIGLU) {
+      const float gate = fminf(ha, limit);
+      const float up = fminf(fmaxf(hb, -limit), limit);
+      out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
+    } else {
+      const float wt = wts[pair];
+      out[(long)pair * N + ra] = ha * wt;
+      out[(long)pair * N + rb] = hb * wt;
+    }
+  }
+}
+
+template <bool SWIGLU, int U, int KSPLIT, typename XT>
+int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
+           const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
+           long stride_qe, int stride_q, long stride_se, float alpha, float limit,
+           cudaStream_t stream) {
+  if (N % ROWS || K % (32 * U * KSPLIT)) return (int)cudaErrorInvalidValue;
+  const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
+  dim3 grid(pairs, N / ROWS);
+  pair_gemv_mma<SWIGLU, U, KSPLIT, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
+      out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv).
+extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
+                                   const uint8_t* q, const uint8_t* s, const void* bias,
+                                   const float* wts, float* out, int N, int K, long stride_qe,
+                                   int stride_q, long stride_se, float alpha, float limit,
+                                   void* stream) {
+  return launch<true, 9, 2, __nv_bfloat16>(x, x_div, ids, pairs, q, s, bias, wts, out, N, K,
+                                           stride_qe, stride_q, stride_se, alpha, limit,
+                                           static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pairs,
+                                const uint8_t* q, const uint8_t* s, const void* bias,
+                                const float* wts, float* out, int N, int K, long stride_qe,
+                                int stride_q, long stride_se, float alpha, float limit,
+                                void* stream) {
+  return launch<false, 15, 1, float>(x, x_div, ids, pairs, q, s, bias, wts, out, N, K,
+                                     stride_qe, stride_q, stride_se, alpha, limit,
+                                     static_cast<cudaStream_t>(stream));
+}

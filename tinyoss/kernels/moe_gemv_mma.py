@@ -1,0 +1,137 @@
+"""The MoE pair GEMV on tensor cores (`moe_gemv_mma.cu`), for steps of MMA_MIN_TOKENS to
+`moe_triton.GEMV_MAX_TOKENS` tokens on Hopper: batched decode and speculative verify steps.
+
+With a few tokens a step the Gluon pair GEMV spends ~5 instructions a weight on the CUDA
+cores. This kernel decodes two codes into an fp16 pair with four integer operations and leaves
+the products to `mma.sync`, about half the instructions. Where the step is instruction-bound
+that pays: on the H100 at 20b shapes, gate_up + down take 99 against 111 us at 4 tokens and 161
+against 205 at 8; at 1-2 tokens the step waits on memory and it does not
+(bench/results/2026-11-25_h100_mma_gemv.md). Its products agree with the fp32 Gluon kernel to
+~1e-7.
+
+It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
+a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
+ctypes and launched on PyTorch's current stream, so CUDA graphs capture it. Without nvcc, or on
+a GPU other than sm_90, `load` says why and the Gluon kernel runs every step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tinyoss.kernels.moe_torch import ExpertWeights
+from tinyoss.tools.make_checkpoint import cache_dir
+
+log = logging.getLogger("tinyoss")
+
+MMA_MIN_TOKENS = 4  # below this the Gluon kernel is as fast or faster
+SOURCE = Path(__file__).with_suffix(".cu")
+_ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+         ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_float,
+         ctypes.c_float, ctypes.c_void_p]
+
+
+class MmaGemv:
+    """The built library's two launches, with the argument checks the kernels rely on."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.gate_up_fn, self.down_fn = lib.tinyoss_gate_up_mma, lib.tinyoss_down_mma
+        for fn in (self.gate_up_fn, self.down_fn):
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+
+    @staticmethod
+    def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
+        """bf16 activations and biases, rows in 64s, K a multiple of 2880 (both tiles' K steps
+        divide it; gpt-oss's K is 2880), SwiGLU outputs that fit fp16 (|act| <= (limit + 1) *
+        limit)."""
+        ks = (w.gate_up_blocks.shape[2] * 32, w.down_blocks.shape[2] * 32)
+        ns = (w.gate_up_blocks.shape[1], w.down_blocks.shape[1])
+        return (x.dtype == w.gate_up_bias.dtype == w.down_bias.dtype == torch.bfloat16
+                and all(n % 64 == 0 for n in ns) and all(k % 2880 == 0 for k in ks)
+                and (w.limit + 1) * w.limit < 6e4)
+
+    def gate_up(self, x: torch.Tensor, x_div: int, ids: torch.Tensor, blocks: torch.Tensor,
+                scales: torch.Tensor, bias: torch.Tensor, wts: torch.Tensor, act: torch.Tensor,
+                alpha: float, limit: float) -> None:
+        """act [pairs, N/2] fp32 = SwiGLU(W_e x[pair // x_div] + b_e), e = ids[pair]."""
+        self._launch(self.gate_up_fn, x, x_div, ids, blocks, scales, bias, wts, act, alpha,
+                     limit)
+
+    def down(self, act: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor,
+             scales: torch.Tensor, bias: torch.Tensor, wts: torch.Tensor, y: torch.Tensor,
+             alpha: float, limit: float) -> None:
+        """y [pairs, N] fp32 = wts[pair] * (W_e act[pair] + b_e)."""
+        self._launch(self.down_fn, act, 1, ids, blocks, scales, bias, wts, y, alpha, limit)
+
+    @staticmethod
+    def _launch(fn, x, x_div, ids, blocks, scales, bias, wts, out, alpha, limit) -> None:
+        if ids.dtype != torch.int32 or bias.dtype != torch.bfloat16 or wts.dtype != torch.float32:
+            raise ValueError(f"ids int32, bias bfloat16 and weights float32 expected, got "
+                             f"{ids.dtype}, {bias.dtype}, {wts.dtype}")
+        for name, t in (("x", x), ("ids", ids), ("blocks", blocks), ("scales", scales),
+                        ("bias", bias), ("weights", wts), ("out", out)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        pairs, n, k = ids.numel(), blocks.shape[1], blocks.shape[2] * 32
+        if pairs == 0:
+            return
+        err = fn(x.data_ptr(), x_div, ids.data_ptr(), pairs, blocks.data_ptr(),
+                 scales.data_ptr(), bias.data_ptr(), wts.data_ptr(), out.data_ptr(), n, k,
+                 blocks.stride(0), blocks.stride(1), scales.stride(0), alpha, limit,
+                 torch.cuda.current_stream(x.device).cuda_stream)
+        if err:
+            raise RuntimeError(f"the tensor-core MoE GEMV failed to launch: CUDA error {err} "
+                               f"(N {n}, K {k}, pairs {pairs})")
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _build(nvcc: str) -> Path:
+    """The library for this source, built into the cache unless it is there."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"moe_gemv_mma-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
+               "-gencode=arch=compute_90a,code=sm_90a", str(SOURCE), "-o", str(built)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
+        built.replace(target)  # atomic: a concurrent build leaves one whole file
+    log.info("built the tensor-core MoE GEMV in %.1f s: %s", time.perf_counter() - start, target)
+    return target
+
+
+@functools.cache
+def load(capability: tuple[int, int] | None) -> tuple[MmaGemv | None, str]:
+    """(the kernels, why) on a GPU of `capability`; (None, why not) when they cannot run."""
+    if capability != (9, 0):
+        return None, "it is built for sm_90 (Hopper) only"
+    nvcc = _nvcc()
+    if nvcc is None:
+        return None, "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    try:
+        return MmaGemv(ctypes.CDLL(str(_build(nvcc)))), f"built with {nvcc}"
+    except (OSError, RuntimeError) as e:
+        return None, f"its build failed: {e}"
