@@ -23,6 +23,7 @@ namespace {
 
 constexpr int TILES = 4;          // 16-row tiles a program
 constexpr int ROWS = 16 * TILES;  // weight rows a program
+constexpr int XWORDS = 3;         // words of x a thread stages: K / 8 <= XWORDS * 128
 
 template <int J>
 __device__ __forceinline__ uint32_t pair16(uint32_t q) {
@@ -89,11 +90,23 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
     reinterpret_cast<uint4*>(ss)[i] = sg[i];
   }
+  // x in registers first (one read), its largest magnitude, then staged
   const XT* xr = x + (long)(pair / x_div) * K;
+  float v[XWORDS][8];
+#pragma unroll
+  for (int i = 0; i < XWORDS; ++i) {
+    const int w = threadIdx.x + i * blockDim.x;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[i][j] = w < K / 8 ? to_f(xr[8 * w + j]) : 0.f;
+  }
   float pre = 1.f;  // x is staged times pre
   if (!SPLIT) {
     float m = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) m = fmaxf(m, fabsf(to_f(xr[i])));
+#pragma unroll
+    for (int i = 0; i < XWORDS; ++i) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) xmax[threadIdx.x >> 5] = m;
@@ -105,17 +118,21 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     frexpf(m, &ex);  // m < 2**ex
     pre = m > 0.f ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
   }
-  for (int w = threadIdx.x; w < K / 8; w += blockDim.x) {
-    __half h[8], l[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = to_f(xr[8 * w + j]) * pre;
-      h[j] = __float2half_rn(v);
-      l[j] = __float2half_rn(v - __half2float(h[j]));
-    }
-    xs[w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]), pack(h[3], h[7]));
-    if (SPLIT) {
-      xl[w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]), pack(l[3], l[7]));
+  for (int i = 0; i < XWORDS; ++i) {
+    const int w = threadIdx.x + i * blockDim.x;
+    if (w < K / 8) {
+      __half h[8], l[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        h[j] = __float2half_rn(v[i][j] * pre);
+        l[j] = __float2half_rn(v[i][j] * pre - __half2float(h[j]));
+      }
+      xs[w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]), pack(h[3], h[7]));
+      if (SPLIT) {
+        xl[w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
+                           pack(l[3], l[7]));
+      }
     }
   }
   __syncthreads();
@@ -185,7 +202,9 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
            const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
            cudaStream_t stream) {
-  if (N % ROWS || K % (32 * U * KSPLIT)) return (int)cudaErrorInvalidValue;
+  if (N % ROWS || K % (32 * U * KSPLIT) || K / 8 > XWORDS * TILES * KSPLIT * 32) {
+    return (int)cudaErrorInvalidValue;
+  }
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
   pair_gemv_mma<SWIGLU, U, KSPLIT, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(

@@ -4,10 +4,9 @@
 With a few tokens a step the Gluon pair GEMV spends ~5 instructions a weight on the CUDA
 cores. This kernel decodes two codes into an fp16 pair with four integer operations and leaves
 the products to `mma.sync`, about half the instructions. Where the step is instruction-bound
-that pays: on the H100 at 20b shapes, gate_up + down take 99 against 111 us at 4 tokens and 161
-against 205 at 8; at 1-2 tokens the step waits on memory and it does not
-(bench/results/2026-11-25_h100_mma_gemv.md). Its products agree with the fp32 Gluon kernel to
-~1e-7.
+that pays from 4 tokens a step; at 1-2 tokens the step waits on memory and it does not
+(bench/results/2026-11-25_h100_mma_gemv.md). Its products agree with the fp32 Gluon kernel's to
+~2e-7.
 
 It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
 a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
