@@ -1,0 +1,123 @@
+"""Programmatic dependent launch with the weights loaded before the wait: does a chain of decode
+GEMVs lose less time between kernels when each kernel starts streaming its weights while the one
+before it finishes?
+
+    python bench/experiments/pdl_prefetch/bench.py
+
+A GEMV's weights do not depend on the kernel before it, only x does. Each GEMV here loads its
+first PRE K steps of weights into registers, lets the next kernel launch
+(griddepcontrol.launch_dependents), waits for the previous kernel (griddepcontrol.wait), then
+reads x. Chains, all in one CUDA graph: 24 x (q/k/v, o) and 24 x (q/k/v, small, o, small), where
+`small` is an elementwise kernel standing in for attention and the norms.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _gemv_pdl(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              STAGES: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    wp = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    if PRE >= 1:
+        w0 = tl.load(wp, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    if PRE >= 2:
+        w1 = tl.load(wp + BLOCK_K, mask=row_ok[:, None] & (BLOCK_K + cols < K)[None, :],
+                     other=0.0)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    if PRE >= 1:
+        acc += tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :] * w0.to(
+            tl.float32)
+    if PRE >= 2:
+        acc += tl.load(x_ptr + BLOCK_K + cols, mask=BLOCK_K + cols < K, other=0.0).to(
+            tl.float32)[None, :] * w1.to(tl.float32)
+    for k0 in tl.range(PRE * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        w = tl.load(wp + k0, mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
+        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+    tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _small(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, (v * 0.5 + 0.01).to(out_ptr.dtype.element_ty), mask=i < N)
+
+
+def gemv(x, w, pdl, pre, block_n=8, block_k=512, warps=4, stages=4):
+    n, k = w.shape
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    _gemv_pdl[(triton.cdiv(n, block_n),)](x, w, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+                                          STAGES=stages, PDL=pdl, PRE=pre, num_warps=warps,
+                                          num_stages=stages, launch_pdl=pdl)
+    return out
+
+
+def small(x, pdl, programs=16):
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(triton.cdiv(x.numel(), programs))
+    _small[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block, PDL=pdl,
+                                             launch_pdl=pdl)
+    return out
+
+
+def graph_time(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=300) * 1e3
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
+    o = [torch.randn(2880, 4096, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
+    x0 = torch.randn(2880, device=dev).to(torch.bfloat16)
+    mb = 24 * (5120 * 2880 + 2880 * 4096) * 2 / 1e6
+    print(f"{torch.cuda.get_device_name()} | chain of 24 layers, {mb:.0f} MB of weights")
+
+    def chain(pdl, pre, gap, cfg):
+        h = x0
+        for a, b in zip(qkv, o):
+            h = gemv(h, a, pdl, pre, *cfg)[:4096]
+            if gap:
+                h = small(h, pdl)
+            h = gemv(h, b, pdl, pre, *cfg)
+            if gap:
+                h = small(h, pdl)
+        return h
+
+    for cfg in [(8, 512, 4, 4), (8, 256, 4, 6), (16, 256, 4, 4)]:
+        for gap in (False, True):
+            ref = chain(False, 0, gap, cfg).float()
+            row = [f"cfg {cfg} gap {gap}:"]
+            for pdl, pre in [(False, 0), (True, 0), (True, 1), (True, 2)]:
+                got = chain(pdl, pre, gap, cfg).float()
+                same = torch.equal(got, ref)
+                us = graph_time(lambda: chain(pdl, pre, gap, cfg))
+                row.append(f"pdl={int(pdl)} pre={pre} {us:6.1f} us {mb / us * 1e3:5.0f} GB/s"
+                           f"{'' if same else ' DIFFERENT'}")
+            print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
