@@ -42,6 +42,21 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One scale block of rows g and g + 8: their words qa, qb (8 codes each) against x's fp16 pairs
+// xv (and the fp32 remainder xl when SPLIT), summed into d (rows g, g + 8 x columns 2t, 2t + 1).
+template <bool SPLIT>
+__device__ __forceinline__ void block_mma(float (&d)[4], uint32_t qa, uint32_t qb, uint4 xv,
+                                          uint4 xl) {
+  const uint32_t a0 = pair16<0>(qa), a1 = pair16<0>(qb), a2 = pair16<1>(qa), a3 = pair16<1>(qb);
+  const uint32_t c0 = pair16<2>(qa), c1 = pair16<2>(qb), c2 = pair16<3>(qa), c3 = pair16<3>(qb);
+  mma(d, a0, a1, a2, a3, xv.x, xv.y);
+  mma(d, c0, c1, c2, c3, xv.z, xv.w);
+  if (SPLIT) {
+    mma(d, a0, a1, a2, a3, xl.x, xl.y);
+    mma(d, c0, c1, c2, c3, xl.z, xl.w);
+  }
+}
+
 __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
   return (uint32_t)__half_as_ushort(lo) | ((uint32_t)__half_as_ushort(hi) << 16);
 }
@@ -141,19 +156,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int b = first + b0 + u;
-      const uint4 xv = xs[4 * b + t];
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t a0 = pair16<0>(wa[u]), a1 = pair16<0>(wb[u]);
-      const uint32_t a2 = pair16<1>(wa[u]), a3 = pair16<1>(wb[u]);
-      const uint32_t c0 = pair16<2>(wa[u]), c1 = pair16<2>(wb[u]);
-      const uint32_t c2 = pair16<3>(wa[u]), c3 = pair16<3>(wb[u]);
-      mma(d, a0, a1, a2, a3, xv.x, xv.y);
-      mma(d, c0, c1, c2, c3, xv.z, xv.w);
-      if (SPLIT) {
-        const uint4 xw = xl[4 * b + t];
-        mma(d, a0, a1, a2, a3, xw.x, xw.y);
-        mma(d, c0, c1, c2, c3, xw.z, xw.w);
-      }
+      block_mma<SPLIT>(d, wa[u], wb[u], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
       acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
       acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
     }

@@ -1,5 +1,5 @@
 // The MoE GEMV grouped by expert on tensor cores: an experiment (see README.md beside this).
-// It reuses the product kernel's helpers (pair16, mma, pack, to_f, TILES, ROWS) by including
+// It reuses the product kernel's helpers (block_mma, pack, to_f, TILES, ROWS) by including
 // its source; built with torch's load_inline by bench.py.
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -79,19 +79,9 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int b = first + b0 + u;
-      const uint4 xv = xs[g * KP + 4 * b + t];
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t a0 = pair16<0>(wa[u]), a1 = pair16<0>(wb[u]);
-      const uint32_t a2 = pair16<1>(wa[u]), a3 = pair16<1>(wb[u]);
-      const uint32_t c0 = pair16<2>(wa[u]), c1 = pair16<2>(wb[u]);
-      const uint32_t c2 = pair16<3>(wa[u]), c3 = pair16<3>(wb[u]);
-      mma(d, a0, a1, a2, a3, xv.x, xv.y);
-      mma(d, c0, c1, c2, c3, xv.z, xv.w);
-      if (SPLIT) {
-        const uint4 xw = xl[g * KP + 4 * b + t];
-        mma(d, a0, a1, a2, a3, xw.x, xw.y);
-        mma(d, c0, c1, c2, c3, xw.z, xw.w);
-      }
+      block_mma<SPLIT>(d, wa[u], wb[u], xs[g * KP + 4 * b + t],
+                       SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
       const float sa = __uint_as_float((uint32_t)ss[la * nblk + b] << 23);
       const float sb = __uint_as_float((uint32_t)ss[lb * nblk + b] << 23);
       acc[0] = fmaf(d[0], sa, acc[0]);
