@@ -39,6 +39,37 @@ def test_load_says_why_not(monkeypatch):
     monkeypatch.setattr(mm, "_build", fails)
     kernels, why = mm.load((9, 0))
     assert kernels is None and why == "its build failed: nvcc exploded"
+    mm.load.cache_clear()
+
+    class OldDriver:  # built, but the driver is older than the toolkit
+        def __init__(self, lib) -> None:
+            pass
+
+        def not_ready(self) -> str:
+            return "CUDA error 35: CUDA driver version is insufficient for CUDA runtime version"
+
+    monkeypatch.setattr(mm, "_build", lambda nvcc: "lib.so")
+    monkeypatch.setattr(mm.ctypes, "CDLL", lambda path: None)
+    monkeypatch.setattr(mm, "MmaGemv", OldDriver)
+    kernels, why = mm.load((9, 0))
+    assert kernels is None and why == (
+        "built with /no/nvcc, but it does not load on this GPU and driver (CUDA error 35: CUDA "
+        "driver version is insufficient for CUDA runtime version)")
+
+
+@pytest.mark.skipif(mm._nvcc() is None, reason="needs nvcc")
+def test_builds_into_the_cache_and_names_cuda_errors(tmp_path, monkeypatch):
+    """nvcc builds the library into TINYOSS_CACHE once (the second call finds it); ctypes loads
+    it, and it names CUDA's errors (without a GPU here, its kernels report why they cannot load)."""
+    import ctypes
+
+    monkeypatch.setenv("TINYOSS_CACHE", str(tmp_path))
+    built = mm._build(mm._nvcc())
+    assert built.parent == tmp_path / "kernels" and mm._build("/no/nvcc") == built
+    kernels = mm.MmaGemv(ctypes.CDLL(str(built)))
+    assert kernels.error(35).startswith("CUDA error 35: CUDA driver version is insufficient")
+    if not torch.cuda.is_available():
+        assert kernels.not_ready() is not None
 
 
 def _experts(e: int, h: int, i: int, bias: torch.dtype) -> ExpertWeights:

@@ -239,3 +239,16 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                      stride_qe, stride_q, stride_se, alpha, limit,
                                      static_cast<cudaStream_t>(stream));
 }
+
+// 0 when both kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
+// here rather than at the first launch), else the CUDA error.
+extern "C" int tinyoss_mma_ready(void) {
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, pair_gemv_mma<true, 9, 2, __nv_bfloat16>);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, pair_gemv_mma<false, 15, 1, float>);
+  return (int)err;
+}
+
+extern "C" const char* tinyoss_mma_error(int err) {
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+}

@@ -49,6 +49,18 @@ class MmaGemv:
         self.gate_up_fn, self.down_fn = lib.tinyoss_gate_up_mma, lib.tinyoss_down_mma
         for fn in (self.gate_up_fn, self.down_fn):
             fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
+        self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
+        self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
+
+    def error(self, err: int) -> str:
+        """CUDA's name for an error code the library returned."""
+        return f"CUDA error {err}: {self.error_fn(err).decode()}"
+
+    def not_ready(self) -> str | None:
+        """Why the kernels cannot load on this GPU and driver, or None when they can."""
+        err = self.ready_fn()
+        return self.error(err) if err else None
 
     @staticmethod
     def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
@@ -74,8 +86,7 @@ class MmaGemv:
         """y [pairs, N] fp32 = wts[pair] * (W_e act[pair] + b_e)."""
         self._launch(self.down_fn, act, 1, ids, blocks, scales, bias, wts, y, alpha, limit)
 
-    @staticmethod
-    def _launch(fn, x, x_div, ids, blocks, scales, bias, wts, out, alpha, limit) -> None:
+    def _launch(self, fn, x, x_div, ids, blocks, scales, bias, wts, out, alpha, limit) -> None:
         if ids.dtype != torch.int32 or bias.dtype != torch.bfloat16 or wts.dtype != torch.float32:
             raise ValueError(f"ids int32, bias bfloat16 and weights float32 expected, got "
                              f"{ids.dtype}, {bias.dtype}, {wts.dtype}")
@@ -91,7 +102,7 @@ class MmaGemv:
                  blocks.stride(0), blocks.stride(1), scales.stride(0), alpha, limit,
                  torch.cuda.current_stream(x.device).cuda_stream)
         if err:
-            raise RuntimeError(f"the tensor-core MoE GEMV failed to launch: CUDA error {err} "
+            raise RuntimeError(f"the tensor-core MoE GEMV failed to launch: {self.error(err)} "
                                f"(N {n}, K {k}, pairs {pairs})")
 
 
@@ -131,6 +142,9 @@ def load(capability: tuple[int, int] | None) -> tuple[MmaGemv | None, str]:
     if nvcc is None:
         return None, "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
     try:
-        return MmaGemv(ctypes.CDLL(str(_build(nvcc)))), f"built with {nvcc}"
+        kernels = MmaGemv(ctypes.CDLL(str(_build(nvcc))))
     except (OSError, RuntimeError) as e:
         return None, f"its build failed: {e}"
+    if why := kernels.not_ready():
+        return None, f"built with {nvcc}, but it does not load on this GPU and driver ({why})"
+    return kernels, f"built with {nvcc}"
