@@ -145,11 +145,11 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
 
         kernels.moe, kernels.moe_norm = moe_triton, moe_norm_triton
         if p.device_type == "cuda":
-            from tinyoss.kernels.moe_gemv_mma import MMA_MIN_TOKENS, load
+            from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, load
 
             mma, why = load(p.capability)
-            log.info("MoE GEMV from %d tokens a step on the tensor cores: %s", MMA_MIN_TOKENS,
-                     why if mma else f"no, {why}; the Gluon kernel runs")
+            log.info("MoE GEMV on the tensor cores (down from %d tokens a step): %s",
+                     DOWN_MIN_TOKENS, why if mma else f"no, {why}; the Gluon kernel runs")
             if mma is not None:
                 kernels.moe = functools.partial(moe_triton, mma=mma)
                 kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)

@@ -1,5 +1,5 @@
 // The MoE pair GEMV on Hopper's tensor cores: what moe_gemv_gluon computes (rows of one expert
-// against one pair's activations; bias, clamped SwiGLU or routing weight fused), for 4 to 8
+// against one pair's activations; bias, clamped SwiGLU or routing weight fused), for 1 to 8
 // tokens a step. See moe_gemv_mma.py for when it runs and how it is built.
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
@@ -21,9 +21,7 @@
 
 namespace {
 
-constexpr int TILES = 4;          // 16-row tiles a program
-constexpr int ROWS = 16 * TILES;  // weight rows a program
-constexpr int XWORDS = 3;         // words of x a thread stages: K / 8 <= XWORDS * 128
+constexpr int KMAX = 2880;  // K the launch takes at most (gpt-oss's hidden and intermediate)
 
 template <int J>
 __device__ __forceinline__ uint32_t pair16(uint32_t q) {
@@ -66,8 +64,9 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float
 
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
-// share a row tile, each a contiguous part of K, summed through shared memory at the end.
-template <bool SWIGLU, int U, int KSPLIT, typename XT>
+// share a row tile, each a contiguous part of K, summed through shared memory at the end;
+// TILES: 16-row tiles a program.
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -75,6 +74,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                   float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                   long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = !SWIGLU;  // fp32 x: hi + lo
+  constexpr int ROWS = 16 * TILES, XWORDS = (KMAX / 8 + TILES * KSPLIT * 32 - 1) / (TILES * KSPLIT * 32);
   extern __shared__ uint4 smem[];
   __shared__ float xmax[TILES * KSPLIT];
   const int nblk = K / 32, per = nblk / KSPLIT;
@@ -201,17 +201,16 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, typename XT>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
            const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
            cudaStream_t stream) {
-  if (N % ROWS || K % (32 * U * KSPLIT) || K / 8 > XWORDS * TILES * KSPLIT * 32) {
-    return (int)cudaErrorInvalidValue;
-  }
+  constexpr int ROWS = 16 * TILES;
+  if (N % ROWS || K % (32 * U * KSPLIT) || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
-  pair_gemv_mma<SWIGLU, U, KSPLIT, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
+  pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
@@ -219,15 +218,23 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
 
 }  // namespace
 
-// The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv).
+// The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
+// pairs a step has: up to 8 (1-2 tokens) fewer rows or warps a program keep more programs in
+// flight. Down runs from 2 tokens on (at 1, Gluon's is faster).
+#define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
+#define TINYOSS_GATE_UP true, 9, 2, 4, __nv_bfloat16
+#define TINYOSS_DOWN_FEW false, 9, 2, 2, float
+#define TINYOSS_DOWN false, 15, 1, 4, float
+constexpr int FEW_PAIRS = 8;
+
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
                                    const float* wts, float* out, int N, int K, long stride_qe,
                                    int stride_q, long stride_se, float alpha, float limit,
                                    void* stream) {
-  return launch<true, 9, 2, __nv_bfloat16>(x, x_div, ids, pairs, q, s, bias, wts, out, N, K,
-                                           stride_qe, stride_q, stride_se, alpha, limit,
-                                           static_cast<cudaStream_t>(stream));
+  auto run = pairs <= FEW_PAIRS ? launch<TINYOSS_GATE_UP_FEW> : launch<TINYOSS_GATE_UP>;
+  return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
+             alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pairs,
@@ -235,18 +242,23 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 const float* wts, float* out, int N, int K, long stride_qe,
                                 int stride_q, long stride_se, float alpha, float limit,
                                 void* stream) {
-  return launch<false, 15, 1, float>(x, x_div, ids, pairs, q, s, bias, wts, out, N, K,
-                                     stride_qe, stride_q, stride_se, alpha, limit,
-                                     static_cast<cudaStream_t>(stream));
+  auto run = pairs <= FEW_PAIRS ? launch<TINYOSS_DOWN_FEW> : launch<TINYOSS_DOWN>;
+  return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
+             alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
-// 0 when both kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
+// 0 when the kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
 // here rather than at the first launch), else the CUDA error.
 extern "C" int tinyoss_mma_ready(void) {
-  cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, pair_gemv_mma<true, 9, 2, __nv_bfloat16>);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, pair_gemv_mma<false, 15, 1, float>);
-  return (int)err;
+  const void* kernels[] = {
+      (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>, (const void*)pair_gemv_mma<TINYOSS_GATE_UP>,
+      (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>, (const void*)pair_gemv_mma<TINYOSS_DOWN>};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr;
+    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
+    if (err != cudaSuccess) return (int)err;
+  }
+  return 0;
 }
 
 extern "C" const char* tinyoss_mma_error(int err) {

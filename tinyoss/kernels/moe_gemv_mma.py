@@ -1,12 +1,11 @@
-"""The MoE pair GEMV on tensor cores (`moe_gemv_mma.cu`), for steps of MMA_MIN_TOKENS (2) to
-`moe_triton.GEMV_MAX_TOKENS` tokens on Hopper: batched decode and speculative verify steps.
+"""The MoE pair GEMV on tensor cores (`moe_gemv_mma.cu`) for steps of 1 to
+`moe_triton.GEMV_MAX_TOKENS` tokens on Hopper: decode, batched decode and speculative verify.
 
-With a few tokens a step the Gluon pair GEMV spends ~5 instructions a weight on the CUDA
-cores. This kernel decodes two codes into an fp16 pair with four integer operations and leaves
-the products to `mma.sync`, about half the instructions. Where the step is instruction-bound
-that pays from 2 tokens a step; at 1 token the step waits on memory and it does not
-(bench/results/2026-11-25_h100_mma_gemv.md). Its products agree with the fp32 Gluon kernel's to
-~2e-7.
+The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. This kernel decodes two
+codes into an fp16 pair with four integer operations and leaves the products to `mma.sync`,
+about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
+(2): at 1 token Gluon's down is faster (bench/results/2026-11-25_h100_mma_tiles.md). Its
+products agree with the fp32 Gluon kernel's to ~2e-7.
 
 It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
 a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
@@ -34,7 +33,8 @@ from tinyoss.tools.make_checkpoint import cache_dir
 
 log = logging.getLogger("tinyoss")
 
-MMA_MIN_TOKENS = 2  # at 1 token the Gluon kernel is as fast or faster
+GATE_UP_MIN_TOKENS = 1
+DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
 SOURCE = Path(__file__).with_suffix(".cu")
 _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,

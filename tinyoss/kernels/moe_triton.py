@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
-from tinyoss.kernels.moe_gemv_mma import MMA_MIN_TOKENS, MmaGemv
+from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, GATE_UP_MIN_TOKENS, MmaGemv
 from tinyoss.kernels.moe_torch import ExpertWeights
 
 
@@ -614,8 +614,8 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                 w: ExpertWeights, config: GemvConfig | None,
                 mma: MmaGemv | None = None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
-    `mma` (the tensor-core kernel, when given) from MMA_MIN_TOKENS tokens on, else Gluon's
-    (the Triton kernel in the interpreter)."""
+    `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
+    from DOWN_MIN_TOKENS tokens on, else Gluon's (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -629,28 +629,35 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     act = _empty((pairs, i), torch.float32, x.device)
-    if mma is not None and t >= MMA_MIN_TOKENS and mma.supports(x, w):
-        ids = ids.to(torch.int32)
-        mma.gate_up(x.contiguous(), k, ids, *gu, wts, act, w.alpha, w.limit)
-        mma.down(act, ids, *dn, wts, y, w.alpha, w.limit)
-    elif x.is_cuda and GLUON:
-        tiles = {"block_k": cfg.block_k, "num_warps": cfg.num_warps}
-        pair_gemv_gluon(x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, w.alpha, w.limit,
-                        swiglu=True, block_n=cfg.block_n1, **tiles)
-        pair_gemv_gluon(act, 1, ids, *dn, wts, y, h, i, w.alpha, w.limit, swiglu=False,
-                        block_n=cfg.block_n2, **tiles)
+    tensor_cores = mma is not None and mma.supports(x, w)
+    ids32 = ids.to(torch.int32) if tensor_cores else ids
+    if tensor_cores and t >= GATE_UP_MIN_TOKENS:
+        mma.gate_up(x.contiguous(), k, ids32, *gu, wts, act, w.alpha, w.limit)
     else:
-        launch = {"BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps,
-                  "num_stages": cfg.num_stages}
-        grid_gu = (pairs, triton.cdiv(2 * i, cfg.block_n1))
-        grid_dn = (pairs, triton.cdiv(h, cfg.block_n2))
-        _pair_gemv[grid_gu](
-            x.contiguous(), k, ids, *gu, wts, act, 2 * i, h, *_strides(*gu[:2]), w.alpha,
-            w.limit, SWIGLU=True, BLOCK_N=cfg.block_n1, **launch)
-        _pair_gemv[grid_dn](
-            act, 1, ids, *dn, wts, y, h, i, *_strides(*dn[:2]), w.alpha, w.limit, SWIGLU=False,
-            BLOCK_N=cfg.block_n2, **launch)
+        _pair_gemv_cores(x.contiguous(), k, ids, gu, wts, act, 2 * i, h, w, cfg, cfg.block_n1,
+                         swiglu=True)
+    if tensor_cores and t >= DOWN_MIN_TOKENS:
+        mma.down(act, ids32, *dn, wts, y, w.alpha, w.limit)
+    else:
+        _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
     return y
+
+
+def _pair_gemv_cores(x: torch.Tensor, x_div: int, ids: torch.Tensor,
+                     proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wts: torch.Tensor,
+                     out: torch.Tensor, n: int, kdim: int, w: ExpertWeights, cfg: GemvConfig,
+                     block_n: int, swiglu: bool) -> None:
+    """One projection's pair GEMV on the CUDA cores: Gluon's on a GPU that has it, else the
+    Triton kernel (also the CPU interpreter's)."""
+    if x.is_cuda and GLUON:
+        pair_gemv_gluon(x, x_div, ids, *proj, wts, out, n, kdim, w.alpha, w.limit,
+                        swiglu=swiglu, block_n=block_n, block_k=cfg.block_k,
+                        num_warps=cfg.num_warps)
+        return
+    _pair_gemv[(ids.numel(), triton.cdiv(n, block_n))](
+        x, x_div, ids, *proj, wts, out, n, kdim, *_strides(*proj[:2]), w.alpha, w.limit,
+        SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def moe_triton(

@@ -1,6 +1,6 @@
 """Tensor-core MoE GEMVs against the Gluon pair GEMV at gpt-oss-20b shapes on one GPU: the
-product's pair kernel (tinyoss/kernels/moe_gemv_mma.cu, at every token count, also below
-MMA_MIN_TOKENS where the engine does not use it) and this folder's expert-grouped variant
+product's pair kernel (tinyoss/kernels/moe_gemv_mma.cu, both projections at every token count;
+the engine runs Gluon's down below DOWN_MIN_TOKENS) and this folder's expert-grouped variant
 (grouped_gemv_mma.cu: up to 8 pairs of one expert share a program, one per column of B).
 Errors against the Gluon kernel's fp32 pair outputs; microseconds of gate_up + down (no combine),
 replayed from CUDA graphs over 4 rotating weight sets.

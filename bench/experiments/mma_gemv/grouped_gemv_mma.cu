@@ -1,5 +1,5 @@
 // The MoE GEMV grouped by expert on tensor cores: an experiment (see README.md beside this).
-// It reuses the product kernel's helpers (block_mma, pack, to_f, TILES, ROWS) by including
+// It reuses the product kernel's helpers (block_mma, pack, to_f) by including
 // its source; built with torch's load_inline by bench.py.
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -7,6 +7,8 @@
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
 
 namespace {
+constexpr int TILES = 4;          // 16-row tiles a program
+constexpr int ROWS = 16 * TILES;  // weight rows a program
 // Grouped by expert: the pairs sorted by expert, a program takes up to 8 pairs of one expert
 // (one per column of B) and reads the expert's rows once for all of them. Program s of the
 // grid starts a group when sorted position s is the first of its expert's run or 8, 16, ...
