@@ -62,6 +62,59 @@ __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// x [K] staged in shared memory as fp16 pairs in block_mma's order by every thread of the
+// program (NWARPS warps, XWORDS words of 8 values each): bf16 x times the power of two `pre`
+// (returned) that puts its largest magnitude just under 2**15, fp32 x (SPLIT) as hi + lo.
+template <bool SPLIT, int XWORDS, int NWARPS, typename XT>
+__device__ __forceinline__ float stage_x(const XT* __restrict__ xr, int K, uint4* xs, uint4* xl,
+                                         float* xmax) {
+  const int lane = threadIdx.x & 31;
+  float v[XWORDS][8];  // x in registers first (one read), its largest magnitude, then staged
+#pragma unroll
+  for (int i = 0; i < XWORDS; ++i) {
+    const int w = threadIdx.x + i * blockDim.x;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[i][j] = w < K / 8 ? to_f(xr[8 * w + j]) : 0.f;
+  }
+  float pre = 1.f;
+  if (!SPLIT) {
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < XWORDS; ++i) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) xmax[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) m = fmaxf(m, xmax[w]);
+    int ex = 0;
+    frexpf(m, &ex);  // m < 2**ex
+    pre = m > 0.f ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+  }
+#pragma unroll
+  for (int i = 0; i < XWORDS; ++i) {
+    const int w = threadIdx.x + i * blockDim.x;
+    if (w < K / 8) {
+      __half h[8], l[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        h[j] = __float2half_rn(v[i][j] * pre);
+        l[j] = __float2half_rn(v[i][j] * pre - __half2float(h[j]));
+      }
+      xs[w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]), pack(h[3], h[7]));
+      if (SPLIT) {
+        xl[w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
+                           pack(l[3], l[7]));
+      }
+    }
+  }
+  return pre;
+}
+
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
@@ -105,51 +158,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
     reinterpret_cast<uint4*>(ss)[i] = sg[i];
   }
-  // x in registers first (one read), its largest magnitude, then staged
-  const XT* xr = x + (long)(pair / x_div) * K;
-  float v[XWORDS][8];
-#pragma unroll
-  for (int i = 0; i < XWORDS; ++i) {
-    const int w = threadIdx.x + i * blockDim.x;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[i][j] = w < K / 8 ? to_f(xr[8 * w + j]) : 0.f;
-  }
-  float pre = 1.f;  // x is staged times pre
-  if (!SPLIT) {
-    float m = 0.f;
-#pragma unroll
-    for (int i = 0; i < XWORDS; ++i) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) xmax[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = 0.f;
-#pragma unroll
-    for (int w = 0; w < TILES * KSPLIT; ++w) m = fmaxf(m, xmax[w]);
-    int ex = 0;
-    frexpf(m, &ex);  // m < 2**ex
-    pre = m > 0.f ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
-  }
-#pragma unroll
-  for (int i = 0; i < XWORDS; ++i) {
-    const int w = threadIdx.x + i * blockDim.x;
-    if (w < K / 8) {
-      __half h[8], l[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        h[j] = __float2half_rn(v[i][j] * pre);
-        l[j] = __float2half_rn(v[i][j] * pre - __half2float(h[j]));
-      }
-      xs[w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]), pack(h[3], h[7]));
-      if (SPLIT) {
-        xl[w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
-                           pack(l[3], l[7]));
-      }
-    }
-  }
+  const float pre = stage_x<SPLIT, XWORDS, TILES * KSPLIT>(x + (long)(pair / x_div) * K, K, xs,
+                                                            xl, xmax);
   __syncthreads();
   float acc_a = 0.f, acc_b = 0.f;
   for (int b0 = 0; b0 < per; b0 += U) {
