@@ -1,6 +1,7 @@
 """The tensor-core MoE GEMV's choices, on CPU: where it can run, which shapes it takes, and that
-the pair GEMV hands it gate_up from GATE_UP_MIN_TOKENS and down from DOWN_MIN_TOKENS tokens on. Its numerics are tested
-on the GPU (tests/test_moe_triton.py: against the Gluon kernel and `moe_torch`)."""
+the pair GEMV hands it gate_up from GATE_UP_MIN_TOKENS and down from DOWN_MIN_TOKENS tokens on.
+Its numerics are tested on the GPU (tests/test_moe_triton.py: against the Gluon kernel and
+`moe_torch`)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def test_supports_gpt_oss_shapes_in_bf16_only():
     assert not mm.MmaGemv.supports(x, _experts(32, 2880, 2880, torch.float32))
     small = torch.empty(4, 96, dtype=torch.bfloat16, device="meta")
     assert not mm.MmaGemv.supports(small, _experts(8, 96, 64, torch.bfloat16))
+    big = torch.empty(4, 5760, dtype=torch.bfloat16, device="meta")  # x is staged for K <= 2880
+    assert not mm.MmaGemv.supports(big, _experts(8, 5760, 2880, torch.bfloat16))
     wide = _experts(32, 2880, 2880, torch.bfloat16)
     wide.limit = 300.0  # SwiGLU outputs up to (limit + 1) * limit would not fit fp16
     assert not mm.MmaGemv.supports(x, wide)

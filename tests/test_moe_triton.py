@@ -269,8 +269,9 @@ def _mma():
                                      (4, 1e-6)])
 def test_mma_gemv_matches_gluon(t, scale):
     """Each pair's fp32 output equals the Gluon kernel's to ~2e-7 (bound 1e-5), also for
-    activations far below 1 and past fp16's range (staged times a power of two), with the tiles
-    of up to 8 pairs (t <= 2) and of more. At x * 3e4 the pre-activations reach ~1e5 and both
+    activations far below 1 and past fp16's range (staged times a power of two), with each tile
+    the library picks by pairs (4: t = 1, 5-8: t = 2, more: gate_up streamed through shared
+    memory). At x * 3e4 the pre-activations reach ~1e5 and both
     kernels part from `moe_torch` by ~1e-4 (measured: 1.2e-4 this one, 1.5e-4 Gluon), so there
     the bound is 1e-4. At 1 token only gate_up runs on the tensor cores."""
     mma = _mma()

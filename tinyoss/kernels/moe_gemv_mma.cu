@@ -115,6 +115,28 @@ __device__ __forceinline__ float stage_x(const XT* __restrict__ xr, int K, uint4
   return pre;
 }
 
+// Rows ra and rb of a pair's output from their sums: the decode's 2**-14 and x's staging factor
+// undone, the bias added, then the clamped SwiGLU of the (gate ra, up rb) pair or each row times
+// the routing weight.
+template <bool SWIGLU>
+__device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int ra, int rb,
+                                      int pair, long e, const __nv_bfloat16* __restrict__ bias,
+                                      const float* __restrict__ wts, float* __restrict__ out,
+                                      int N, float alpha, float limit) {
+  const float undo = 16384.f / pre;
+  const float ha = acc_a * undo + __bfloat162float(bias[e * N + ra]);
+  const float hb = acc_b * undo + __bfloat162float(bias[e * N + rb]);
+  if (SWIGLU) {
+    const float gate = fminf(ha, limit);
+    const float up = fminf(fmaxf(hb, -limit), limit);
+    out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
+  } else {
+    const float wt = wts[pair];
+    out[(long)pair * N + ra] = ha * wt;
+    out[(long)pair * N + rb] = hb * wt;
+  }
+}
+
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
@@ -127,7 +149,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                   float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                   long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = !SWIGLU;  // fp32 x: hi + lo
-  constexpr int ROWS = 16 * TILES, XWORDS = (KMAX / 8 + TILES * KSPLIT * 32 - 1) / (TILES * KSPLIT * 32);
+  constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
+  constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
   extern __shared__ uint4 smem[];
   __shared__ float xmax[TILES * KSPLIT];
   const int nblk = K / 32, per = nblk / KSPLIT;
@@ -195,19 +218,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     }
   }
   if (t == 0) {
-    const int ra = row0 + la, rb = row0 + lb;
-    const float undo = 16384.f / pre;  // the decode's 2**-14 and x's staging factor
-    const float ha = acc_a * undo + __bfloat162float(bias[e * N + ra]);
-    const float hb = acc_b * undo + __bfloat162float(bias[e * N + rb]);
-    if (SWIGLU) {
-      const float gate = fminf(ha, limit);
-      const float up = fminf(fmaxf(hb, -limit), limit);
-      out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
-    } else {
-      const float wt = wts[pair];
-      out[(long)pair * N + ra] = ha * wt;
-      out[(long)pair * N + rb] = hb * wt;
-    }
+    store<SWIGLU>(acc_a, acc_b, pre, row0 + la, row0 + lb, pair, e, bias, wts, out, N, alpha,
+                  limit);
   }
 }
 
@@ -226,23 +238,141 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
   return (int)cudaGetLastError();
 }
 
+// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+
+// The streamed kernel, for gate_up at more than 8 pairs: a warp takes 16 rows of one pair over
+// the whole K and copies them into shared memory with cp.async, C scale blocks (C * 16 bytes a
+// row, contiguous, 16 bytes a copy) a stage, S stages in flight, rows laid out in MMA row order
+// with C + 1 units a row (odd: ldmatrix reads 8 rows without bank conflicts); ldmatrix hands
+// each thread the words block_mma takes. The tile's scales come with the first stage. W warps
+// a program share x.
+template <bool SWIGLU, int C, int S, int W, typename XT>
+__global__ void __launch_bounds__(W * 32)
+    pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
+                     const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                     const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                     float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                     long stride_se, float alpha, float limit) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);
+  constexpr int RU = C + 1;             // 16-byte units a row of a stage
+  constexpr int STAGE = 16 * RU * 16;   // bytes a stage
+  extern __shared__ uint4 smem[];
+  __shared__ float xmax[W];
+  const int nblk = K / 32, nst = nblk / C;
+  uint4* xs = smem;
+  uint4* xl = smem + K / 8;
+  uint8_t* base = (uint8_t*)(smem + (SPLIT ? 2 : 1) * (K / 8));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  uint8_t* ring = base + warp * (S * STAGE + 16 * nblk);  // this warp's stages, then its scales
+  uint8_t* ss = ring + S * STAGE;
+  const int pair = blockIdx.x;
+  const long e = ids[pair];
+  const int row0 = (blockIdx.y * W + warp) * 16;
+  const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
+  auto issue = [&](int st) {  // stage st: rows' blocks st * C .. + C into slot st % S
+    uint8_t* dst = ring + (st % S) * STAGE;
+#pragma unroll
+    for (int i = lane; i < 16 * C; i += 32) {
+      const int r = i / C, u = i % C;
+      const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;  // checkpoint row r -> MMA row m
+      cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
+    }
+  };
+  const uint8_t* sg = s + e * stride_se + (long)row0 * nblk;
+  for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);  // 16 rows x nblk
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < nst) issue(st);
+    cp_commit();
+  }
+  const float pre = stage_x<SPLIT, XWORDS, W>(x + (long)(pair / x_div) * K, K, xs, xl, xmax);
+  __syncthreads();
+  // ldmatrix: lanes 0-7 MMA rows 0-7 of block b, 8-15 rows 8-15, 16-31 the same at b + 1
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
+  const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;  // checkpoint rows
+  float acc_a = 0.f, acc_b = 0.f;
+  for (int st = 0; st < nst; ++st) {
+    cp_wait<S - 2>();
+    __syncwarp();  // stage st landed for every lane; every lane is done with stage st - 1's slot
+    if (st + S - 1 < nst) issue(st + S - 1);
+    cp_commit();
+    const uint8_t* w = ring + (st % S) * STAGE + (lrow * RU + lblk) * 16;
+#pragma unroll
+    for (int j = 0; j < C / 2; ++j) {
+      uint32_t r[4];
+      ldsm4(r, w + 32 * j);
+      const int b = st * C + 2 * j;
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+      block_mma<SPLIT>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
+      block_mma<SPLIT>(d1, r[2], r[3], xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
+      acc_a = fmaf(d0[0], __uint_as_float((uint32_t)ss[ca * nblk + b] << 23), acc_a);
+      acc_b = fmaf(d0[2], __uint_as_float((uint32_t)ss[cb * nblk + b] << 23), acc_b);
+      acc_a = fmaf(d1[0], __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23), acc_a);
+      acc_b = fmaf(d1[2], __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23), acc_b);
+    }
+  }
+  if (t == 0) {
+    store<SWIGLU>(acc_a, acc_b, pre, row0 + ca, row0 + cb, pair, e, bias, wts, out, N, alpha,
+                  limit);
+  }
+}
+
+template <bool SWIGLU, int C, int S, int W, typename XT>
+int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
+                  const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
+                  long stride_qe, int stride_q, long stride_se, float alpha, float limit,
+                  cudaStream_t stream) {
+  if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
+  const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
+  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+  }
+  kernel<<<dim3(pairs, N / (16 * W)), W * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
+      out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
+  return (int)cudaGetLastError();
+}
 }  // namespace
 
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
-// pairs a step has: up to 8 (1-2 tokens) fewer rows or warps a program keep more programs in
-// flight. Down runs from 2 tokens on (at 1, Gluon's is faster).
-#define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
+// pairs a step has (4 a token): gate_up streamed through shared memory above 8 pairs, with one
+// warp a row tile at 5-8; down with two-tile programs up to 8 pairs. Down runs from 2 tokens on
+// (at 1, Gluon's is faster).
 #define TINYOSS_GATE_UP true, 9, 2, 4, __nv_bfloat16
-#define TINYOSS_DOWN_FEW false, 9, 2, 2, float
+#define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
+#define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
 #define TINYOSS_DOWN false, 15, 1, 4, float
-constexpr int FEW_PAIRS = 8;
+#define TINYOSS_DOWN_FEW false, 9, 2, 2, float
 
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
                                    const float* wts, float* out, int N, int K, long stride_qe,
                                    int stride_q, long stride_se, float alpha, float limit,
                                    void* stream) {
-  auto run = pairs <= FEW_PAIRS ? launch<TINYOSS_GATE_UP_FEW> : launch<TINYOSS_GATE_UP>;
+  auto run = pairs > 8   ? launch_stream<TINYOSS_GATE_UP_STREAM>
+             : pairs > 4 ? launch<TINYOSS_GATE_UP_FEW>
+                         : launch<TINYOSS_GATE_UP>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
@@ -252,7 +382,7 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 const float* wts, float* out, int N, int K, long stride_qe,
                                 int stride_q, long stride_se, float alpha, float limit,
                                 void* stream) {
-  auto run = pairs <= FEW_PAIRS ? launch<TINYOSS_DOWN_FEW> : launch<TINYOSS_DOWN>;
+  auto run = pairs > 8 ? launch<TINYOSS_DOWN> : launch<TINYOSS_DOWN_FEW>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
@@ -260,9 +390,11 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
 // 0 when the kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
 // here rather than at the first launch), else the CUDA error.
 extern "C" int tinyoss_mma_ready(void) {
-  const void* kernels[] = {
-      (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>, (const void*)pair_gemv_mma<TINYOSS_GATE_UP>,
-      (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>, (const void*)pair_gemv_mma<TINYOSS_DOWN>};
+  const void* kernels[] = {(const void*)pair_gemv_mma<TINYOSS_GATE_UP>,
+                           (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>,
+                           (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
+                           (const void*)pair_gemv_mma<TINYOSS_DOWN>,
+                           (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
     const cudaError_t err = cudaFuncGetAttributes(&attr, k);

@@ -64,13 +64,13 @@ class MmaGemv:
 
     @staticmethod
     def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """bf16 activations and biases, rows in 64s, K a multiple of 2880 (both tiles' K steps
-        divide it; gpt-oss's K is 2880), SwiGLU outputs that fit fp16 (|act| <= (limit + 1) *
-        limit)."""
+        """bf16 activations and biases, rows in 64s, K 2880 (gpt-oss's hidden and intermediate
+        size: every tile's K steps divide it, and x is staged for at most that), SwiGLU outputs
+        that fit fp16 (|act| <= (limit + 1) * limit)."""
         ks = (w.gate_up_blocks.shape[2] * 32, w.down_blocks.shape[2] * 32)
         ns = (w.gate_up_blocks.shape[1], w.down_blocks.shape[1])
         return (x.dtype == w.gate_up_bias.dtype == w.down_bias.dtype == torch.bfloat16
-                and all(n % 64 == 0 for n in ns) and all(k % 2880 == 0 for k in ks)
+                and all(n % 64 == 0 for n in ns) and ks == (2880, 2880)
                 and (w.limit + 1) * w.limit < 6e4)
 
     def gate_up(self, x: torch.Tensor, x_div: int, ids: torch.Tensor, blocks: torch.Tensor,
