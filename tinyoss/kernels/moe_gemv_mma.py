@@ -4,8 +4,9 @@
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. This kernel decodes two
 codes into an fp16 pair with four integer operations and leaves the products to `mma.sync`,
 about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
-(2): at 1 token Gluon's down is faster (bench/results/2026-11-25_h100_mma_tiles.md). Its
-products agree with the fp32 Gluon kernel's to ~2e-7.
+(2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
+pairs gate_up streams its rows through shared memory (bench/results/2026-11-25_h100_mma_tiles.md).
+Its products agree with the fp32 Gluon kernel's to ~2e-7.
 
 It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
 a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
