@@ -13,7 +13,9 @@
 // pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
 // 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
 // hi + lo, two more MMAs, ~22 bits. Every column of B holds the same x, so each column of D is
-// the product.
+// the product. pair_gemv_mma loads those words straight into registers; pair_gemv_stream
+// (gate_up above 8 pairs) first copies the rows into shared memory with cp.async and hands
+// each thread the same words with ldmatrix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
