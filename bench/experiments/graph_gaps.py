@@ -1,9 +1,13 @@
-"""Why does capturing the piecewise prefill graphs slow the batch-1 decode graph by ~55 us?
-(bench/results/2026-11-25_h100_mma_gemv.md, finding 1.) One variant a process: build gpt-oss-20b
-(random weights) without piecewise graphs, prefill 1024 tokens, time the decode graph's replays,
-do the variant's extra capture, time them again.
+"""Why does the batch-1 decode graph replay ~55 us slower once more graphs are captured?
+(bench/results/2026-11-25_h100_mma_tiles.md, section 3: any third graph holding the model's
+kernels does it, piecewise or not; an unrelated graph does not.) One variant a process: build
+gpt-oss-20b (random weights) without piecewise graphs, prefill 1024 tokens, time the decode
+graph's replays, do the variant's extra captures, plan attention for the real sequence again,
+time them again. Not yet run: gemv_xN and moe_xN put one kernel family of the decode graph
+(the dense GEMVs, the MoE) into N graphs, to tell whether the slowdown follows the functions
+that are shared, or any sharing.
 
-    python bench/experiments/graph_gaps.py --variant pieces
+    python bench/experiments/graph_gaps.py --variant decode_xN --count 3
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from tinyoss.engine.piecewise_graphs import (  # noqa: E402
 )
 
 VARIANTS = ("none", "pieces", "pieces_same_pool", "pieces_unsplit", "decode_again",
-            "decode_xN", "many_small", "pieces_then_recapture")
+            "decode_xN", "many_small", "pieces_then_recapture", "gemv_xN", "moe_xN")
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> str:
@@ -45,7 +49,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variant", choices=VARIANTS, required=True)
-    p.add_argument("--count", type=int, default=25, help="graphs decode_xN captures")
+    p.add_argument("--count", type=int, default=25, help="graphs the *_xN variants capture")
     args = p.parse_args()
     llm = LLM("gpt-oss-20b", load_format="dummy", max_num_seqs=1, max_model_len=2048,
               enable_prefix_caching=False, max_prefill_graph_tokens=0)
@@ -83,6 +87,27 @@ def main() -> None:
             again = CudaGraphRunner(ex.model, ex.attention, [1], ex.num_groups, dev)
             again.capture()
             keep.append(again)
+    elif v in ("gemv_xN", "moe_xN"):  # one kernel family of the decode graph, in N graphs
+        layer = ex.model.model.layers[0]
+        h = torch.zeros(1, ex.model.config.hidden_size, dtype=torch.bfloat16, device=dev)
+        ids = torch.arange(4, device=dev).view(1, 4)
+        wts = torch.full((1, 4), 0.25, device=dev)
+
+        def call() -> None:
+            if v == "gemv_xN":
+                layer.self_attn.qkv_proj(h)
+                layer.self_attn.o_proj(torch.zeros(1, ex.model.config.q_size, dtype=h.dtype,
+                                                   device=dev))
+            else:
+                layer.mlp.experts(h, wts, ids)
+
+        with torch.inference_mode():
+            call()
+            for _ in range(args.count):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    call()
+                keep.append(g)
     elif v == "many_small":
         x = torch.zeros(64, device=dev)
         g = torch.cuda.CUDAGraph()
