@@ -285,14 +285,50 @@ def test_mma_gemv_matches_gluon(t, scale):
 
 
 @gpu
-def test_mma_gemv_captures_in_cuda_graph():
+@pytest.mark.parametrize("t,scale,crowded", [(9, 1.0, False), (16, 1.0, False),
+                                             (48, 1.0, False), (20, 1.0, True),
+                                             (12, 3e4, False), (12, 1e-6, False)])
+def test_grouped_mma_matches_gluon(t, scale, crowded):
+    """Above GEMV_MAX_TOKENS the pairs grouped by expert (up to 8 an MMA's columns) give each
+    pair's fp32 output as the Gluon pair GEMV does, to the pair kernels' bounds (1e-5; 1e-4 at
+    x * 3e4), also with every token on the same 4 experts (3 groups an expert at 20 tokens) and
+    with each column staged times its own power of two (x * 1e-6)."""
     mma = _mma()
-    x, weights, ids, w = big_case(90, 6)
+    x, weights, ids, w = big_case(700 + t, t)
+    x = (x.float() * scale).to(DTYPE)
+    if crowded:
+        ids = torch.arange(TOPK, device=DEVICE).repeat(t, 1)
+    assert mt._grouped(x, w, mma)
+    got = mt._grouped_pairs(x, weights, ids, w, mma)
+    want = mt._gemv_pairs(x, weights, ids, w, None)
+    assert rel_err(got, want) < (1e-5 if scale <= 1 else 1e-4)
+    assert rel_err(mt.moe_triton(x, weights, ids, w, mma=mma), moe_torch(x, weights, ids, w)) < TOL
+
+
+@gpu
+def test_grouped_mma_is_the_path_up_to_its_limit():
+    """The dispatch: pair kernels to GEMV_MAX_TOKENS, grouped to GROUPED_MAX_TOKENS, then the
+    grouped GEMMs (which round their products to bf16: further from the fp32 pair outputs)."""
+    mma = _mma()
+    from tinyoss.kernels.moe_gemv_mma import GROUPED_MAX_TOKENS
+
+    x, weights, ids, w = big_case(800, GROUPED_MAX_TOKENS + 1)
+    assert not mt._grouped(x[:mt.GEMV_MAX_TOKENS], w, mma)
+    assert mt._grouped(x[:GROUPED_MAX_TOKENS], w, mma)
+    assert not mt._grouped(x, w, mma)
+    assert not mt._grouped(x[:GROUPED_MAX_TOKENS], w, None)
+
+
+@gpu
+@pytest.mark.parametrize("t", [6, 20])
+def test_mma_gemv_captures_in_cuda_graph(t):
+    mma = _mma()
+    x, weights, ids, w = big_case(90, t)
     mt.moe_triton(x, weights, ids, w, mma=mma)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = mt.moe_triton(x, weights, ids, w, mma=mma)
-    x2, weights2, ids2, _ = big_case(91, 6)
+    x2, weights2, ids2, _ = big_case(91, t)
     x.copy_(x2)
     weights.copy_(weights2)
     ids.copy_(ids2)

@@ -355,6 +355,178 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
 }
+
+// Grouped by expert, for steps of more tokens than the pair kernels take: the pairs sorted by
+// expert on the device (`sorted_ids`, `order` the pairs' positions), a program starts a group at
+// sorted position blockIdx.x when that is the first of its expert's run or 8, 16, ... after it
+// (the others return at once) and takes up to 8 pairs of the expert, one a column of B, so the
+// expert's rows are read and decoded once for all of them. TILES 16-row tiles a program
+// amortize staging 8 columns of x. bf16 x is staged times a power of two a column (its largest
+// magnitude just under 2**15, as stage_x does), fp32 x as fp16 hi + lo.
+template <bool SWIGLU, int U, int TILES, typename XT>
+__global__ void __launch_bounds__(TILES * 32)
+    group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ sorted_ids,
+                   const int* __restrict__ order, int P, const uint8_t* __restrict__ q,
+                   const uint8_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
+                   const float* __restrict__ wts, float* __restrict__ out, int N, int K,
+                   long stride_qe, int stride_q, long stride_se, float alpha, float limit) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int ROWS = 16 * TILES, THREADS = TILES * 32;
+  extern __shared__ uint4 smem[];
+  __shared__ unsigned cmax[8];  // a column's largest magnitude (fp32 bits)
+  const int start = blockIdx.x;
+  const int e = sorted_ids[start];
+  if (start > 0 && sorted_ids[start - 1] == e) {
+    int r = start;
+    while (r > 0 && sorted_ids[r - 1] == e) --r;
+    if ((start - r) % 8) return;
+  }
+  int count = 1;
+  while (count < 8 && start + count < P && sorted_ids[start + count] == e) ++count;
+  const int nblk = K / 32, KW = K / 8, KP = KW + 1;  // a column's stride, padded (bank conflicts)
+  uint4* xs = smem;                                 // [8][KP] fp16 pairs (hi)
+  uint4* xl = smem + 8 * KP;                        // [8][KP] (lo), SPLIT only
+  uint8_t* ss = (uint8_t*)(smem + (SPLIT ? 2 : 1) * 8 * KP);  // [ROWS][nblk] scales
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.y * ROWS;
+  const int la = SWIGLU ? 2 * (warp * 8 + g) : warp * 16 + g;
+  const int lb = SWIGLU ? la + 1 : la + 8;
+  const uint32_t* qa = reinterpret_cast<const uint32_t*>(q + (long)e * stride_qe +
+                                                         (long)(row0 + la) * stride_q) + t;
+  const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + (long)e * stride_qe +
+                                                         (long)(row0 + lb) * stride_q) + t;
+  uint32_t wa[U], wb[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
+    wa[u] = __ldg(qa + 4 * u);
+    wb[u] = __ldg(qb + 4 * u);
+  }
+  const uint4* sg = reinterpret_cast<const uint4*>(s + (long)e * stride_se + (long)row0 * nblk);
+  for (int i = threadIdx.x; i < ROWS * nblk / 16; i += THREADS) {
+    reinterpret_cast<uint4*>(ss)[i] = sg[i];
+  }
+  if (threadIdx.x < 8) cmax[threadIdx.x] = 0u;
+  if (SPLIT) {  // fp32 x: hi + lo, no scaling
+    for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
+      const int j = i / KW, w = i % KW;
+      __half h[8], l[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const float v =
+            j < count ? to_f(x[(long)(order[start + j] / x_div) * K + 8 * w + c]) : 0.f;
+        h[c] = __float2half_rn(v);
+        l[c] = __float2half_rn(v - __half2float(h[c]));
+      }
+      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
+                                  pack(h[3], h[7]));
+      xl[j * KP + w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
+                                  pack(l[3], l[7]));
+    }
+  } else {  // bf16 x: each column's largest magnitude, then x again (from L1) times its
+            // power of two
+    __syncthreads();
+    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
+      const int j = i / KW, w = i % KW;
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
+          x + (long)(order[start + j] / x_div) * K + 8 * w));
+      const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t m = 0u;  // bf16 magnitudes compare as integers
+#pragma unroll
+      for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
+      atomicMax(&cmax[j], m << 16);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
+      const int j = i / KW, w = i % KW;
+      __half h[8];
+      if (j < count) {
+        int ex = 0;
+        frexpf(__uint_as_float(cmax[j]), &ex);
+        const float pre = cmax[j] ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
+            x + (long)(order[start + j] / x_div) * K + 8 * w));
+        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(0.f);
+      }
+      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
+                                  pack(h[3], h[7]));
+    }
+  }
+  __syncthreads();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (columns 2t, 2t + 1), g + 8, g + 8
+  for (int b0 = 0; b0 < nblk; b0 += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int b = b0 + u;
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      block_mma<SPLIT>(d, wa[u], wb[u], xs[g * KP + 4 * b + t],
+                       SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
+      const float sa = __uint_as_float((uint32_t)ss[la * nblk + b] << 23);
+      const float sb = __uint_as_float((uint32_t)ss[lb * nblk + b] << 23);
+      acc[0] = fmaf(d[0], sa, acc[0]);
+      acc[1] = fmaf(d[1], sa, acc[1]);
+      acc[2] = fmaf(d[2], sb, acc[2]);
+      acc[3] = fmaf(d[3], sb, acc[3]);
+    }
+    if (b0 + U < nblk) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        wa[u] = __ldg(qa + 4 * (b0 + U + u));
+        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+      }
+    }
+  }
+  const int ra = row0 + la, rb = row0 + lb;
+  const float ba = __bfloat162float(bias[(long)e * N + ra]);
+  const float bb = __bfloat162float(bias[(long)e * N + rb]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = 2 * t + i;
+    if (c < count) {
+      const int pair = order[start + c];
+      float undo = 16384.f;
+      if (!SPLIT && cmax[c]) {
+        int ex = 0;
+        frexpf(__uint_as_float(cmax[c]), &ex);
+        undo = ldexpf(16384.f, max(ex, -100) - 15);
+      }
+      const float ha = acc[i] * undo + ba, hb = acc[2 + i] * undo + bb;
+      if (SWIGLU) {
+        const float gate = fminf(ha, limit);
+        const float up = fminf(fmaxf(hb, -limit), limit);
+        out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
+      } else {
+        const float wt = wts[pair];
+        out[(long)pair * N + ra] = ha * wt;
+        out[(long)pair * N + rb] = hb * wt;
+      }
+    }
+  }
+}
+
+template <bool SWIGLU, int U, int TILES, typename XT>
+int launch_grouped(const void* x, int x_div, const int* sorted_ids, const int* order, int pairs,
+                   const uint8_t* q, const uint8_t* s, const void* bias, const float* wts,
+                   float* out, int N, int K, long stride_qe, int stride_q, long stride_se,
+                   float alpha, float limit, cudaStream_t stream) {
+  constexpr int ROWS = 16 * TILES;
+  if (N % ROWS || K % (32 * U) || K > KMAX) return (int)cudaErrorInvalidValue;
+  const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 + ROWS * (K / 32);
+  auto kernel = group_gemv_mma<SWIGLU, U, TILES, XT>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
+  kernel<<<dim3(pairs, N / ROWS), TILES * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, sorted_ids, order, pairs, q, s,
+      static_cast<const __nv_bfloat16*>(bias), wts, out, N, K, stride_qe, stride_q, stride_se,
+      alpha, limit);
+  return (int)cudaGetLastError();
+}
 }  // namespace
 
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
@@ -366,6 +538,9 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
 #define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
 #define TINYOSS_DOWN false, 15, 1, 4, float
 #define TINYOSS_DOWN_FEW false, 9, 2, 2, float
+// grouped by expert: 192 rows a program (bench/experiments/mma_gemv/bench.py, variant g3)
+#define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
+#define TINYOSS_DOWN_GROUPED false, 9, 12, float
 
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -389,6 +564,17 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
+extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* sorted_ids,
+                                   const int* order, int pairs, const uint8_t* q,
+                                   const uint8_t* s, const void* bias, const float* wts,
+                                   float* out, int N, int K, long stride_qe, int stride_q,
+                                   long stride_se, float alpha, float limit, void* stream) {
+  auto run = swiglu ? launch_grouped<TINYOSS_GATE_UP_GROUPED>
+                    : launch_grouped<TINYOSS_DOWN_GROUPED>;
+  return run(x, x_div, sorted_ids, order, pairs, q, s, bias, wts, out, N, K, stride_qe,
+             stride_q, stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
+}
+
 // 0 when the kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
 // here rather than at the first launch), else the CUDA error.
 extern "C" int tinyoss_mma_ready(void) {
@@ -396,7 +582,9 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>,
                            (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
-                           (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>};
+                           (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
+                           (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
+                           (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
     const cudaError_t err = cudaFuncGetAttributes(&attr, k);

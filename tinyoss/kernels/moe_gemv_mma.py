@@ -1,17 +1,22 @@
-"""The MoE pair GEMV on tensor cores (`moe_gemv_mma.cu`) for steps of 1 to
-`moe_triton.GEMV_MAX_TOKENS` tokens on Hopper: decode, batched decode and speculative verify.
+"""The MoE GEMVs on tensor cores (`moe_gemv_mma.cu`) on Hopper: the pair kernels for steps of
+1 to `moe_triton.GEMV_MAX_TOKENS` tokens (decode, batched decode, speculative verify) and the
+kernel grouped by expert above that, up to GROUPED_MAX_TOKENS.
 
-The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. This kernel decodes two
-codes into an fp16 pair with four integer operations and leaves the products to `mma.sync`,
+The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
+codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
 about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
 (2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
 pairs gate_up streams its rows through shared memory (bench/results/2026-11-25_h100_mma_tiles.md).
-Its products agree with the fp32 Gluon kernel's to ~2e-7.
+Above GEMV_MAX_TOKENS the pairs are sorted by expert and a program takes up to 8 pairs of one
+expert, one a column of the MMA, reading the expert's rows once for them: faster than the
+grouped GEMMs (which dequantize to bf16) up to GROUPED_MAX_TOKENS, and exact where those round
+to bf16 (bench/results/2026-11-25_h100_grouped_mma.md). Products agree with the fp32
+Gluon kernel's to ~3e-7.
 
 It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
 a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
 ctypes and launched on PyTorch's current stream, so CUDA graphs capture it. Without nvcc, or on
-a GPU other than sm_90, `load` says why and the Gluon kernel runs every step.
+a GPU other than sm_90, `load` says why and the Gluon kernel and the grouped GEMMs run instead.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ log = logging.getLogger("tinyoss")
 
 GATE_UP_MIN_TOKENS = 1
 DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
+GROUPED_MAX_TOKENS = 48  # above, the grouped GEMMs are as fast
+GROUPED_ROWS = 192  # rows a program of the grouped kernel: N must be a multiple
 SOURCE = Path(__file__).with_suffix(".cu")
 _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
          ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_float,
          ctypes.c_float, ctypes.c_void_p]
+_GROUPED_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                 *_ARGS[3:]]
 
 
 class MmaGemv:
@@ -50,6 +59,8 @@ class MmaGemv:
         self.gate_up_fn, self.down_fn = lib.tinyoss_gate_up_mma, lib.tinyoss_down_mma
         for fn in (self.gate_up_fn, self.down_fn):
             fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        self.grouped_fn = lib.tinyoss_grouped_mma
+        self.grouped_fn.argtypes, self.grouped_fn.restype = _GROUPED_ARGS, ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -74,6 +85,28 @@ class MmaGemv:
                 and all(n % 64 == 0 for n in ns) and ks == (2880, 2880)
                 and (w.limit + 1) * w.limit < 6e4)
 
+    @staticmethod
+    def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:
+        """`supports`, rows in GROUPED_ROWS, and x's rows 16-byte aligned (read 8 values a load)."""
+        return (MmaGemv.supports(x, w) and x.data_ptr() % 16 == 0
+                and w.gate_up_blocks.shape[1] % GROUPED_ROWS == 0
+                and w.down_blocks.shape[1] % GROUPED_ROWS == 0)
+
+    def grouped(self, x: torch.Tensor, x_div: int, sorted_ids: torch.Tensor,
+                order: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, alpha: float,
+                limit: float, swiglu: bool) -> None:
+        """The pairs sorted by expert (`sorted_ids`, int32, and `order`, their int32 positions):
+        gate_up (`swiglu`: out [pairs, N/2] = SwiGLU(W_e x[pair // x_div] + b_e)) or down (out
+        [pairs, N] = wts[pair] * (W_e x[pair] + b_e)), e the pair's expert."""
+        if sorted_ids.dtype != torch.int32 or order.dtype != torch.int32:
+            raise ValueError(f"sorted ids and order must be int32, got {sorted_ids.dtype}, "
+                             f"{order.dtype}")
+        if x.data_ptr() % 16:
+            raise ValueError("x must start 16-byte aligned")
+        self._launch(functools.partial(self.grouped_fn, int(swiglu)), x, x_div, sorted_ids,
+                     blocks, scales, bias, wts, out, alpha, limit, order)
+
     def gate_up(self, x: torch.Tensor, x_div: int, ids: torch.Tensor, blocks: torch.Tensor,
                 scales: torch.Tensor, bias: torch.Tensor, wts: torch.Tensor, act: torch.Tensor,
                 alpha: float, limit: float) -> None:
@@ -87,20 +120,22 @@ class MmaGemv:
         """y [pairs, N] fp32 = wts[pair] * (W_e act[pair] + b_e)."""
         self._launch(self.down_fn, act, 1, ids, blocks, scales, bias, wts, y, alpha, limit)
 
-    def _launch(self, fn, x, x_div, ids, blocks, scales, bias, wts, out, alpha, limit) -> None:
+    def _launch(self, fn, x, x_div, ids, blocks, scales, bias, wts, out, alpha, limit,
+                order: torch.Tensor | None = None) -> None:
         if ids.dtype != torch.int32 or bias.dtype != torch.bfloat16 or wts.dtype != torch.float32:
             raise ValueError(f"ids int32, bias bfloat16 and weights float32 expected, got "
                              f"{ids.dtype}, {bias.dtype}, {wts.dtype}")
         for name, t in (("x", x), ("ids", ids), ("blocks", blocks), ("scales", scales),
-                        ("bias", bias), ("weights", wts), ("out", out)):
-            if not t.is_contiguous():
+                        ("bias", bias), ("weights", wts), ("out", out), ("order", order)):
+            if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         pairs, n, k = ids.numel(), blocks.shape[1], blocks.shape[2] * 32
         if pairs == 0:
             return
-        err = fn(x.data_ptr(), x_div, ids.data_ptr(), pairs, blocks.data_ptr(),
-                 scales.data_ptr(), bias.data_ptr(), wts.data_ptr(), out.data_ptr(), n, k,
-                 blocks.stride(0), blocks.stride(1), scales.stride(0), alpha, limit,
+        ptrs = (ids.data_ptr(),) if order is None else (ids.data_ptr(), order.data_ptr())
+        err = fn(x.data_ptr(), x_div, *ptrs, pairs, blocks.data_ptr(), scales.data_ptr(),
+                 bias.data_ptr(), wts.data_ptr(), out.data_ptr(), n, k, blocks.stride(0),
+                 blocks.stride(1), scales.stride(0), alpha, limit,
                  torch.cuda.current_stream(x.device).cuda_stream)
         if err:
             raise RuntimeError(f"the tensor-core MoE GEMV failed to launch: {self.error(err)} "

@@ -3,13 +3,16 @@
 The experts stay exactly as the checkpoint stores them (`ExpertWeights`); every kernel reads the
 packed bytes and scales and dequantizes tiles in registers, so no bf16 copy of an expert exists.
 
-Two paths, chosen by the static token count T (never by data): nothing syncs with the host and
+Three paths, chosen by the static token count T (never by data): nothing syncs with the host and
 every grid has a static size, so both can be captured in CUDA graphs.
 
 * pair GEMV (T <= GEMV_MAX_TOKENS): every (token, expert) pair gets its own programs, so one
   token fills the GPU; `_pair_gemv` streams gate_up rows (bias + clamped SwiGLU fused), then
   down rows (bias, routing weight), and `_combine` sums each token's top-k rows. On a GPU the
   same GEMV runs as a Gluon kernel with explicit layouts (`moe_gemv_gluon`), which is faster.
+* grouped tensor-core GEMV (GEMV_MAX_TOKENS < T <= `moe_gemv_mma.GROUPED_MAX_TOKENS`, when the
+  tensor-core library runs): pairs sorted by expert (`torch.sort`), up to 8 pairs of an expert
+  a program, then `_combine` (`_grouped_pairs`).
 * grouped GEMMs: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a
   static grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at
   once), `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias, routing
@@ -37,7 +40,12 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
-from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, GATE_UP_MIN_TOKENS, MmaGemv
+from tinyoss.kernels.moe_gemv_mma import (
+    DOWN_MIN_TOKENS,
+    GATE_UP_MIN_TOKENS,
+    GROUPED_MAX_TOKENS,
+    MmaGemv,
+)
 from tinyoss.kernels.moe_torch import ExpertWeights
 
 
@@ -643,6 +651,30 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     return y
 
 
+def _grouped(x: torch.Tensor, w: ExpertWeights, mma: MmaGemv | None) -> bool:
+    """Whether a step of x's static token count takes the grouped tensor-core GEMV."""
+    return (mma is not None and GEMV_MAX_TOKENS < x.shape[0] <= GROUPED_MAX_TOKENS
+            and mma.supports_grouped(x, w))
+
+
+def _grouped_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   w: ExpertWeights, mma: MmaGemv) -> torch.Tensor:
+    """y [T * K, H] fp32 as `_gemv_pairs` gives it, by the grouped tensor-core GEMV: the pairs
+    sorted by expert on the device, no host synchronisation."""
+    t, h, k, e, i = _shapes(x, topk_ids, w)
+    pairs = t * k
+    y = _empty((pairs, h), torch.float32, x.device)
+    act = _empty((pairs, i), torch.float32, x.device)
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1).to(torch.int32), stable=True)
+    order = order.to(torch.int32)
+    wts = topk_weights.contiguous().view(-1)
+    mma.grouped(x.contiguous(), k, sorted_ids, order, w.gate_up_blocks, w.gate_up_scales,
+                w.gate_up_bias, wts, act, w.alpha, w.limit, swiglu=True)
+    mma.grouped(act, 1, sorted_ids, order, w.down_blocks, w.down_scales, w.down_bias, wts, y,
+                w.alpha, w.limit, swiglu=False)
+    return y
+
+
 def _pair_gemv_cores(x: torch.Tensor, x_div: int, ids: torch.Tensor,
                      proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wts: torch.Tensor,
                      out: torch.Tensor, n: int, kdim: int, w: ExpertWeights, cfg: GemvConfig,
@@ -675,6 +707,10 @@ def moe_triton(
     The path depends only on the static T, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_TOKENS:
         return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out, mma=mma)
+    if _grouped(x, w, mma):
+        out = _output(x, out)
+        _combine_pairs(_grouped_pairs(x, topk_weights, topk_ids, w, mma), out)
+        return out
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
 
 
@@ -697,6 +733,8 @@ def moe_norm_triton(
                          f"got {tuple(residual.shape)} {residual.dtype}")
     if x.shape[0] <= GEMV_MAX_TOKENS:
         y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
+    elif _grouped(x, w, mma):
+        y = _grouped_pairs(x, topk_weights, topk_ids, w, mma)
     else:
         y = _prefill_pairs(x, topk_weights, topk_ids, w, None)
     t, h = x.shape

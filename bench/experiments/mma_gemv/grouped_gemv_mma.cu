@@ -7,20 +7,19 @@
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
 
 namespace {
-constexpr int TILES = 4;          // 16-row tiles a program
-constexpr int ROWS = 16 * TILES;  // weight rows a program
 // Grouped by expert: the pairs sorted by expert, a program takes up to 8 pairs of one expert
 // (one per column of B) and reads the expert's rows once for all of them. Program s of the
 // grid starts a group when sorted position s is the first of its expert's run or 8, 16, ...
 // after it; the others exit at once. x (bf16 or fp32) is staged per column as fp16 pairs
 // (SPLIT: also the fp32 remainder, two more MMAs).
-template <bool SWIGLU, bool SPLIT, int U, int KSPLIT, typename XT>
+template <bool SWIGLU, bool SPLIT, int U, int KSPLIT, typename XT, int TILES>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ sorted_ids,
                    const int* __restrict__ order, int P, const uint8_t* __restrict__ q,
                    const uint8_t* __restrict__ s, const float* __restrict__ bias,
                    const float* __restrict__ wts, float* __restrict__ out, int N, int K,
                    long stride_qe, int stride_q, long stride_se, float alpha, float limit) {
+  constexpr int ROWS = 16 * TILES;  // weight rows a program (TILES 16-row tiles)
   extern __shared__ uint4 smem[];
   const int start = blockIdx.x;
   const int e = sorted_ids[start];
@@ -134,15 +133,16 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
 
 }  // namespace
 
-template <bool SWIGLU, bool SPLIT, int U, int KSPLIT, typename XT>
+template <bool SWIGLU, bool SPLIT, int U, int KSPLIT, typename XT, int TILES = 4>
 void launch_grouped(const torch::Tensor& x, int x_div, const torch::Tensor& sorted_ids,
                     const torch::Tensor& order, const torch::Tensor& q, const torch::Tensor& s,
                     const torch::Tensor& bias, const torch::Tensor& wts, torch::Tensor& out,
                     double alpha, double limit) {
+  constexpr int ROWS = 16 * TILES;
   const int N = q.size(1), K = q.size(2) * 32, P = sorted_ids.numel();
   TORCH_CHECK(N % ROWS == 0 && K % (32 * U * KSPLIT) == 0, "shape");
   const int smem = (SPLIT ? 2 : 1) * 8 * (K / 8 + 1) * 16 + ROWS * (K / 32);
-  auto kernel = group_gemv_mma<SWIGLU, SPLIT, U, KSPLIT, XT>;
+  auto kernel = group_gemv_mma<SWIGLU, SPLIT, U, KSPLIT, XT, TILES>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   dim3 grid(P, N / ROWS);
   kernel<<<grid, TILES * KSPLIT * 32, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -153,11 +153,13 @@ void launch_grouped(const torch::Tensor& x, int x_div, const torch::Tensor& sort
 }
 
 // grouped variants: 0 (U 15, 1 part), 1 (U 9, 2 parts); down: 2 = variant 1 with the fp32
-// remainder (SPLIT)
+// remainder (SPLIT); 3: U 9, 1 part, 12 tiles (192 rows a program); 4: U 9, 2 parts, 6 tiles
 void gate_up_grouped(torch::Tensor x, int64_t x_div, torch::Tensor sorted_ids, torch::Tensor order,
                      torch::Tensor q, torch::Tensor s, torch::Tensor bias, torch::Tensor wts,
                      torch::Tensor out, double alpha, double limit, int64_t variant) {
   if (variant == 0) launch_grouped<true, false, 15, 1, __nv_bfloat16>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
+  else if (variant == 3) launch_grouped<true, false, 9, 1, __nv_bfloat16, 12>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
+  else if (variant == 4) launch_grouped<true, false, 9, 2, __nv_bfloat16, 6>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
   else launch_grouped<true, false, 9, 2, __nv_bfloat16>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
 }
 
@@ -166,5 +168,7 @@ void down_grouped(torch::Tensor x, int64_t x_div, torch::Tensor sorted_ids, torc
                   torch::Tensor out, double alpha, double limit, int64_t variant) {
   if (variant == 0) launch_grouped<false, false, 15, 1, float>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
   else if (variant == 1) launch_grouped<false, false, 9, 2, float>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
+  else if (variant == 3) launch_grouped<false, true, 9, 1, float, 12>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
+  else if (variant == 4) launch_grouped<false, true, 9, 2, float, 6>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
   else launch_grouped<false, true, 9, 2, float>(x, x_div, sorted_ids, order, q, s, bias, wts, out, alpha, limit);
 }
