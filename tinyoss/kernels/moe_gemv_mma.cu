@@ -423,36 +423,35 @@ __global__ void __launch_bounds__(TILES * 32)
       xl[j * KP + w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
                                   pack(l[3], l[7]));
     }
-  } else {  // bf16 x: each column's largest magnitude, then x again (from L1) times its
+  } else {  // bf16 x: copied into xs as it is, each column's largest magnitude taken on the
+            // way, then each thread turns its own words into fp16 pairs times the column's
             // power of two
     __syncthreads();
-    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
+    for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
-          x + (long)(order[start + j] / x_div) * K + 8 * w));
-      const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t m = 0u;  // bf16 magnitudes compare as integers
+      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+      if (j < count) {
+        raw = __ldg(reinterpret_cast<const uint4*>(x + (long)(order[start + j] / x_div) * K +
+                                                   8 * w));
+        const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t m = 0u;  // bf16 magnitudes compare as integers
 #pragma unroll
-      for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
-      atomicMax(&cmax[j], m << 16);
+        for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
+        atomicMax(&cmax[j], m << 16);
+      }
+      xs[j * KP + w] = raw;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
+      int ex = 0;
+      frexpf(__uint_as_float(cmax[j]), &ex);
+      const float pre = cmax[j] ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+      const uint4 raw = xs[j * KP + w];
+      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
       __half h[8];
-      if (j < count) {
-        int ex = 0;
-        frexpf(__uint_as_float(cmax[j]), &ex);
-        const float pre = cmax[j] ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
-            x + (long)(order[start + j] / x_div) * K + 8 * w));
-        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
-      } else {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(0.f);
-      }
+      for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
       xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
                                   pack(h[3], h[7]));
     }
