@@ -306,6 +306,18 @@ def test_grouped_mma_matches_gluon(t, scale, crowded):
 
 
 @gpu
+@pytest.mark.parametrize("pairs,experts", [(1, 32), (37, 32), (192, 4), (300, 128)])
+def test_sort_pairs_is_a_stable_sort(pairs, experts):
+    mma = _mma()
+    ids = torch.randint(0, experts, (pairs,), device=DEVICE, dtype=torch.int32)
+    sorted_ids, order = mma.sort_pairs(ids)
+    want_ids, want_order = torch.sort(ids, stable=True)
+    assert torch.equal(sorted_ids, want_ids) and torch.equal(order, want_order.to(torch.int32))
+    with pytest.raises(ValueError, match="int32 ids"):
+        mma.sort_pairs(ids.long())
+
+
+@gpu
 def test_grouped_mma_is_the_path_up_to_its_limit():
     """The dispatch: pair kernels to GEMV_MAX_TOKENS, grouped to GROUPED_MAX_TOKENS, then the
     grouped GEMMs (which round their products to bf16: further from the fp32 pair outputs)."""

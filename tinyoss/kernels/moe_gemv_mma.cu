@@ -411,12 +411,17 @@ __global__ void __launch_bounds__(TILES * 32)
     for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
       __half h[8], l[8];
+      if (j < count) {
+        const XT* xr = x + (long)(order[start + j] / x_div) * K + 8 * w;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const float v =
-            j < count ? to_f(x[(long)(order[start + j] / x_div) * K + 8 * w + c]) : 0.f;
-        h[c] = __float2half_rn(v);
-        l[c] = __float2half_rn(v - __half2float(h[c]));
+        for (int c = 0; c < 8; ++c) {
+          const float v = to_f(xr[c]);
+          h[c] = __float2half_rn(v);
+          l[c] = __float2half_rn(v - __half2float(h[c]));
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) h[c] = l[c] = __float2half_rn(0.f);
       }
       xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
                                   pack(h[3], h[7]));
@@ -508,6 +513,24 @@ __global__ void __launch_bounds__(TILES * 32)
   }
 }
 
+// The grouped kernels' order: the P pairs' expert ids sorted, stably (ties keep their pair
+// order), and order[r] the pair at sorted position r. One program; a pair's rank counts the pairs
+// before it, O(P**2) for the few hundred pairs of a step that groups (one launch where
+// torch.sort takes several).
+__global__ void sort_pairs(const int* __restrict__ ids, int P, int* __restrict__ sorted_ids,
+                           int* __restrict__ order) {
+  extern __shared__ int sid[];  // [P]
+  for (int i = threadIdx.x; i < P; i += blockDim.x) sid[i] = ids[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < P; i += blockDim.x) {
+    const int v = sid[i];
+    int rank = 0;
+    for (int j = 0; j < P; ++j) rank += sid[j] < v || (sid[j] == v && j < i);
+    sorted_ids[rank] = v;
+    order[rank] = i;
+  }
+}
+
 template <bool SWIGLU, int U, int TILES, typename XT>
 int launch_grouped(const void* x, int x_div, const int* sorted_ids, const int* order, int pairs,
                    const uint8_t* q, const uint8_t* s, const void* bias, const float* wts,
@@ -574,6 +597,14 @@ extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const i
              stride_q, stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
+extern "C" int tinyoss_sort_pairs(const int* ids, int pairs, int* sorted_ids, int* order,
+                                  void* stream) {
+  if (pairs < 1 || pairs > 8192) return (int)cudaErrorInvalidValue;  // P ints of shared memory
+  sort_pairs<<<1, 256, pairs * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+      ids, pairs, sorted_ids, order);
+  return (int)cudaGetLastError();
+}
+
 // 0 when the kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
 // here rather than at the first launch), else the CUDA error.
 extern "C" int tinyoss_mma_ready(void) {
@@ -583,7 +614,8 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
-                           (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>};
+                           (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,
+                           (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
     const cudaError_t err = cudaFuncGetAttributes(&attr, k);

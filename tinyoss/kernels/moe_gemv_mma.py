@@ -61,6 +61,10 @@ class MmaGemv:
             fn.argtypes, fn.restype = _ARGS, ctypes.c_int
         self.grouped_fn = lib.tinyoss_grouped_mma
         self.grouped_fn.argtypes, self.grouped_fn.restype = _GROUPED_ARGS, ctypes.c_int
+        self.sort_fn = lib.tinyoss_sort_pairs
+        self.sort_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+        self.sort_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -91,6 +95,19 @@ class MmaGemv:
         return (MmaGemv.supports(x, w) and x.data_ptr() % 16 == 0
                 and w.gate_up_blocks.shape[1] % GROUPED_ROWS == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS == 0)
+
+    def sort_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted ids, order) of int32 expert ids [pairs], as a stable `torch.sort` gives
+        them (int32 both), in one launch."""
+        if ids.dtype != torch.int32 or not ids.is_contiguous() or not 0 < ids.numel() <= 8192:
+            raise ValueError(f"1 to 8192 contiguous int32 ids expected, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        sorted_ids, order = torch.empty_like(ids), torch.empty_like(ids)
+        err = self.sort_fn(ids.data_ptr(), ids.numel(), sorted_ids.data_ptr(), order.data_ptr(),
+                           torch.cuda.current_stream(ids.device).cuda_stream)
+        if err:
+            raise RuntimeError(f"sorting the MoE pairs failed to launch: {self.error(err)}")
+        return sorted_ids, order
 
     def grouped(self, x: torch.Tensor, x_div: int, sorted_ids: torch.Tensor,
                 order: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,

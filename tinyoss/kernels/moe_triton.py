@@ -11,8 +11,8 @@ every grid has a static size, so both can be captured in CUDA graphs.
   down rows (bias, routing weight), and `_combine` sums each token's top-k rows. On a GPU the
   same GEMV runs as a Gluon kernel with explicit layouts (`moe_gemv_gluon`), which is faster.
 * grouped tensor-core GEMV (GEMV_MAX_TOKENS < T <= `moe_gemv_mma.GROUPED_MAX_TOKENS`, when the
-  tensor-core library runs): pairs sorted by expert (`torch.sort`), up to 8 pairs of an expert
-  a program, then `_combine` (`_grouped_pairs`).
+  tensor-core library runs): pairs sorted by expert (`MmaGemv.sort_pairs`), up to 8 pairs of
+  an expert a program, then `_combine` (`_grouped_pairs`).
 * grouped GEMMs: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a
   static grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at
   once), `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias, routing
@@ -665,8 +665,7 @@ def _grouped_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     pairs = t * k
     y = _empty((pairs, h), torch.float32, x.device)
     act = _empty((pairs, i), torch.float32, x.device)
-    sorted_ids, order = torch.sort(topk_ids.reshape(-1).to(torch.int32), stable=True)
-    order = order.to(torch.int32)
+    sorted_ids, order = mma.sort_pairs(topk_ids.reshape(-1).to(torch.int32).contiguous())
     wts = topk_weights.contiguous().view(-1)
     mma.grouped(x.contiguous(), k, sorted_ids, order, w.gate_up_blocks, w.gate_up_scales,
                 w.gate_up_bias, wts, act, w.alpha, w.limit, swiglu=True)

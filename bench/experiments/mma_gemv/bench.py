@@ -53,6 +53,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,2,4,8,16,64")
     p.add_argument("--grouped", default="g0,g1,g2")
+    p.add_argument("--parts", action="store_true", help="time the grouped kernels one at a time")
     args = p.parse_args()
     mma, why = load(capability())
     if mma is None:
@@ -107,6 +108,34 @@ def main() -> None:
             err = (product(sets[0]) - ref).norm() / ref.norm()
             us = timed(each(product), [()]) / len(sets)
             row.append(f"grouped mma (product) {us:6.1f} us (err {err:.0e})")
+        if args.parts and t > mt.GEMV_MAX_TOKENS:  # the grouped kernels one at a time
+            for c in sets:
+                c["sid"], order = torch.sort(c["ids32"], stable=True)
+                c["order"] = order.to(torch.int32)
+
+            def part(c, which):
+                w, sid, order = c["w"], c["sid"], c["order"]
+                if which == "product gate_up":
+                    mma.grouped(c["x"], 4, sid, order, w.gate_up_blocks, w.gate_up_scales,
+                                w.gate_up_bias, c["flat_wts"], c["act"], w.alpha, w.limit, True)
+                elif which == "product down":
+                    mma.grouped(c["act"], 1, sid, order, w.down_blocks, w.down_scales,
+                                w.down_bias, c["flat_wts"], c["y"], w.alpha, w.limit, False)
+                elif which == "g3 gate_up":
+                    ext.gate_up_grouped(c["x"], 4, sid, order, w.gate_up_blocks, w.gate_up_scales,
+                                        c["gub"], c["flat_wts"], c["act"], w.alpha, w.limit, 3)
+                elif which == "g3 down":
+                    ext.down_grouped(c["act"], 1, sid, order, w.down_blocks, w.down_scales,
+                                     c["dnb"], c["flat_wts"], c["y"], w.alpha, w.limit, 3)
+                elif which == "torch.sort":
+                    torch.sort(c["ids32"], stable=True)[1].to(torch.int32)
+                else:
+                    mma.sort_pairs(c["ids32"])
+
+            for which in ("product gate_up", "g3 gate_up", "product down", "g3 down",
+                          "torch.sort", "sort_pairs"):
+                us = timed(each(lambda c, which=which: part(c, which)), [()]) / len(sets)
+                print(f"T={t:<3} {which:<16} {us:6.1f} us", flush=True)
         for name in filter(None, args.grouped.split(",")):
             vg, vd = GROUPED[name]
 
