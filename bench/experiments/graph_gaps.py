@@ -3,9 +3,9 @@
 kernels does it, piecewise or not; an unrelated graph does not.) One variant a process: build
 gpt-oss-20b (random weights) without piecewise graphs, prefill 1024 tokens, time the decode
 graph's replays, do the variant's extra captures, plan attention for the real sequence again,
-time them again. Not yet run: gemv_xN and moe_xN put one kernel family of the decode graph
-(the dense GEMVs, the MoE) into N graphs, to tell whether the slowdown follows the functions
-that are shared, or any sharing.
+time them again. gemv_xN and moe_xN put one layer's dense GEMVs or its MoE into N small
+graphs: with N = 3 either costs the whole decode graph as much as 3 more decode graphs do
+(bench/results/2026-11-25_h100_grouped_mma.md, section 2).
 
     python bench/experiments/graph_gaps.py --variant decode_xN --count 3
 """
