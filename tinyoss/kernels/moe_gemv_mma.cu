@@ -407,21 +407,18 @@ __global__ void __launch_bounds__(TILES * 32)
     reinterpret_cast<uint4*>(ss)[i] = sg[i];
   }
   if (threadIdx.x < 8) cmax[threadIdx.x] = 0u;
+  // Only the group's count columns are staged: the others hold whatever shared memory held,
+  // which reaches only MMA columns that are never stored (a column of D is its column of B's).
   if (SPLIT) {  // fp32 x: hi + lo, no scaling
-    for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
+    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
+      const XT* xr = x + (long)(order[start + j] / x_div) * K + 8 * w;
       __half h[8], l[8];
-      if (j < count) {
-        const XT* xr = x + (long)(order[start + j] / x_div) * K + 8 * w;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const float v = to_f(xr[c]);
-          h[c] = __float2half_rn(v);
-          l[c] = __float2half_rn(v - __half2float(h[c]));
-        }
-      } else {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) h[c] = l[c] = __float2half_rn(0.f);
+      for (int c = 0; c < 8; ++c) {
+        const float v = to_f(xr[c]);
+        h[c] = __float2half_rn(v);
+        l[c] = __float2half_rn(v - __half2float(h[c]));
       }
       xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
                                   pack(h[3], h[7]));
@@ -432,22 +429,19 @@ __global__ void __launch_bounds__(TILES * 32)
             // way, then each thread turns its own words into fp16 pairs times the column's
             // power of two
     __syncthreads();
-    for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
+    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
-      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-      if (j < count) {
-        raw = __ldg(reinterpret_cast<const uint4*>(x + (long)(order[start + j] / x_div) * K +
-                                                   8 * w));
-        const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t m = 0u;  // bf16 magnitudes compare as integers
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
+          x + (long)(order[start + j] / x_div) * K + 8 * w));
+      const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t m = 0u;  // bf16 magnitudes compare as integers
 #pragma unroll
-        for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
-        atomicMax(&cmax[j], m << 16);
-      }
+      for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
+      atomicMax(&cmax[j], m << 16);
       xs[j * KP + w] = raw;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 8 * KW; i += THREADS) {
+    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
       int ex = 0;
       frexpf(__uint_as_float(cmax[j]), &ex);
