@@ -64,6 +64,14 @@ __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// The power of two that puts a largest magnitude m just under 2**15 (1 for m = 0): x times it
+// fits fp16 with the most bits (values below 2**-24 of m round).
+__device__ __forceinline__ float stage_scale(float m) {
+  int ex = 0;
+  frexpf(m, &ex);  // m < 2**ex
+  return m > 0.f ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+}
+
 // x [K] staged in shared memory as fp16 pairs in block_mma's order by every thread of the
 // program (NWARPS warps, XWORDS words of 8 values each): bf16 x times the power of two `pre`
 // (returned) that puts its largest magnitude just under 2**15, fp32 x (SPLIT) as hi + lo.
@@ -93,9 +101,7 @@ __device__ __forceinline__ float stage_x(const XT* __restrict__ xr, int K, uint4
     m = 0.f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) m = fmaxf(m, xmax[w]);
-    int ex = 0;
-    frexpf(m, &ex);  // m < 2**ex
-    pre = m > 0.f ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+    pre = stage_scale(m);
   }
 #pragma unroll
   for (int i = 0; i < XWORDS; ++i) {
@@ -443,9 +449,7 @@ __global__ void __launch_bounds__(TILES * 32)
     __syncthreads();
     for (int i = threadIdx.x; i < count * KW; i += THREADS) {
       const int j = i / KW, w = i % KW;
-      int ex = 0;
-      frexpf(__uint_as_float(cmax[j]), &ex);
-      const float pre = cmax[j] ? ldexpf(1.f, 15 - max(ex, -100)) : 1.f;
+      const float pre = stage_scale(__uint_as_float(cmax[j]));
       const uint4 raw = xs[j * KP + w];
       const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
       __half h[8];
@@ -479,30 +483,12 @@ __global__ void __launch_bounds__(TILES * 32)
       }
     }
   }
-  const int ra = row0 + la, rb = row0 + lb;
-  const float ba = __bfloat162float(bias[(long)e * N + ra]);
-  const float bb = __bfloat162float(bias[(long)e * N + rb]);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * t + i;
     if (c < count) {
-      const int pair = order[start + c];
-      float undo = 16384.f;
-      if (!SPLIT && cmax[c]) {
-        int ex = 0;
-        frexpf(__uint_as_float(cmax[c]), &ex);
-        undo = ldexpf(16384.f, max(ex, -100) - 15);
-      }
-      const float ha = acc[i] * undo + ba, hb = acc[2 + i] * undo + bb;
-      if (SWIGLU) {
-        const float gate = fminf(ha, limit);
-        const float up = fminf(fmaxf(hb, -limit), limit);
-        out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
-      } else {
-        const float wt = wts[pair];
-        out[(long)pair * N + ra] = ha * wt;
-        out[(long)pair * N + rb] = hb * wt;
-      }
+      store<SWIGLU>(acc[i], acc[2 + i], SPLIT ? 1.f : stage_scale(__uint_as_float(cmax[c])),
+                    row0 + la, row0 + lb, order[start + c], e, bias, wts, out, N, alpha, limit);
     }
   }
 }
