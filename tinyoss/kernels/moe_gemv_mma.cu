@@ -540,9 +540,9 @@ int launch_grouped(const void* x, int x_div, const int* sorted_ids, const int* o
 #define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
 #define TINYOSS_DOWN false, 15, 1, 4, float
 #define TINYOSS_DOWN_FEW false, 9, 2, 2, float
-// grouped by expert: 192 rows a program (bench/experiments/mma_gemv/bench.py, variant g3)
+// grouped by expert: 192 gate_up and 320 down rows a program (sweep_pair.py --grouped)
 #define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
-#define TINYOSS_DOWN_GROUPED false, 9, 12, float
+#define TINYOSS_DOWN_GROUPED false, 9, 20, float
 
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,

@@ -42,7 +42,7 @@ log = logging.getLogger("tinyoss")
 GATE_UP_MIN_TOKENS = 1
 DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
 GROUPED_MAX_TOKENS = 64  # measured faster than the grouped GEMMs up to here
-GROUPED_ROWS = 192  # rows a program of the grouped kernel: N must be a multiple
+GROUPED_ROWS = (192, 320)  # rows a program of the grouped gate_up and down: N a multiple
 SOURCE = Path(__file__).with_suffix(".cu")
 _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -93,8 +93,8 @@ class MmaGemv:
     def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:
         """`supports`, rows in GROUPED_ROWS, and x's rows 16-byte aligned (read 8 values a load)."""
         return (MmaGemv.supports(x, w) and x.data_ptr() % 16 == 0
-                and w.gate_up_blocks.shape[1] % GROUPED_ROWS == 0
-                and w.down_blocks.shape[1] % GROUPED_ROWS == 0)
+                and w.gate_up_blocks.shape[1] % GROUPED_ROWS[0] == 0
+                and w.down_blocks.shape[1] % GROUPED_ROWS[1] == 0)
 
     def sort_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sorted ids, order) of int32 expert ids [pairs], as a stable `torch.sort` gives

@@ -55,3 +55,39 @@ extern "C" const char* tinyoss_pair_variant_name(int variant) {
   }
   return nullptr;
 }
+
+// The grouped kernel (group_gemv_mma) with other row tiles: (variant, swiglu, U, TILES)
+#define TINYOSS_GROUPED(X)                                                                    \
+  X(100, true, 9, 2) X(101, true, 9, 4) X(102, true, 9, 6) X(103, true, 9, 12)                \
+  X(104, true, 9, 15) X(105, true, 9, 20) X(106, true, 15, 12) X(107, true, 5, 12)            \
+  X(108, true, 6, 15)                                                                         \
+  X(110, false, 9, 2) X(111, false, 9, 4) X(112, false, 9, 6) X(113, false, 9, 12)            \
+  X(114, false, 9, 15) X(115, false, 9, 20) X(116, false, 15, 12) X(117, false, 5, 12)        \
+  X(118, false, 6, 15)
+
+extern "C" int tinyoss_grouped_variant(int variant, const void* x, int x_div,
+                                       const int* sorted_ids, const int* order, int pairs,
+                                       const uint8_t* q, const uint8_t* s, const void* bias,
+                                       const float* wts, float* out, int N, int K,
+                                       long stride_qe, int stride_q, long stride_se, float alpha,
+                                       float limit, void* stream) {
+  switch (variant) {
+#define TINYOSS_GCASE(V, SW, U, TL)                                                           \
+  case V:                                                                                     \
+    return launch_grouped<SW, U, TL, std::conditional_t<SW, __nv_bfloat16, float>>(           \
+        x, x_div, sorted_ids, order, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q,  \
+        stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
+    TINYOSS_GROUPED(TINYOSS_GCASE)
+  }
+  return -1;
+}
+
+extern "C" const char* tinyoss_grouped_variant_name(int variant) {
+  switch (variant) {
+#define TINYOSS_GNAME(V, SW, U, TL) \
+  case V:                           \
+    return SW ? "grouped gate_up U" #U " TILES" #TL : "grouped down U" #U " TILES" #TL;
+    TINYOSS_GROUPED(TINYOSS_GNAME)
+  }
+  return nullptr;
+}

@@ -39,18 +39,81 @@ def build() -> ctypes.CDLL:
     lib.tinyoss_pair_variant.restype = ctypes.c_int
     lib.tinyoss_pair_variant_name.argtypes = [ctypes.c_int]
     lib.tinyoss_pair_variant_name.restype = ctypes.c_char_p
+    lib.tinyoss_grouped_variant.argtypes = [ctypes.c_int] + mm._GROUPED_ARGS[1:]
+    lib.tinyoss_grouped_variant.restype = ctypes.c_int
+    lib.tinyoss_grouped_variant_name.argtypes = [ctypes.c_int]
+    lib.tinyoss_grouped_variant_name.restype = ctypes.c_char_p
     return lib
+
+
+def sweep_grouped(lib: ctypes.CDLL, mma: mm.MmaGemv, tokens: list[int], only: str) -> None:
+    """The grouped kernel's row tiles, gate_up and down apart, against the product's (errors
+    against its outputs), the pairs sorted once outside the timing."""
+    h = i = 2880
+    ws = [weights(s, 32, h, i) for s in range(4)]
+    ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
+          for w in ws]
+    variants = [v for v in range(100, 120) if lib.tinyoss_grouped_variant_name(v)
+                and only in lib.tinyoss_grouped_variant_name(v).decode()]
+    for t in tokens:
+        sets = []
+        for x, wts, ids, w in call_sets(t, ws):
+            sid, order = mma.sort_pairs(ids.reshape(-1).to(torch.int32))
+            sets.append(dict(x=x, w=w, sid=sid, order=order,
+                             wts=wts.reshape(-1).float().contiguous(),
+                             act=torch.empty(t * 4, i, device="cuda"),
+                             y=torch.empty(t * 4, h, device="cuda")))
+
+        def run(c, gate: bool, variant: int | None) -> torch.Tensor:
+            w = c["w"]
+            b, s, bias = ((w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias) if gate else
+                          (w.down_blocks, w.down_scales, w.down_bias))
+            x, div, out = (c["x"], 4, c["act"]) if gate else (c["act"], 1, c["y"])
+            if variant is None:
+                mma.grouped(x, div, c["sid"], c["order"], b, s, bias, c["wts"], out, w.alpha,
+                            w.limit, gate)
+                return out
+            err = lib.tinyoss_grouped_variant(
+                variant, x.data_ptr(), div, c["sid"].data_ptr(), c["order"].data_ptr(),
+                c["sid"].numel(), b.data_ptr(), s.data_ptr(), bias.data_ptr(),
+                c["wts"].data_ptr(), out.data_ptr(), b.shape[1], b.shape[2] * 32, b.stride(0),
+                b.stride(1), s.stride(0), w.alpha, w.limit,
+                torch.cuda.current_stream().cuda_stream)
+            assert err == 0, (variant, err)
+            return out
+
+        for gate in (True, False):
+            if only and not any(("gate_up" in lib.tinyoss_grouped_variant_name(v).decode())
+                                == gate for v in variants):
+                continue
+            for c in sets:
+                run(c, True, None)  # down reads the product's gate_up output
+            ref = run(sets[0], gate, None).clone()
+            rows = [("product", None)] + [
+                (lib.tinyoss_grouped_variant_name(v).decode(), v) for v in variants
+                if ("gate_up" in lib.tinyoss_grouped_variant_name(v).decode()) == gate]
+            for name, v in rows:
+                out = run(sets[0], gate, v)
+                err = ((out - ref).norm() / ref.norm()).item()
+                us = timed(lambda v=v: [run(c, gate, v) for c in sets], [()]) / len(sets)
+                what = "gate_up" if gate else "down"
+                print(f"T={t:<2} {what:<7} {name:<28} {us:7.2f} us  err {err:.0e}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--grouped", action="store_true", help="the grouped kernel's tiles instead")
+    p.add_argument("--only", default="", help="grouped variants whose name holds this")
     args = p.parse_args()
     mma, why = mm.load(capability())
     if mma is None:
         raise SystemExit(f"the tensor-core MoE GEMV cannot run here: {why}")
     lib = build()
+    if args.grouped:
+        sweep_grouped(lib, mma, [int(t) for t in args.tokens.split(",")], args.only)
+        return
     variants = [v for v in range(64) if lib.tinyoss_pair_variant_name(v)]
     h = i = 2880
     ws = [weights(s, 32, h, i) for s in range(4)]
