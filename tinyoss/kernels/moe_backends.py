@@ -145,11 +145,12 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
 
         kernels.moe, kernels.moe_norm = moe_triton, moe_norm_triton
         if p.device_type == "cuda":
-            from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, load
+            from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, GROUPED_MAX_TOKENS, load
 
             mma, why = load(p.capability)
-            log.info("MoE GEMV on the tensor cores (down from %d tokens a step): %s",
-                     DOWN_MIN_TOKENS, why if mma else f"no, {why}; the Gluon kernel runs")
+            log.info("MoE GEMV on the tensor cores (down from %d tokens a step, grouped by "
+                     "expert up to %d): %s", DOWN_MIN_TOKENS, GROUPED_MAX_TOKENS,
+                     why if mma else f"no, {why}; the Gluon kernel and the grouped GEMMs run")
             if mma is not None:
                 kernels.moe = functools.partial(moe_triton, mma=mma)
                 kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)
