@@ -149,13 +149,39 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
 // out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
 // TILES: 16-row tiles a program.
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
+// L2 hints: a bulk prefetch of bytes from p into L2 (no registers, no shared memory), a policy
+// that marks lines first to evict, and a 4-byte load under it.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ uint64_t evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+template <bool HINT>
+__device__ __forceinline__ uint32_t ldw(const uint32_t* p, uint64_t pol) {
+  if (!HINT) return __ldg(p);
+  uint32_t v;
+  asm("ld.global.nc.L2::cache_hint.b32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
+  return v;
+}
+
+// Part `part` of `parts` of `bytes` (a multiple of 16) from base, prefetched into L2.
+__device__ __forceinline__ void prefetch_part(const uint8_t* base, long bytes, int part,
+                                              int parts) {
+  const long chunk = ((bytes + parts - 1) / parts + 15) / 16 * 16, off = part * chunk;
+  if (off < bytes) prefetch_l2(base + off, (uint32_t)min(chunk, bytes - off));
+}
+
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, int PF = 0>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                   float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
-                  long stride_se, float alpha, float limit) {
+                  long stride_se, float alpha, float limit, const uint8_t* __restrict__ pf_q,
+                  long pf_qe, const uint8_t* __restrict__ pf_s, long pf_se) {
   constexpr bool SPLIT = !SWIGLU;  // fp32 x: hi + lo
   constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
   constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
@@ -179,11 +205,16 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                                                          (long)(row0 + la) * stride_q) + t + 4 * first;
   const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
                                                          (long)(row0 + lb) * stride_q) + t + 4 * first;
+  if (PF && threadIdx.x == 0) {  // this program's share of the pair's next weights into L2
+    prefetch_part(pf_q + e * pf_qe, pf_qe, blockIdx.y, gridDim.y);
+    prefetch_part(pf_s + e * pf_se, pf_se, blockIdx.y, gridDim.y);
+  }
+  const uint64_t pol = PF == 2 ? evict_first() : 0;
   uint32_t wa[U], wb[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
-    wa[u] = __ldg(qa + 4 * u);
-    wb[u] = __ldg(qb + 4 * u);
+    wa[u] = ldw<PF == 2>(qa + 4 * u, pol);
+    wb[u] = ldw<PF == 2>(qb + 4 * u, pol);
   }
   const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
@@ -205,8 +236,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     if (b0 + U < per) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        wa[u] = __ldg(qa + 4 * (b0 + U + u));
-        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+        wa[u] = ldw<PF == 2>(qa + 4 * (b0 + U + u), pol);
+        wb[u] = ldw<PF == 2>(qb + 4 * (b0 + U + u), pol);
       }
     }
   }
@@ -231,18 +262,19 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, int PF = 0>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
            const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
-           cudaStream_t stream) {
+           cudaStream_t stream, const uint8_t* pf_q = nullptr, long pf_qe = 0,
+           const uint8_t* pf_s = nullptr, long pf_se = 0) {
   constexpr int ROWS = 16 * TILES;
   if (N % ROWS || K % (32 * U * KSPLIT) || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
-  pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
+  pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, PF><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
-      out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
+      out, N, K, stride_qe, stride_q, stride_se, alpha, limit, pf_q, pf_qe, pf_s, pf_se);
   return (int)cudaGetLastError();
 }
 
@@ -347,7 +379,8 @@ template <bool SWIGLU, int C, int S, int W, typename XT>
 int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
                   const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
                   long stride_qe, int stride_q, long stride_se, float alpha, float limit,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const uint8_t* = nullptr, long = 0,
+                  const uint8_t* = nullptr, long = 0) {
   if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
   auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT>;
@@ -553,7 +586,7 @@ extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int
              : pairs > 4 ? launch<TINYOSS_GATE_UP_FEW>
                          : launch<TINYOSS_GATE_UP>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
-             alpha, limit, static_cast<cudaStream_t>(stream));
+             alpha, limit, static_cast<cudaStream_t>(stream), nullptr, 0, nullptr, 0);
 }
 
 extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pairs,
@@ -563,7 +596,7 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 void* stream) {
   auto run = pairs > 8 ? launch<TINYOSS_DOWN> : launch<TINYOSS_DOWN_FEW>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
-             alpha, limit, static_cast<cudaStream_t>(stream));
+             alpha, limit, static_cast<cudaStream_t>(stream), nullptr, 0, nullptr, 0);
 }
 
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* sorted_ids,

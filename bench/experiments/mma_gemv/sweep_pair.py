@@ -54,7 +54,7 @@ def sweep_grouped(lib: ctypes.CDLL, mma: mm.MmaGemv, tokens: list[int], only: st
     ws = [weights(s, 32, h, i) for s in range(4)]
     ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
           for w in ws]
-    variants = [v for v in range(100, 150) if lib.tinyoss_grouped_variant_name(v)
+    variants = [v for v in range(100, 200) if lib.tinyoss_grouped_variant_name(v)
                 and only in lib.tinyoss_grouped_variant_name(v).decode()]
     for t in tokens:
         sets = []
