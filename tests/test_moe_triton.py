@@ -286,13 +286,16 @@ def test_mma_gemv_matches_gluon(t, scale):
 
 @gpu
 @pytest.mark.parametrize("t,scale,crowded", [(9, 1.0, False), (16, 1.0, False),
-                                             (48, 1.0, False), (20, 1.0, True),
-                                             (12, 3e4, False), (12, 1e-6, False)])
+                                             (48, 1.0, False), (64, 1.0, False),
+                                             (12, 1.0, True), (40, 1.0, True),
+                                             (12, 3e4, False), (12, 1e-6, False),
+                                             (17, 3e4, False)])
 def test_grouped_mma_matches_gluon(t, scale, crowded):
     """Above GEMV_MAX_TOKENS the pairs grouped by expert (up to 8 an MMA's columns) give each
     pair's fp32 output as the Gluon pair GEMV does, to the pair kernels' bounds (1e-5; 1e-4 at
-    x * 3e4), also with every token on the same 4 experts (3 groups an expert at 20 tokens) and
-    with each column staged times its own power of two (x * 1e-6)."""
+    x * 3e4), also with every token on the same 4 experts (2 and 5 groups an expert), with each
+    column staged times its own power of two (x * 1e-6), and through the streamed down kernel
+    (above 16 tokens)."""
     mma = _mma()
     x, weights, ids, w = big_case(700 + t, t)
     x = (x.float() * scale).to(DTYPE)
@@ -308,13 +311,24 @@ def test_grouped_mma_matches_gluon(t, scale, crowded):
 @gpu
 @pytest.mark.parametrize("pairs,experts", [(1, 32), (37, 32), (192, 4), (300, 128)])
 def test_sort_pairs_is_a_stable_sort(pairs, experts):
+    """Sorted as a stable torch.sort, and cut into runs of up to 8 pairs of one expert, in
+    order, the rest of the table -1."""
     mma = _mma()
     ids = torch.randint(0, experts, (pairs,), device=DEVICE, dtype=torch.int32)
-    sorted_ids, order = mma.sort_pairs(ids)
+    sorted_ids, order, groups = mma.sort_pairs(ids, experts)
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids) and torch.equal(order, want_order.to(torch.int32))
+    want, runs = [], torch.unique_consecutive(want_ids.cpu(), return_counts=True)[1].tolist()
+    start = 0
+    for n in runs:
+        want += [(start + j) | (min(8, n - j) << 16) for j in range(0, n, 8)]
+        start += n
+    assert len(groups) == min(pairs, pairs // 8 + experts) >= len(want)
+    assert groups.tolist() == want + [-1] * (len(groups) - len(want))
     with pytest.raises(ValueError, match="int32 ids"):
-        mma.sort_pairs(ids.long())
+        mma.sort_pairs(ids.long(), experts)
+    with pytest.raises(ValueError, match="4096"):
+        mma.sort_pairs(torch.zeros(4097, device=DEVICE, dtype=torch.int32), experts)
 
 
 @gpu

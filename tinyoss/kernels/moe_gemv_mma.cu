@@ -149,39 +149,13 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
 // out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
 // TILES: 16-row tiles a program.
-// L2 hints: a bulk prefetch of bytes from p into L2 (no registers, no shared memory), a policy
-// that marks lines first to evict, and a 4-byte load under it.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ uint64_t evict_first() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-template <bool HINT>
-__device__ __forceinline__ uint32_t ldw(const uint32_t* p, uint64_t pol) {
-  if (!HINT) return __ldg(p);
-  uint32_t v;
-  asm("ld.global.nc.L2::cache_hint.b32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
-  return v;
-}
-
-// Part `part` of `parts` of `bytes` (a multiple of 16) from base, prefetched into L2.
-__device__ __forceinline__ void prefetch_part(const uint8_t* base, long bytes, int part,
-                                              int parts) {
-  const long chunk = ((bytes + parts - 1) / parts + 15) / 16 * 16, off = part * chunk;
-  if (off < bytes) prefetch_l2(base + off, (uint32_t)min(chunk, bytes - off));
-}
-
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, int PF = 0>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                   float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
-                  long stride_se, float alpha, float limit, const uint8_t* __restrict__ pf_q,
-                  long pf_qe, const uint8_t* __restrict__ pf_s, long pf_se) {
+                  long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = !SWIGLU;  // fp32 x: hi + lo
   constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
   constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
@@ -205,16 +179,11 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                                                          (long)(row0 + la) * stride_q) + t + 4 * first;
   const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
                                                          (long)(row0 + lb) * stride_q) + t + 4 * first;
-  if (PF && threadIdx.x == 0) {  // this program's share of the pair's next weights into L2
-    prefetch_part(pf_q + e * pf_qe, pf_qe, blockIdx.y, gridDim.y);
-    prefetch_part(pf_s + e * pf_se, pf_se, blockIdx.y, gridDim.y);
-  }
-  const uint64_t pol = PF == 2 ? evict_first() : 0;
   uint32_t wa[U], wb[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
-    wa[u] = ldw<PF == 2>(qa + 4 * u, pol);
-    wb[u] = ldw<PF == 2>(qb + 4 * u, pol);
+    wa[u] = __ldg(qa + 4 * u);
+    wb[u] = __ldg(qb + 4 * u);
   }
   const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
@@ -236,8 +205,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     if (b0 + U < per) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        wa[u] = ldw<PF == 2>(qa + 4 * (b0 + U + u), pol);
-        wb[u] = ldw<PF == 2>(qb + 4 * (b0 + U + u), pol);
+        wa[u] = __ldg(qa + 4 * (b0 + U + u));
+        wb[u] = __ldg(qb + 4 * (b0 + U + u));
       }
     }
   }
@@ -262,19 +231,18 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, int PF = 0>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
            const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
-           cudaStream_t stream, const uint8_t* pf_q = nullptr, long pf_qe = 0,
-           const uint8_t* pf_s = nullptr, long pf_se = 0) {
+           cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
   if (N % ROWS || K % (32 * U * KSPLIT) || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
-  pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, PF><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
+  pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
-      out, N, K, stride_qe, stride_q, stride_se, alpha, limit, pf_q, pf_qe, pf_s, pf_se);
+      out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
 }
 
@@ -379,8 +347,7 @@ template <bool SWIGLU, int C, int S, int W, typename XT>
 int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
                   const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
                   long stride_qe, int stride_q, long stride_se, float alpha, float limit,
-                  cudaStream_t stream, const uint8_t* = nullptr, long = 0,
-                  const uint8_t* = nullptr, long = 0) {
+                  cudaStream_t stream) {
   if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
   auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT>;
@@ -395,34 +362,81 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
   return (int)cudaGetLastError();
 }
 
+// x of a group's `count` columns (pairs cols[0..count), rows cols[j] / x_div of x) staged in
+// shared memory for the grouped kernels by a program of W warps, column j at xs[j * (K/8 + 1)]
+// (padded against bank conflicts): fp32 x as fp16 hi + lo; bf16 x by warp j (no block barrier,
+// no shared atomics) times the power of two cpre[j] that puts its largest magnitude just under
+// 2**15, as stage_x does.
+template <bool SPLIT, int W, typename XT>
+__device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
+                                            const int* __restrict__ cols, int count, int K,
+                                            uint4* xs, uint4* xl, float* cpre) {
+  const int KW = K / 8, KP = KW + 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (SPLIT) {
+    for (int i = threadIdx.x; i < count * KW; i += W * 32) {
+      const int j = i / KW, w = i % KW;
+      const float4* xr = reinterpret_cast<const float4*>(x + (long)(cols[j] / x_div) * K) + 2 * w;
+      const float4 a = __ldg(xr), c = __ldg(xr + 1);
+      const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+      __half h[8], l[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        h[k] = __float2half_rn(v[k]);
+        l[k] = __float2half_rn(v[k] - __half2float(h[k]));
+      }
+      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
+                                  pack(h[3], h[7]));
+      xl[j * KP + w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
+                                  pack(l[3], l[7]));
+    }
+  } else {
+    for (int j = warp; j < count; j += W) {
+      const uint4* xw = reinterpret_cast<const uint4*>(x + (long)(cols[j] / x_div) * K);
+      uint32_t m = 0u;  // bf16 magnitudes compare as integers
+      for (int w = lane; w < KW; w += 32) {
+        const uint4 raw = __ldg(xw + w);
+        const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
+      }
+      const float pre = stage_scale(__uint_as_float(__reduce_max_sync(0xffffffffu, m) << 16));
+      if (lane == 0) cpre[j] = pre;
+      for (int w = lane; w < KW; w += 32) {  // again, from L1
+        const uint4 raw = __ldg(xw + w);
+        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+        __half h[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
+        xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
+                                    pack(h[3], h[7]));
+      }
+    }
+  }
+}
+
 // Grouped by expert, for steps of more tokens than the pair kernels take: the pairs sorted by
-// expert on the device (`sorted_ids`, `order` the pairs' positions), a program starts a group at
-// sorted position blockIdx.x when that is the first of its expert's run or 8, 16, ... after it
-// (the others return at once) and takes up to 8 pairs of the expert, one a column of B, so the
-// expert's rows are read and decoded once for all of them. TILES 16-row tiles a program
-// amortize staging 8 columns of x. bf16 x is staged times a power of two a column (its largest
-// magnitude just under 2**15, as stage_x does), fp32 x as fp16 hi + lo.
+// expert on the device (`sorted_ids`, `order` the pairs' positions) and cut into groups of up to
+// 8 pairs of one expert (`groups[g]` = start | count << 16, sorted positions start..; -1 past
+// the last, whose programs return), one a column of B, so the expert's rows are read and decoded
+// once for all of them. A program takes a group's ROWS rows; TILES 16-row tiles a program
+// amortize staging its columns of x.
 template <bool SWIGLU, int U, int TILES, typename XT>
 __global__ void __launch_bounds__(TILES * 32)
-    group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ sorted_ids,
-                   const int* __restrict__ order, int P, const uint8_t* __restrict__ q,
-                   const uint8_t* __restrict__ s, const __nv_bfloat16* __restrict__ bias,
-                   const float* __restrict__ wts, float* __restrict__ out, int N, int K,
-                   long stride_qe, int stride_q, long stride_se, float alpha, float limit) {
+    group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
+                   const int* __restrict__ sorted_ids, const int* __restrict__ order,
+                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                   float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                   long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = !SWIGLU;
   constexpr int ROWS = 16 * TILES, THREADS = TILES * 32;
   extern __shared__ uint4 smem[];
-  __shared__ unsigned cmax[8];  // a column's largest magnitude (fp32 bits)
-  const int start = blockIdx.x;
+  __shared__ float cpre[8];
+  const int gi = groups[blockIdx.x];
+  if (gi < 0) return;
+  const int start = gi & 0xFFFF, count = gi >> 16;
   const int e = sorted_ids[start];
-  if (start > 0 && sorted_ids[start - 1] == e) {
-    int r = start;
-    while (r > 0 && sorted_ids[r - 1] == e) --r;
-    if ((start - r) % 8) return;
-  }
-  int count = 1;
-  while (count < 8 && start + count < P && sorted_ids[start + count] == e) ++count;
-  const int nblk = K / 32, KW = K / 8, KP = KW + 1;  // a column's stride, padded (bank conflicts)
+  const int nblk = K / 32, KP = K / 8 + 1;
   uint4* xs = smem;                                 // [8][KP] fp16 pairs (hi)
   uint4* xl = smem + 8 * KP;                        // [8][KP] (lo), SPLIT only
   uint8_t* ss = (uint8_t*)(smem + (SPLIT ? 2 : 1) * 8 * KP);  // [ROWS][nblk] scales
@@ -445,53 +459,9 @@ __global__ void __launch_bounds__(TILES * 32)
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += THREADS) {
     reinterpret_cast<uint4*>(ss)[i] = sg[i];
   }
-  if (threadIdx.x < 8) cmax[threadIdx.x] = 0u;
   // Only the group's count columns are staged: the others hold whatever shared memory held,
   // which reaches only MMA columns that are never stored (a column of D is its column of B's).
-  if (SPLIT) {  // fp32 x: hi + lo, no scaling
-    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
-      const int j = i / KW, w = i % KW;
-      const XT* xr = x + (long)(order[start + j] / x_div) * K + 8 * w;
-      __half h[8], l[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const float v = to_f(xr[c]);
-        h[c] = __float2half_rn(v);
-        l[c] = __float2half_rn(v - __half2float(h[c]));
-      }
-      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
-                                  pack(h[3], h[7]));
-      xl[j * KP + w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
-                                  pack(l[3], l[7]));
-    }
-  } else {  // bf16 x: copied into xs as it is, each column's largest magnitude taken on the
-            // way, then each thread turns its own words into fp16 pairs times the column's
-            // power of two
-    __syncthreads();
-    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
-      const int j = i / KW, w = i % KW;
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
-          x + (long)(order[start + j] / x_div) * K + 8 * w));
-      const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t m = 0u;  // bf16 magnitudes compare as integers
-#pragma unroll
-      for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
-      atomicMax(&cmax[j], m << 16);
-      xs[j * KP + w] = raw;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < count * KW; i += THREADS) {
-      const int j = i / KW, w = i % KW;
-      const float pre = stage_scale(__uint_as_float(cmax[j]));
-      const uint4 raw = xs[j * KP + w];
-      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
-      __half h[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
-      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
-                                  pack(h[3], h[7]));
-    }
-  }
+  stage_group<SPLIT, TILES>(x, x_div, order + start, count, K, xs, xl, cpre);
   __syncthreads();
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (columns 2t, 2t + 1), g + 8, g + 8
   for (int b0 = 0; b0 < nblk; b0 += U) {
@@ -520,19 +490,109 @@ __global__ void __launch_bounds__(TILES * 32)
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * t + i;
     if (c < count) {
-      store<SWIGLU>(acc[i], acc[2 + i], SPLIT ? 1.f : stage_scale(__uint_as_float(cmax[c])),
-                    row0 + la, row0 + lb, order[start + c], e, bias, wts, out, N, alpha, limit);
+      store<SWIGLU>(acc[i], acc[2 + i], SPLIT ? 1.f : cpre[c], row0 + la, row0 + lb,
+                    order[start + c], e, bias, wts, out, N, alpha, limit);
     }
   }
 }
 
-// The grouped kernels' order: the P pairs' expert ids sorted, stably (ties keep their pair
-// order), and order[r] the pair at sorted position r. One program; a pair's rank counts the pairs
-// before it, O(P**2) for the few hundred pairs of a step that groups (one launch where
-// torch.sort takes several).
+// The grouped kernel with pair_gemv_stream's weight path (a warp's 16 rows through its own
+// cp.async ring, C scale blocks a stage, S stages, handed out by ldmatrix), W warps a program
+// sharing the group's staged x: down above 16 tokens, where it keeps more bytes in flight than
+// group_gemv_mma's register loads.
+template <bool SWIGLU, int C, int S, int W, typename XT>
+__global__ void __launch_bounds__(W * 32)
+    group_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
+                      const int* __restrict__ sorted_ids, const int* __restrict__ order,
+                      const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                      const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                      float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                      long stride_se, float alpha, float limit) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int RU = C + 1, STAGE = 16 * RU * 16;
+  extern __shared__ uint4 smem[];
+  __shared__ float cpre[8];
+  const int gi = groups[blockIdx.x];
+  if (gi < 0) return;
+  const int start = gi & 0xFFFF, count = gi >> 16;
+  const int e = sorted_ids[start];
+  const int nblk = K / 32, nst = nblk / C, KP = K / 8 + 1;
+  uint4* xs = smem;
+  uint4* xl = smem + 8 * KP;
+  uint8_t* base = (uint8_t*)(smem + (SPLIT ? 2 : 1) * 8 * KP);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  uint8_t* ring = base + warp * (S * STAGE + 16 * nblk);  // this warp's stages, then its scales
+  uint8_t* ss = ring + S * STAGE;
+  const int row0 = (blockIdx.y * W + warp) * 16;
+  const uint8_t* src = q + (long)e * stride_qe + (long)row0 * stride_q;
+  auto issue = [&](int st) {  // as pair_gemv_stream's
+    uint8_t* dst = ring + (st % S) * STAGE;
+#pragma unroll
+    for (int i = lane; i < 16 * C; i += 32) {
+      const int r = i / C, u = i % C;
+      const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;
+      cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
+    }
+  };
+  const uint8_t* sg = s + (long)e * stride_se + (long)row0 * nblk;
+  for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < nst) issue(st);
+    cp_commit();
+  }
+  stage_group<SPLIT, W>(x, x_div, order + start, count, K, xs, xl, cpre);
+  __syncthreads();
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
+  const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int st = 0; st < nst; ++st) {
+    cp_wait<S - 2>();
+    __syncwarp();
+    if (st + S - 1 < nst) issue(st + S - 1);
+    cp_commit();
+    const uint8_t* w = ring + (st % S) * STAGE + (lrow * RU + lblk) * 16;
+#pragma unroll
+    for (int j = 0; j < C / 2; ++j) {
+      uint32_t r[4];
+      ldsm4(r, w + 32 * j);
+      const int b = st * C + 2 * j;
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+      block_mma<SPLIT>(d0, r[0], r[1], xs[g * KP + 4 * b + t],
+                       SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
+      block_mma<SPLIT>(d1, r[2], r[3], xs[g * KP + 4 * b + 4 + t],
+                       SPLIT ? xl[g * KP + 4 * b + 4 + t] : uint4{});
+      const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
+      const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
+      const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
+      const float sb1 = __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23);
+      acc[0] = fmaf(d0[0], sa0, fmaf(d1[0], sa1, acc[0]));
+      acc[1] = fmaf(d0[1], sa0, fmaf(d1[1], sa1, acc[1]));
+      acc[2] = fmaf(d0[2], sb0, fmaf(d1[2], sb1, acc[2]));
+      acc[3] = fmaf(d0[3], sb0, fmaf(d1[3], sb1, acc[3]));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = 2 * t + i;
+    if (c < count) {
+      store<SWIGLU>(acc[i], acc[2 + i], SPLIT ? 1.f : cpre[c], row0 + ca, row0 + cb,
+                    order[start + c], e, bias, wts, out, N, alpha, limit);
+    }
+  }
+}
+
+// The grouped kernels' order and groups: the P pairs' expert ids sorted, stably (ties keep their
+// pair order), order[r] the pair at sorted position r, and groups[g] = start | count << 16 for
+// the g-th run of up to 8 pairs of one expert (-1 for g in [groups, G)). One program of 256
+// threads; a pair's rank counts the pairs before it, O(P**2) for the few hundred pairs of a step
+// that groups (one launch where torch.sort takes several).
 __global__ void sort_pairs(const int* __restrict__ ids, int P, int* __restrict__ sorted_ids,
-                           int* __restrict__ order) {
-  extern __shared__ int sid[];  // [P]
+                           int* __restrict__ order, int* __restrict__ groups, int G) {
+  extern __shared__ int sid[];  // [P] ids, then [P] sorted
+  int* srt = sid + P;
+  __shared__ int wsum[8], base;
   for (int i = threadIdx.x; i < P; i += blockDim.x) sid[i] = ids[i];
   __syncthreads();
   for (int i = threadIdx.x; i < P; i += blockDim.x) {
@@ -541,14 +601,46 @@ __global__ void sort_pairs(const int* __restrict__ ids, int P, int* __restrict__
     for (int j = 0; j < P; ++j) rank += sid[j] < v || (sid[j] == v && j < i);
     sorted_ids[rank] = v;
     order[rank] = i;
+    srt[rank] = v;
   }
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int c0 = 0; c0 < P; c0 += blockDim.x) {  // groups start 0, 8, 16, .. into each run
+    const int r = c0 + threadIdx.x;
+    bool first = false;
+    if (r < P) {
+      int lo = 0, hi = r;  // the run's first position
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (srt[mid] < srt[r]) lo = mid + 1; else hi = mid;
+      }
+      first = (r - lo) % 8 == 0;
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, first);
+    if (lane == 0) wsum[warp] = __popc(mask);
+    __syncthreads();
+    int g = base + __popc(mask & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) g += wsum[w];
+    if (first && g < G) {
+      int count = 1;
+      while (count < 8 && r + count < P && srt[r + count] == srt[r]) ++count;
+      groups[g] = r | (count << 16);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 0; w < 8; ++w) base += wsum[w];
+    }
+    __syncthreads();
+  }
+  for (int g = base + threadIdx.x; g < G; g += blockDim.x) groups[g] = -1;
 }
 
 template <bool SWIGLU, int U, int TILES, typename XT>
-int launch_grouped(const void* x, int x_div, const int* sorted_ids, const int* order, int pairs,
-                   const uint8_t* q, const uint8_t* s, const void* bias, const float* wts,
-                   float* out, int N, int K, long stride_qe, int stride_q, long stride_se,
-                   float alpha, float limit, cudaStream_t stream) {
+int launch_grouped(const void* x, int x_div, const int* groups, int G, const int* sorted_ids,
+                   const int* order, const uint8_t* q, const uint8_t* s, const void* bias,
+                   const float* wts, float* out, int N, int K, long stride_qe, int stride_q,
+                   long stride_se, float alpha, float limit, cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
   if (N % ROWS || K % (32 * U) || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 + ROWS * (K / 32);
@@ -556,8 +648,28 @@ int launch_grouped(const void* x, int x_div, const int* sorted_ids, const int* o
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
-  kernel<<<dim3(pairs, N / ROWS), TILES * 32, smem, stream>>>(
-      static_cast<const XT*>(x), x_div, sorted_ids, order, pairs, q, s,
+  kernel<<<dim3(G, N / ROWS), TILES * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, groups, sorted_ids, order, q, s,
+      static_cast<const __nv_bfloat16*>(bias), wts, out, N, K, stride_qe, stride_q, stride_se,
+      alpha, limit);
+  return (int)cudaGetLastError();
+}
+
+template <bool SWIGLU, int C, int S, int W, typename XT>
+int launch_grouped_stream(const void* x, int x_div, const int* groups, int G,
+                          const int* sorted_ids, const int* order, const uint8_t* q,
+                          const uint8_t* s, const void* bias, const float* wts, float* out,
+                          int N, int K, long stride_qe, int stride_q, long stride_se,
+                          float alpha, float limit, cudaStream_t stream) {
+  if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
+  const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 +
+                   W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
+  auto kernel = group_gemv_stream<SWIGLU, C, S, W, XT>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
+  kernel<<<dim3(G, N / (16 * W)), W * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, groups, sorted_ids, order, q, s,
       static_cast<const __nv_bfloat16*>(bias), wts, out, N, K, stride_qe, stride_q, stride_se,
       alpha, limit);
   return (int)cudaGetLastError();
@@ -573,9 +685,11 @@ int launch_grouped(const void* x, int x_div, const int* sorted_ids, const int* o
 #define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
 #define TINYOSS_DOWN false, 15, 1, 4, float
 #define TINYOSS_DOWN_FEW false, 9, 2, 2, float
-// grouped by expert: 192 gate_up and 320 down rows a program (sweep_pair.py --grouped)
+// grouped by expert: 192 gate_up and 320 down rows a program, down streamed (192 rows a program)
+// above 64 pairs (sweep_pair.py --grouped)
 #define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
 #define TINYOSS_DOWN_GROUPED false, 9, 20, float
+#define TINYOSS_DOWN_GROUPED_STREAM false, 10, 2, 12, float
 
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -586,7 +700,7 @@ extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int
              : pairs > 4 ? launch<TINYOSS_GATE_UP_FEW>
                          : launch<TINYOSS_GATE_UP>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
-             alpha, limit, static_cast<cudaStream_t>(stream), nullptr, 0, nullptr, 0);
+             alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pairs,
@@ -596,25 +710,28 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 void* stream) {
   auto run = pairs > 8 ? launch<TINYOSS_DOWN> : launch<TINYOSS_DOWN_FEW>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
-             alpha, limit, static_cast<cudaStream_t>(stream), nullptr, 0, nullptr, 0);
+             alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
-extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* sorted_ids,
-                                   const int* order, int pairs, const uint8_t* q,
-                                   const uint8_t* s, const void* bias, const float* wts,
-                                   float* out, int N, int K, long stride_qe, int stride_q,
-                                   long stride_se, float alpha, float limit, void* stream) {
-  auto run = swiglu ? launch_grouped<TINYOSS_GATE_UP_GROUPED>
-                    : launch_grouped<TINYOSS_DOWN_GROUPED>;
-  return run(x, x_div, sorted_ids, order, pairs, q, s, bias, wts, out, N, K, stride_qe,
+extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
+                                   int G, const int* sorted_ids, const int* order, int pairs,
+                                   const uint8_t* q, const uint8_t* s, const void* bias,
+                                   const float* wts, float* out, int N, int K, long stride_qe,
+                                   int stride_q, long stride_se, float alpha, float limit,
+                                   void* stream) {
+  auto run = swiglu       ? launch_grouped<TINYOSS_GATE_UP_GROUPED>
+             : pairs > 64 ? launch_grouped_stream<TINYOSS_DOWN_GROUPED_STREAM>
+                          : launch_grouped<TINYOSS_DOWN_GROUPED>;
+  return run(x, x_div, groups, G, sorted_ids, order, q, s, bias, wts, out, N, K, stride_qe,
              stride_q, stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
+// groups: room for G groups (at least P / 8 + the experts the ids name, at most P)
 extern "C" int tinyoss_sort_pairs(const int* ids, int pairs, int* sorted_ids, int* order,
-                                  void* stream) {
-  if (pairs < 1 || pairs > 8192) return (int)cudaErrorInvalidValue;  // P ints of shared memory
-  sort_pairs<<<1, 256, pairs * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
-      ids, pairs, sorted_ids, order);
+                                  int* groups, int G, void* stream) {
+  if (pairs < 1 || pairs > 4096 || G < 1) return (int)cudaErrorInvalidValue;  // 2P ints of smem
+  sort_pairs<<<1, 256, 2 * pairs * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+      ids, pairs, sorted_ids, order, groups, G);
   return (int)cudaGetLastError();
 }
 
@@ -628,6 +745,7 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
                            (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,
+                           (const void*)group_gemv_stream<TINYOSS_DOWN_GROUPED_STREAM>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

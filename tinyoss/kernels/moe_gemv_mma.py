@@ -7,11 +7,13 @@ codes into an fp16 pair with four integer operations and leave the products to `
 about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
 (2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
 pairs gate_up streams its rows through shared memory (bench/results/2026-11-25_h100_mma_tiles.md).
-Above GEMV_MAX_TOKENS the pairs are sorted by expert and a program takes up to 8 pairs of one
-expert, one a column of the MMA, reading the expert's rows once for them: faster than the
-grouped GEMMs (which dequantize to bf16) up to GROUPED_MAX_TOKENS, and exact where those round
-to bf16 (bench/results/2026-11-25_h100_grouped_mma.md). Products agree with the fp32
-Gluon kernel's to ~3e-7.
+Above GEMV_MAX_TOKENS the pairs are sorted by expert and cut into groups of up to 8 pairs of one
+expert (one launch, `sort_pairs`); a program takes a group, one pair a column of the MMA,
+reading the expert's rows once for them: faster than the grouped GEMMs (which dequantize to
+bf16) up to GROUPED_MAX_TOKENS, and exact where those round to bf16. Above 16 tokens down
+streams its rows through shared memory like the pair gate_up (more bytes in flight than
+register loads; bench/results/2026-11-25_h100_grouped_mma.md and _grouped_stream.md). Products
+agree with the fp32 Gluon kernel's to ~3e-7.
 
 It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
 a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
@@ -31,6 +33,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,14 +45,25 @@ log = logging.getLogger("tinyoss")
 GATE_UP_MIN_TOKENS = 1
 DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
 GROUPED_MAX_TOKENS = 64  # measured faster than the grouped GEMMs up to here
-GROUPED_ROWS = (192, 320)  # rows a program of the grouped gate_up and down: N a multiple
+GROUPED_ROWS = (192, 320, 192)  # rows a program: grouped gate_up, down, streamed down
 SOURCE = Path(__file__).with_suffix(".cu")
 _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
          ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_float,
          ctypes.c_float, ctypes.c_void_p]
-_GROUPED_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                 *_ARGS[3:]]
+_GROUPED_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                 ctypes.c_void_p, ctypes.c_void_p, *_ARGS[3:]]
+
+
+class SortedPairs(NamedTuple):
+    """The pairs sorted by expert for the grouped kernels (int32 all): `sorted_ids` their expert
+    ids in order, `order` the pair at each sorted position, `groups[g]` = start | count << 16
+    for the g-th run of up to 8 pairs of one expert from sorted position start (-1 past the last
+    group)."""
+
+    sorted_ids: torch.Tensor
+    order: torch.Tensor
+    groups: torch.Tensor
 
 
 class MmaGemv:
@@ -63,7 +77,7 @@ class MmaGemv:
         self.grouped_fn.argtypes, self.grouped_fn.restype = _GROUPED_ARGS, ctypes.c_int
         self.sort_fn = lib.tinyoss_sort_pairs
         self.sort_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p]
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         self.sort_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
@@ -94,35 +108,40 @@ class MmaGemv:
         """`supports`, rows in GROUPED_ROWS, and x's rows 16-byte aligned (read 8 values a load)."""
         return (MmaGemv.supports(x, w) and x.data_ptr() % 16 == 0
                 and w.gate_up_blocks.shape[1] % GROUPED_ROWS[0] == 0
-                and w.down_blocks.shape[1] % GROUPED_ROWS[1] == 0)
+                and w.down_blocks.shape[1] % GROUPED_ROWS[1] == 0
+                and w.down_blocks.shape[1] % GROUPED_ROWS[2] == 0)
 
-    def sort_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted ids, order) of int32 expert ids [pairs], as a stable `torch.sort` gives
-        them (int32 both), in one launch."""
-        if ids.dtype != torch.int32 or not ids.is_contiguous() or not 0 < ids.numel() <= 8192:
-            raise ValueError(f"1 to 8192 contiguous int32 ids expected, got {ids.dtype} "
+    def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
+        """int32 expert ids [pairs] (each below `experts`) sorted as a stable `torch.sort` sorts
+        them, with their groups, in one launch."""
+        if ids.dtype != torch.int32 or not ids.is_contiguous() or not 0 < ids.numel() <= 4096:
+            raise ValueError(f"1 to 4096 contiguous int32 ids expected, got {ids.dtype} "
                              f"{tuple(ids.shape)}")
+        pairs = ids.numel()
+        # an expert's n pairs make ceil(n / 8) <= n // 8 + 1 groups
+        groups = torch.empty(min(pairs, pairs // 8 + experts), dtype=torch.int32,
+                             device=ids.device)
         sorted_ids, order = torch.empty_like(ids), torch.empty_like(ids)
-        err = self.sort_fn(ids.data_ptr(), ids.numel(), sorted_ids.data_ptr(), order.data_ptr(),
+        err = self.sort_fn(ids.data_ptr(), pairs, sorted_ids.data_ptr(), order.data_ptr(),
+                           groups.data_ptr(), groups.numel(),
                            torch.cuda.current_stream(ids.device).cuda_stream)
         if err:
             raise RuntimeError(f"sorting the MoE pairs failed to launch: {self.error(err)}")
-        return sorted_ids, order
+        return SortedPairs(sorted_ids, order, groups)
 
-    def grouped(self, x: torch.Tensor, x_div: int, sorted_ids: torch.Tensor,
-                order: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, alpha: float,
-                limit: float, swiglu: bool) -> None:
-        """The pairs sorted by expert (`sorted_ids`, int32, and `order`, their int32 positions):
-        gate_up (`swiglu`: out [pairs, N/2] = SwiGLU(W_e x[pair // x_div] + b_e)) or down (out
-        [pairs, N] = wts[pair] * (W_e x[pair] + b_e)), e the pair's expert."""
-        if sorted_ids.dtype != torch.int32 or order.dtype != torch.int32:
-            raise ValueError(f"sorted ids and order must be int32, got {sorted_ids.dtype}, "
-                             f"{order.dtype}")
+    def grouped(self, x: torch.Tensor, x_div: int, pairs: SortedPairs, blocks: torch.Tensor,
+                scales: torch.Tensor, bias: torch.Tensor, wts: torch.Tensor, out: torch.Tensor,
+                alpha: float, limit: float, swiglu: bool) -> None:
+        """The pairs sorted by expert (`sort_pairs`): gate_up (`swiglu`: out [pairs, N/2] =
+        SwiGLU(W_e x[pair // x_div] + b_e)) or down (out [pairs, N] = wts[pair] * (W_e x[pair] +
+        b_e)), e the pair's expert."""
+        if any(t.dtype != torch.int32 for t in pairs):
+            raise ValueError(f"sorted pairs must be int32, got {[t.dtype for t in pairs]}")
         if x.data_ptr() % 16:
             raise ValueError("x must start 16-byte aligned")
-        self._launch(functools.partial(self.grouped_fn, int(swiglu)), x, x_div, sorted_ids,
-                     blocks, scales, bias, wts, out, alpha, limit, order)
+        lead = (pairs.groups.data_ptr(), pairs.groups.numel(), pairs.sorted_ids.data_ptr())
+        self._launch(functools.partial(self.grouped_fn, int(swiglu)), x, x_div, pairs.order,
+                     blocks, scales, bias, wts, out, alpha, limit, lead)
 
     def gate_up(self, x: torch.Tensor, x_div: int, ids: torch.Tensor, blocks: torch.Tensor,
                 scales: torch.Tensor, bias: torch.Tensor, wts: torch.Tensor, act: torch.Tensor,
@@ -138,21 +157,22 @@ class MmaGemv:
         self._launch(self.down_fn, act, 1, ids, blocks, scales, bias, wts, y, alpha, limit)
 
     def _launch(self, fn, x, x_div, ids, blocks, scales, bias, wts, out, alpha, limit,
-                order: torch.Tensor | None = None) -> None:
+                lead: tuple = ()) -> None:
+        """fn(x, x_div, *lead, ids, pairs, ...) on the current stream: `ids` the pairs' expert
+        ids, or for the grouped kernel their sorted order (`lead` its groups and sorted ids)."""
         if ids.dtype != torch.int32 or bias.dtype != torch.bfloat16 or wts.dtype != torch.float32:
             raise ValueError(f"ids int32, bias bfloat16 and weights float32 expected, got "
                              f"{ids.dtype}, {bias.dtype}, {wts.dtype}")
         for name, t in (("x", x), ("ids", ids), ("blocks", blocks), ("scales", scales),
-                        ("bias", bias), ("weights", wts), ("out", out), ("order", order)):
-            if t is not None and not t.is_contiguous():
+                        ("bias", bias), ("weights", wts), ("out", out)):
+            if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         pairs, n, k = ids.numel(), blocks.shape[1], blocks.shape[2] * 32
         if pairs == 0:
             return
-        ptrs = (ids.data_ptr(),) if order is None else (ids.data_ptr(), order.data_ptr())
-        err = fn(x.data_ptr(), x_div, *ptrs, pairs, blocks.data_ptr(), scales.data_ptr(),
-                 bias.data_ptr(), wts.data_ptr(), out.data_ptr(), n, k, blocks.stride(0),
-                 blocks.stride(1), scales.stride(0), alpha, limit,
+        err = fn(x.data_ptr(), x_div, *lead, ids.data_ptr(), pairs, blocks.data_ptr(),
+                 scales.data_ptr(), bias.data_ptr(), wts.data_ptr(), out.data_ptr(), n, k,
+                 blocks.stride(0), blocks.stride(1), scales.stride(0), alpha, limit,
                  torch.cuda.current_stream(x.device).cuda_stream)
         if err:
             raise RuntimeError(f"the tensor-core MoE GEMV failed to launch: {self.error(err)} "

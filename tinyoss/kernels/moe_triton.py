@@ -665,12 +665,12 @@ def _grouped_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     pairs = t * k
     y = _empty((pairs, h), torch.float32, x.device)
     act = _empty((pairs, i), torch.float32, x.device)
-    sorted_ids, order = mma.sort_pairs(topk_ids.reshape(-1).to(torch.int32).contiguous())
+    by_expert = mma.sort_pairs(topk_ids.reshape(-1).to(torch.int32).contiguous(), e)
     wts = topk_weights.contiguous().view(-1)
-    mma.grouped(x.contiguous(), k, sorted_ids, order, w.gate_up_blocks, w.gate_up_scales,
+    mma.grouped(x.contiguous(), k, by_expert, w.gate_up_blocks, w.gate_up_scales,
                 w.gate_up_bias, wts, act, w.alpha, w.limit, swiglu=True)
-    mma.grouped(act, 1, sorted_ids, order, w.down_blocks, w.down_scales, w.down_bias, wts, y,
-                w.alpha, w.limit, swiglu=False)
+    mma.grouped(act, 1, by_expert, w.down_blocks, w.down_scales, w.down_bias, wts, y, w.alpha,
+                w.limit, swiglu=False)
     return y
 
 

@@ -86,21 +86,20 @@ def main() -> None:
         row.append(f"grouped mma (product) {us:6.1f} us (err {err:.0e})")
         if args.parts and t > mt.GEMV_MAX_TOKENS:  # the grouped kernels one at a time
             for c in sets:
-                c["sid"], order = torch.sort(c["ids32"], stable=True)
-                c["order"] = order.to(torch.int32)
+                c["by_expert"] = mma.sort_pairs(c["ids32"], 32)
 
             def part(c, which):
-                w, sid, order = c["w"], c["sid"], c["order"]
+                w, by_expert = c["w"], c["by_expert"]
                 if which == "product gate_up":
-                    mma.grouped(c["x"], 4, sid, order, w.gate_up_blocks, w.gate_up_scales,
+                    mma.grouped(c["x"], 4, by_expert, w.gate_up_blocks, w.gate_up_scales,
                                 w.gate_up_bias, c["flat_wts"], c["act"], w.alpha, w.limit, True)
                 elif which == "product down":
-                    mma.grouped(c["act"], 1, sid, order, w.down_blocks, w.down_scales,
+                    mma.grouped(c["act"], 1, by_expert, w.down_blocks, w.down_scales,
                                 w.down_bias, c["flat_wts"], c["y"], w.alpha, w.limit, False)
                 elif which == "torch.sort":
                     torch.sort(c["ids32"], stable=True)[1].to(torch.int32)
                 else:
-                    mma.sort_pairs(c["ids32"])
+                    mma.sort_pairs(c["ids32"], 32)
 
             for which in ("product gate_up", "product down", "torch.sort", "sort_pairs"):
                 us = timed(each(lambda c, which=which: part(c, which)), [()]) / len(sets)

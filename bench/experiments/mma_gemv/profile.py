@@ -1,6 +1,6 @@
 """One eager call of each MoE path at gpt-oss-20b shapes, for Nsight Compute to read: the
 product's pair kernels and its kernels grouped by expert (with `sort_pairs`) at each token count,
-plus the grouped variants of pair_tiles.cu named by --variants (gate_up ones then down ones).
+plus the grouped variants of pair_tiles.cu named by --variants.
 
     ncu --clock-control none -k regex:'group|pair_gemv' --section SpeedOfLight \
         --section Occupancy --section WarpStateStats \
@@ -51,17 +51,18 @@ def main() -> None:
         mma.down(act, ids32, w.down_blocks, w.down_scales, w.down_bias, flat, y, w.alpha,
                  w.limit)
         mt._grouped_pairs(x, flat.view(t, 4), ids, w, mma)
-        sid, order = mma.sort_pairs(ids32)
+        sid, order, groups = mma.sort_pairs(ids32, 32)
         for v in filter(None, args.variants.split(",")):
             gate = "gate_up" in lib.tinyoss_grouped_variant_name(int(v)).decode()
             b, s, bias = ((w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias) if gate else
                           (w.down_blocks, w.down_scales, w.down_bias))
             src, div, out = (x, 4, act) if gate else (act, 1, y)
             err = lib.tinyoss_grouped_variant(
-                int(v), src.data_ptr(), div, sid.data_ptr(), order.data_ptr(), sid.numel(),
-                b.data_ptr(), s.data_ptr(), bias.data_ptr(), flat.data_ptr(), out.data_ptr(),
-                b.shape[1], b.shape[2] * 32, b.stride(0), b.stride(1), s.stride(0), w.alpha,
-                w.limit, torch.cuda.current_stream().cuda_stream)
+                int(v), src.data_ptr(), div, groups.data_ptr(), groups.numel(), sid.data_ptr(),
+                order.data_ptr(), sid.numel(), b.data_ptr(), s.data_ptr(), bias.data_ptr(),
+                flat.data_ptr(), out.data_ptr(), b.shape[1], b.shape[2] * 32, b.stride(0),
+                b.stride(1), s.stride(0), w.alpha, w.limit,
+                torch.cuda.current_stream().cuda_stream)
             assert err == 0, (v, err)
         torch.cuda.synchronize()
 

@@ -40,7 +40,7 @@ def build() -> ctypes.CDLL:
     lib.tinyoss_pair_variant.restype = ctypes.c_int
     lib.tinyoss_pair_variant_name.argtypes = [ctypes.c_int]
     lib.tinyoss_pair_variant_name.restype = ctypes.c_char_p
-    lib.tinyoss_grouped_variant.argtypes = [ctypes.c_int] + mm._GROUPED_ARGS[1:]
+    lib.tinyoss_grouped_variant.argtypes = [ctypes.c_int] + mm._GROUPED_ARGS[1:]  # as swiglu
     lib.tinyoss_grouped_variant.restype = ctypes.c_int
     lib.tinyoss_grouped_variant_name.argtypes = [ctypes.c_int]
     lib.tinyoss_grouped_variant_name.restype = ctypes.c_char_p
@@ -59,8 +59,8 @@ def sweep_grouped(lib: ctypes.CDLL, mma: mm.MmaGemv, tokens: list[int], only: st
     for t in tokens:
         sets = []
         for x, wts, ids, w in call_sets(t, ws):
-            sid, order = mma.sort_pairs(ids.reshape(-1).to(torch.int32))
-            sets.append(dict(x=x, w=w, sid=sid, order=order,
+            by_expert = mma.sort_pairs(ids.reshape(-1).to(torch.int32), 32)
+            sets.append(dict(x=x, w=w, by_expert=by_expert,
                              wts=wts.reshape(-1).float().contiguous(),
                              act=torch.empty(t * 4, i, device="cuda"),
                              y=torch.empty(t * 4, h, device="cuda")))
@@ -71,12 +71,13 @@ def sweep_grouped(lib: ctypes.CDLL, mma: mm.MmaGemv, tokens: list[int], only: st
                           (w.down_blocks, w.down_scales, w.down_bias))
             x, div, out = (c["x"], 4, c["act"]) if gate else (c["act"], 1, c["y"])
             if variant is None:
-                mma.grouped(x, div, c["sid"], c["order"], b, s, bias, c["wts"], out, w.alpha,
-                            w.limit, gate)
+                mma.grouped(x, div, c["by_expert"], b, s, bias, c["wts"], out, w.alpha, w.limit,
+                            gate)
                 return out
+            sid, order, groups = c["by_expert"]
             err = lib.tinyoss_grouped_variant(
-                variant, x.data_ptr(), div, c["sid"].data_ptr(), c["order"].data_ptr(),
-                c["sid"].numel(), b.data_ptr(), s.data_ptr(), bias.data_ptr(),
+                variant, x.data_ptr(), div, groups.data_ptr(), groups.numel(), sid.data_ptr(),
+                order.data_ptr(), sid.numel(), b.data_ptr(), s.data_ptr(), bias.data_ptr(),
                 c["wts"].data_ptr(), out.data_ptr(), b.shape[1], b.shape[2] * 32, b.stride(0),
                 b.stride(1), s.stride(0), w.alpha, w.limit,
                 torch.cuda.current_stream().cuda_stream)
