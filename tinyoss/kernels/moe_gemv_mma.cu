@@ -264,12 +264,66 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "r"((uint32_t)__cvta_generic_to_shared(p)));
 }
 
-// The streamed kernel, for gate_up at more than 8 pairs: a warp takes 16 rows of one pair over
-// the whole K and copies them into shared memory with cp.async, C scale blocks (C * 16 bytes a
-// row, contiguous, 16 bytes a copy) a stage, S stages in flight, rows laid out in MMA row order
-// with C + 1 units a row (odd: ldmatrix reads 8 rows without bank conflicts); ldmatrix hands
-// each thread the words block_mma takes. The tile's scales come with the first stage. W warps
-// a program share x.
+// The streamed kernels' weight path: a warp takes 16 rows over the whole K and copies them into
+// its shared-memory ring with cp.async, C scale blocks (C * 16 bytes a row, contiguous, 16 bytes
+// a copy) a stage, S stages in flight, rows laid out in MMA row order with C + 1 units a row
+// (odd: ldmatrix reads 8 rows without bank conflicts); ldmatrix hands each thread the words
+// block_mma takes. issue_stage copies stage st of the rows at src into slot st % S.
+template <bool SWIGLU, int C, int S>
+__device__ __forceinline__ void issue_stage(uint8_t* ring, const uint8_t* __restrict__ src,
+                                            int stride_q, int st) {
+  constexpr int RU = C + 1;  // 16-byte units a row of a stage
+  uint8_t* dst = ring + (st % S) * 16 * RU * 16;
+#pragma unroll
+  for (int i = threadIdx.x & 31; i < 16 * C; i += 32) {
+    const int r = i / C, u = i % C;
+    const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;  // checkpoint row r -> MMA row m
+    cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
+  }
+}
+
+// The ring's nst stages against x's fp16 pairs (xs, and xl when SPLIT: a column's words in
+// block_mma's order), after the first S - 1 stages were issued: sums of the warp's rows (g, g + 8
+// in MMA order) times columns (2t, 2t + 1) into acc, each block times its rows' scales (ss, the
+// tile's [16][nblk] in checkpoint row order: ca, cb the rows g and g + 8 stand for).
+template <bool SWIGLU, int C, int S>
+__device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __restrict__ src,
+                                            int stride_q, int nst, const uint4* xs,
+                                            const uint4* xl, const uint8_t* ss, int nblk,
+                                            int ca, int cb, float (&acc)[4]) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int RU = C + 1;
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  // ldmatrix: lanes 0-7 MMA rows 0-7 of block b, 8-15 rows 8-15, 16-31 the same at b + 1
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
+  for (int st = 0; st < nst; ++st) {
+    cp_wait<S - 2>();
+    __syncwarp();  // stage st landed for every lane; every lane is done with stage st - 1's slot
+    if (st + S - 1 < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st + S - 1);
+    cp_commit();
+    const uint8_t* w = ring + (st % S) * 16 * RU * 16 + (lrow * RU + lblk) * 16;
+#pragma unroll
+    for (int j = 0; j < C / 2; ++j) {
+      uint32_t r[4];
+      ldsm4(r, w + 32 * j);
+      const int b = st * C + 2 * j;
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+      block_mma<SPLIT>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
+      block_mma<SPLIT>(d1, r[2], r[3], xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
+      const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
+      const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
+      const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
+      const float sb1 = __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23);
+      acc[0] = fmaf(d1[0], sa1, fmaf(d0[0], sa0, acc[0]));
+      acc[1] = fmaf(d1[1], sa1, fmaf(d0[1], sa0, acc[1]));
+      acc[2] = fmaf(d1[2], sb1, fmaf(d0[2], sb0, acc[2]));
+      acc[3] = fmaf(d1[3], sb1, fmaf(d0[3], sb0, acc[3]));
+    }
+  }
+}
+
+// The streamed pair kernel, for gate_up at more than 8 pairs: W warps a program share the
+// pair's x, each streams its 16 rows; the tile's scales come with the first stage.
 template <bool SWIGLU, int C, int S, int W, typename XT>
 __global__ void __launch_bounds__(W * 32)
     pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
@@ -279,8 +333,7 @@ __global__ void __launch_bounds__(W * 32)
                      long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = !SWIGLU;
   constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);
-  constexpr int RU = C + 1;             // 16-byte units a row of a stage
-  constexpr int STAGE = 16 * RU * 16;   // bytes a stage
+  constexpr int STAGE = 16 * (C + 1) * 16;  // bytes a stage
   extern __shared__ uint4 smem[];
   __shared__ float xmax[W];
   const int nblk = K / 32, nst = nblk / C;
@@ -295,50 +348,20 @@ __global__ void __launch_bounds__(W * 32)
   const long e = ids[pair];
   const int row0 = (blockIdx.y * W + warp) * 16;
   const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
-  auto issue = [&](int st) {  // stage st: rows' blocks st * C .. + C into slot st % S
-    uint8_t* dst = ring + (st % S) * STAGE;
-#pragma unroll
-    for (int i = lane; i < 16 * C; i += 32) {
-      const int r = i / C, u = i % C;
-      const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;  // checkpoint row r -> MMA row m
-      cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
-    }
-  };
   const uint8_t* sg = s + e * stride_se + (long)row0 * nblk;
   for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);  // 16 rows x nblk
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < nst) issue(st);
+    if (st < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st);
     cp_commit();
   }
   const float pre = stage_x<SPLIT, XWORDS, W>(x + (long)(pair / x_div) * K, K, xs, xl, xmax);
   __syncthreads();
-  // ldmatrix: lanes 0-7 MMA rows 0-7 of block b, 8-15 rows 8-15, 16-31 the same at b + 1
-  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
   const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;  // checkpoint rows
-  float acc_a = 0.f, acc_b = 0.f;
-  for (int st = 0; st < nst; ++st) {
-    cp_wait<S - 2>();
-    __syncwarp();  // stage st landed for every lane; every lane is done with stage st - 1's slot
-    if (st + S - 1 < nst) issue(st + S - 1);
-    cp_commit();
-    const uint8_t* w = ring + (st % S) * STAGE + (lrow * RU + lblk) * 16;
-#pragma unroll
-    for (int j = 0; j < C / 2; ++j) {
-      uint32_t r[4];
-      ldsm4(r, w + 32 * j);
-      const int b = st * C + 2 * j;
-      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      block_mma<SPLIT>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
-      block_mma<SPLIT>(d1, r[2], r[3], xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
-      acc_a = fmaf(d0[0], __uint_as_float((uint32_t)ss[ca * nblk + b] << 23), acc_a);
-      acc_b = fmaf(d0[2], __uint_as_float((uint32_t)ss[cb * nblk + b] << 23), acc_b);
-      acc_a = fmaf(d1[0], __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23), acc_a);
-      acc_b = fmaf(d1[2], __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23), acc_b);
-    }
-  }
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // every column holds the same x: columns 0 and 1 agree
+  stream_rows<SWIGLU, C, S>(ring, src, stride_q, nst, xs, xl, ss, nblk, ca, cb, acc);
   if (t == 0) {
-    store<SWIGLU>(acc_a, acc_b, pre, row0 + ca, row0 + cb, pair, e, bias, wts, out, N, alpha,
+    store<SWIGLU>(acc[0], acc[2], pre, row0 + ca, row0 + cb, pair, e, bias, wts, out, N, alpha,
                   limit);
   }
 }
@@ -496,8 +519,7 @@ __global__ void __launch_bounds__(TILES * 32)
   }
 }
 
-// The grouped kernel with pair_gemv_stream's weight path (a warp's 16 rows through its own
-// cp.async ring, C scale blocks a stage, S stages, handed out by ldmatrix), W warps a program
+// The grouped kernel with the streamed weight path (issue_stage, stream_rows), W warps a program
 // sharing the group's staged x: down above 16 tokens, where it keeps more bytes in flight than
 // group_gemv_mma's register loads.
 template <bool SWIGLU, int C, int S, int W, typename XT>
@@ -509,7 +531,7 @@ __global__ void __launch_bounds__(W * 32)
                       float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                       long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = !SWIGLU;
-  constexpr int RU = C + 1, STAGE = 16 * RU * 16;
+  constexpr int STAGE = 16 * (C + 1) * 16;
   extern __shared__ uint4 smem[];
   __shared__ float cpre[8];
   const int gi = groups[blockIdx.x];
@@ -526,53 +548,19 @@ __global__ void __launch_bounds__(W * 32)
   uint8_t* ss = ring + S * STAGE;
   const int row0 = (blockIdx.y * W + warp) * 16;
   const uint8_t* src = q + (long)e * stride_qe + (long)row0 * stride_q;
-  auto issue = [&](int st) {  // as pair_gemv_stream's
-    uint8_t* dst = ring + (st % S) * STAGE;
-#pragma unroll
-    for (int i = lane; i < 16 * C; i += 32) {
-      const int r = i / C, u = i % C;
-      const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;
-      cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
-    }
-  };
   const uint8_t* sg = s + (long)e * stride_se + (long)row0 * nblk;
   for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < nst) issue(st);
+    if (st < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st);
     cp_commit();
   }
   stage_group<SPLIT, W>(x, x_div, order + start, count, K, xs, xl, cpre);
   __syncthreads();
-  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
   const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int st = 0; st < nst; ++st) {
-    cp_wait<S - 2>();
-    __syncwarp();
-    if (st + S - 1 < nst) issue(st + S - 1);
-    cp_commit();
-    const uint8_t* w = ring + (st % S) * STAGE + (lrow * RU + lblk) * 16;
-#pragma unroll
-    for (int j = 0; j < C / 2; ++j) {
-      uint32_t r[4];
-      ldsm4(r, w + 32 * j);
-      const int b = st * C + 2 * j;
-      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      block_mma<SPLIT>(d0, r[0], r[1], xs[g * KP + 4 * b + t],
-                       SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
-      block_mma<SPLIT>(d1, r[2], r[3], xs[g * KP + 4 * b + 4 + t],
-                       SPLIT ? xl[g * KP + 4 * b + 4 + t] : uint4{});
-      const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
-      const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
-      const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
-      const float sb1 = __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23);
-      acc[0] = fmaf(d0[0], sa0, fmaf(d1[0], sa1, acc[0]));
-      acc[1] = fmaf(d0[1], sa0, fmaf(d1[1], sa1, acc[1]));
-      acc[2] = fmaf(d0[2], sb0, fmaf(d1[2], sb1, acc[2]));
-      acc[3] = fmaf(d0[3], sb0, fmaf(d1[3], sb1, acc[3]));
-    }
-  }
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // thread column g's x: B's column g is pair g's
+  stream_rows<SWIGLU, C, S>(ring, src, stride_q, nst, xs + g * KP, xl + g * KP, ss, nblk, ca,
+                            cb, acc);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * t + i;

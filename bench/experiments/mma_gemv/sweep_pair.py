@@ -5,7 +5,7 @@ product kernel's output; microseconds a call replayed from CUDA graphs over 4 ro
 sets.
 
     python bench/experiments/mma_gemv/sweep_pair.py --tokens 1,2,4,8
-    python bench/experiments/mma_gemv/sweep_pair.py --grouped [--only wide] --tokens 16,32,64
+    python bench/experiments/mma_gemv/sweep_pair.py --grouped [--only streamed] --tokens 16,32,64
 """
 
 from __future__ import annotations
