@@ -7,6 +7,8 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a graph_count.cu -o graph_count
 //   for v in none again again3 small small_copies small_upload small_reinst small_priority \
 //            small_destroyed; do ./graph_count $v; done
+//   for how in raw auto side auto_side prio auto_prio auto_prio_side; do
+//     ./graph_count small $how; ./graph_count again3 $how; done
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -47,14 +49,22 @@ void launch(const std::vector<Kernel>& k, int node, const float4* in, float* out
   k[node % FUNCS]<<<264, 256, 0, s>>>(in + (size_t)(node % 8) * N4, out, N4);
 }
 
+// PyTorch's ways, to tell which matters (argv[2]): torch.cuda.CUDAGraph instantiates every graph
+// with cudaGraphInstantiateFlagAutoFreeOnLaunch | cudaGraphInstantiateFlagUseNodePriority and
+// captures on a side stream; "auto" and "prio" add one flag to every graph, "side" captures on
+// a stream of its own and replays on another; combine them ("auto_prio_side" is PyTorch's).
+static unsigned long long extra_flags = 0;
+static cudaStream_t capture_stream = nullptr;
+
 cudaGraphExec_t capture(const std::vector<Kernel>& k, int nodes, const float4* in, float* out,
                         cudaStream_t s, unsigned long long flags = 0) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
+  if (capture_stream) s = capture_stream;
   CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int n = 0; n < nodes; ++n) launch(k, n, in, out, s);
   CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiateWithFlags(&ge, g, flags));
+  CHECK(cudaGraphInstantiateWithFlags(&ge, g, flags | extra_flags));
   CHECK(cudaGraphDestroy(g));
   return ge;
 }
@@ -79,6 +89,12 @@ double replay_us(cudaGraphExec_t ge, cudaStream_t s) {
 
 int main(int argc, char** argv) {
   const char* v = argc > 1 ? argv[1] : "none";
+  const char* how = argc > 2 ? argv[2] : "raw";
+  if (std::strstr(how, "auto")) extra_flags |= cudaGraphInstantiateFlagAutoFreeOnLaunch;
+  if (std::strstr(how, "prio")) extra_flags |= cudaGraphInstantiateFlagUseNodePriority;
+  if (std::strstr(how, "side")) {
+    CHECK(cudaStreamCreateWithFlags(&capture_stream, cudaStreamNonBlocking));
+  }
   float4* in;
   float* out;
   CHECK(cudaMalloc(&in, sizeof(float4) * N4 * 8));
@@ -111,7 +127,7 @@ int main(int argc, char** argv) {
     for (auto ge : extra) CHECK(cudaGraphExecDestroy(ge));
   }
   const double after = replay_us(g0, s), after2 = replay_us(g0, s);
-  std::printf("%-16s before %8.1f %8.1f us  after %8.1f %8.1f us  (%+.1f)\n", v, before,
-              before2, after, after2, after - before);
+  std::printf("%-14s %-16s before %8.1f %8.1f us  after %8.1f %8.1f us  (%+.1f)\n", how, v,
+              before, before2, after, after2, after - before);
   return 0;
 }

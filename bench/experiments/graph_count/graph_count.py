@@ -1,0 +1,147 @@
+"""graph_count.cu's question through PyTorch's CUDA graphs: a graph of 170 launches of 12
+distinct kernels (each streaming 4 MB), its replay time before and after the same kernels are
+captured into 3 more small graphs (`small`) or 3 more copies of it (`again3`). `--kind triton`:
+12 specializations of one Triton kernel; `--kind cuda`: graph_count.cu's kernels built into a
+library and launched through ctypes (as tinyoss launches its tensor-core MoE). One variant a
+process. Measured (2026-11-25_h100_grouped_stream.md, section 4): +19 to +31 us with either
+kind, where graph_count.cu, capturing and instantiating with the CUDA API itself, saw nothing.
+
+`--flags F` captures with keep_graph=True and instantiates every graph through the driver API
+(cuGraphInstantiateWithFlags, cuGraphLaunch) with flags F (PyTorch's own: auto free on launch 1
+| use node priority 8 = 9), to tell whether PyTorch's flags are what slows the graph, and to try
+the fix tinyoss would make.
+
+    for k in triton cuda; do for v in none small again3; do
+        python bench/experiments/graph_count/graph_count.py --kind $k --variant $v; done; done
+    for f in 0 1 8 9; do python bench/experiments/graph_count/graph_count.py \
+        --kind triton --variant small --flags $f; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+FUNCS, NODES, N4 = 12, 170, 1 << 18
+
+
+@triton.jit
+def _work(in_ptr, out_ptr, n, F: tl.constexpr, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(in_ptr + offs, mask=offs < n, other=0.0) * (F + 1)
+    total = tl.sum(acc)
+    if total == 12345.0:  # keeps the loads
+        tl.store(out_ptr + F, total)
+
+
+def cuda_lib() -> ctypes.CDLL:
+    src = Path(__file__).with_name("graph_count.cu").read_text()
+    src += """
+extern "C" void gc_launch(int f, const void* in, void* out, int n, void* stream) {
+  static const auto k = table<0>(std::make_integer_sequence<int, FUNCS>{});
+  k[f]<<<264, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float4*>(in), static_cast<float*>(out), n);
+}
+"""
+    src = src.replace("int main(", "int unused_main(")
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "gc.cu").write_text(src)
+    subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90a", "-shared", "-Xcompiler",
+                    "-fPIC", str(tmp / "gc.cu"), "-o", str(tmp / "gc.so")], check=True)
+    lib = ctypes.CDLL(str(tmp / "gc.so"))
+    lib.gc_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                              ctypes.c_void_p]
+    return lib
+
+
+class DriverGraph:
+    """A graph PyTorch captured (keep_graph=True), instantiated and launched through the driver
+    API with our own flags."""
+
+    cuda = None
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, flags: int) -> None:
+        if DriverGraph.cuda is None:
+            DriverGraph.cuda = ctypes.CDLL("libcuda.so.1")
+        self.graph, self.exec = graph, ctypes.c_void_p()
+        err = self.cuda.cuGraphInstantiateWithFlags(
+            ctypes.byref(self.exec), ctypes.c_void_p(graph.raw_cuda_graph()),
+            ctypes.c_ulonglong(flags))
+        assert err == 0, f"cuGraphInstantiateWithFlags: {err}"
+
+    def replay(self) -> None:
+        err = self.cuda.cuGraphLaunch(self.exec,
+                                      ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        assert err == 0, f"cuGraphLaunch: {err}"
+
+
+def replay_us(graph) -> float:
+    out = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(50):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1000 / 50)
+    return sorted(out)[2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kind", choices=("triton", "cuda"), required=True)
+    p.add_argument("--variant", choices=("none", "small", "again3"), required=True)
+    p.add_argument("--flags", type=int, default=None,
+                   help="instantiate through the driver API with these flags (PyTorch's: 9)")
+    args = p.parse_args()
+    x = torch.zeros(8 * N4 * 4, device="cuda")
+    out = torch.zeros(64, device="cuda")
+    lib = cuda_lib() if args.kind == "cuda" else None
+
+    def launch(node: int) -> None:
+        f, part = node % FUNCS, x[(node % 8) * N4 * 4:]
+        if lib is None:
+            _work[(264,)](part, out, N4 * 4, F=f, BLOCK=1024)
+        else:
+            lib.gc_launch(f, part.data_ptr(), out.data_ptr(), N4,
+                          torch.cuda.current_stream().cuda_stream)
+
+    def capture(nodes: int):
+        for n in range(nodes):  # compiles, outside the capture
+            launch(n)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph(keep_graph=args.flags is not None)
+        with torch.cuda.graph(g):
+            for n in range(nodes):
+                launch(n)
+        return g if args.flags is None else DriverGraph(g, args.flags)
+
+    g0 = capture(NODES)
+    before = [replay_us(g0), replay_us(g0)]
+    extra = []
+    if args.variant == "small":
+        extra = [capture(FUNCS) for _ in range(3)]
+    elif args.variant == "again3":
+        extra = [capture(NODES) for _ in range(3)]
+    for g in extra:
+        g.replay()
+    torch.cuda.synchronize()
+    after = [replay_us(g0), replay_us(g0)]
+    how = "torch" if args.flags is None else f"flags {args.flags}"
+    print(f"{args.kind:<6} {how:<8} {args.variant:<7} before {before[0]:7.1f} {before[1]:7.1f} us  "
+          f"after {after[0]:7.1f} {after[1]:7.1f} us  ({after[0] - before[0]:+.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
