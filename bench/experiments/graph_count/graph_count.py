@@ -15,6 +15,8 @@ the fix tinyoss would make.
         python bench/experiments/graph_count/graph_count.py --kind $k --variant $v; done; done
     for f in 0 1 8 9; do python bench/experiments/graph_count/graph_count.py \
         --kind triton --variant small --flags $f; done
+    python bench/experiments/graph_count/graph_count.py --kind triton --variant small \
+        --stream side
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def main() -> None:
     p.add_argument("--variant", choices=("none", "small", "again3"), required=True)
     p.add_argument("--flags", type=int, default=None,
                    help="instantiate through the driver API with these flags (PyTorch's: 9)")
+    p.add_argument("--stream", choices=("default", "side"), default="default",
+                   help="replay on the default stream or a stream of its own")
     args = p.parse_args()
+    if args.stream == "side":
+        torch.cuda.set_stream(torch.cuda.Stream())
     x = torch.zeros(8 * N4 * 4, device="cuda")
     out = torch.zeros(64, device="cuda")
     lib = cuda_lib() if args.kind == "cuda" else None
@@ -138,9 +144,10 @@ def main() -> None:
         g.replay()
     torch.cuda.synchronize()
     after = [replay_us(g0), replay_us(g0)]
-    how = "torch" if args.flags is None else f"flags {args.flags}"
-    print(f"{args.kind:<6} {how:<8} {args.variant:<7} before {before[0]:7.1f} {before[1]:7.1f} us  "
-          f"after {after[0]:7.1f} {after[1]:7.1f} us  ({after[0] - before[0]:+.1f})", flush=True)
+    how = ("torch" if args.flags is None else f"flags {args.flags}") + f" {args.stream}"
+    print(f"{args.kind:<6} {how:<16} {args.variant:<7} before {before[0]:7.1f} "
+          f"{before[1]:7.1f} us  after {after[0]:7.1f} {after[1]:7.1f} us  "
+          f"({after[0] - before[0]:+.1f})", flush=True)
 
 
 if __name__ == "__main__":
