@@ -13,12 +13,16 @@
   X(24, false, 18, 5, 1) X(25, false, 10, 3, 2) X(26, false, 9, 10, 1) X(27, false, 45, 2, 1) \
   X(28, false, 5, 3, 2) X(29, false, 9, 2, 2)
 
-// streamed (pair_gemv_stream): (variant, swiglu, C blocks a stage, S stages, W warps)
+// streamed (pair_gemv_stream): (variant, swiglu, C blocks a stage, S stages, W warps); 46-49 and
+// 56-59 keep a whole 16-row tile (9 stages of 10 blocks, 5 of 18) or half of it in flight from
+// the start: at 1 token every load is requested at once (one round trip, not 5-9), not yet run
 #define TINYOSS_STREAMED(X)                                                                   \
   X(40, true, 10, 4, 4) X(41, true, 10, 3, 4) X(42, true, 18, 3, 4) X(43, true, 6, 6, 4)      \
   X(44, true, 10, 4, 2) X(45, true, 10, 6, 2)                                                 \
+  X(46, true, 10, 9, 1) X(47, true, 10, 9, 2) X(48, true, 10, 5, 2) X(49, true, 18, 5, 1)     \
   X(50, false, 10, 4, 4) X(51, false, 10, 3, 4) X(52, false, 18, 3, 4) X(53, false, 6, 6, 4)  \
-  X(54, false, 10, 4, 2) X(55, false, 10, 6, 2)
+  X(54, false, 10, 4, 2) X(55, false, 10, 6, 2)                                               \
+  X(56, false, 10, 9, 1) X(57, false, 10, 9, 2) X(58, false, 10, 9, 4) X(59, false, 18, 5, 2)
 
 // gate_up (bf16 x) or down (fp32 x), as the name says; -1 for an unknown variant
 extern "C" int tinyoss_pair_variant(int variant, const void* x, int x_div, const int* ids,
