@@ -1,6 +1,8 @@
-// The MoE pair GEMV on Hopper's tensor cores: what moe_gemv_gluon computes (rows of one expert
-// against one pair's activations; bias, clamped SwiGLU or routing weight fused), for 1 to 8
-// tokens a step. See moe_gemv_mma.py for when it runs and how it is built.
+// The MoE GEMVs on Hopper's tensor cores: what moe_gemv_gluon computes (rows of one expert
+// against one pair's activations; bias, clamped SwiGLU or routing weight fused), a pair a
+// program for 1 to 8 tokens a step, and grouped by expert (up to 8 pairs of one expert a
+// program, one a column of the MMA) for 9 to 64. See moe_gemv_mma.py for when each runs and how
+// the library is built.
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
@@ -12,10 +14,11 @@
 // result, so an MMA never mixes blocks. x is staged once a program in shared memory as fp16
 // pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
 // 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
-// hi + lo, two more MMAs, ~22 bits. Every column of B holds the same x, so each column of D is
-// the product. pair_gemv_mma loads those words straight into registers; pair_gemv_stream
-// (gate_up above 8 pairs) first copies the rows into shared memory with cp.async and hands
-// each thread the same words with ldmatrix.
+// hi + lo, two more MMAs, ~22 bits. In the pair kernels every column of B holds the same x, so
+// each column of D is the product; in the grouped ones column j holds pair j's x. pair_gemv_mma
+// and group_gemv_mma load those words straight into registers; pair_gemv_stream (gate_up above
+// 8 pairs) and group_gemv_stream (down above 16 tokens) first copy the rows into shared memory
+// with cp.async and hand each thread the same words with ldmatrix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
