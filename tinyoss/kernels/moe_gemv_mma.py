@@ -129,18 +129,20 @@ class MmaGemv:
             raise RuntimeError(f"sorting the MoE pairs failed to launch: {self.error(err)}")
         return SortedPairs(sorted_ids, order, groups)
 
-    def grouped(self, x: torch.Tensor, x_div: int, pairs: SortedPairs, blocks: torch.Tensor,
-                scales: torch.Tensor, bias: torch.Tensor, wts: torch.Tensor, out: torch.Tensor,
-                alpha: float, limit: float, swiglu: bool) -> None:
+    def grouped(self, x: torch.Tensor, x_div: int, by_expert: SortedPairs,
+                blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
+                wts: torch.Tensor, out: torch.Tensor, alpha: float, limit: float,
+                swiglu: bool) -> None:
         """The pairs sorted by expert (`sort_pairs`): gate_up (`swiglu`: out [pairs, N/2] =
         SwiGLU(W_e x[pair // x_div] + b_e)) or down (out [pairs, N] = wts[pair] * (W_e x[pair] +
         b_e)), e the pair's expert."""
-        if any(t.dtype != torch.int32 for t in pairs):
-            raise ValueError(f"sorted pairs must be int32, got {[t.dtype for t in pairs]}")
+        if any(t.dtype != torch.int32 for t in by_expert):
+            raise ValueError(f"sorted pairs must be int32, got {[t.dtype for t in by_expert]}")
         if x.data_ptr() % 16:
             raise ValueError("x must start 16-byte aligned")
-        lead = (pairs.groups.data_ptr(), pairs.groups.numel(), pairs.sorted_ids.data_ptr())
-        self._launch(functools.partial(self.grouped_fn, int(swiglu)), x, x_div, pairs.order,
+        lead = (by_expert.groups.data_ptr(), by_expert.groups.numel(),
+                by_expert.sorted_ids.data_ptr())
+        self._launch(functools.partial(self.grouped_fn, int(swiglu)), x, x_div, by_expert.order,
                      blocks, scales, bias, wts, out, alpha, limit, lead)
 
     def gate_up(self, x: torch.Tensor, x_div: int, ids: torch.Tensor, blocks: torch.Tensor,
