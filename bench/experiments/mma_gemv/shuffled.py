@@ -1,5 +1,6 @@
 """Expert weights shuffled at load so a warp reads 512 contiguous bytes a load, each lane the
-words of its MMA fragments (pair_tiles.cu: pair_gemv_shuf, group_gemv_shuf), against the
+words of its MMA fragments (pair_tiles.cu: pair_gemv_shuf, group_gemv_shuf, and the streamed
+pair_gemv_stream_shuf, group_gemv_stream_shuf), against the
 product's kernels on the checkpoint's layout: errors against the product's outputs, us a call
 (CUDA-graph replays over 4 weight sets), at gpt-oss-20b shapes. Not yet run.
 
@@ -61,8 +62,9 @@ def main() -> None:
     ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
           for w in ws]
     shuf = [(shuffle(w.gate_up_blocks, True), shuffle(w.down_blocks, False)) for w in ws]
-    lo, hi = (220, 240) if args.grouped else (200, 220)
-    variants = [v for v in range(lo, hi) if lib.tinyoss_shuf_variant_name(v)]
+    ranges = (range(220, 240), range(250, 260)) if args.grouped else (range(200, 220),
+                                                                       range(240, 250))
+    variants = [v for r in ranges for v in r if lib.tinyoss_shuf_variant_name(v)]
     stream = torch.cuda.current_stream().cuda_stream
     for t in map(int, args.tokens.split(",")):
         sets = []
