@@ -65,7 +65,6 @@ def main() -> None:
     ranges = (range(220, 240), range(250, 260)) if args.grouped else (range(200, 220),
                                                                        range(240, 250))
     variants = [v for r in ranges for v in r if lib.tinyoss_shuf_variant_name(v)]
-    stream = torch.cuda.current_stream().cuda_stream
     for t in map(int, args.tokens.split(",")):
         sets = []
         for k, (x, wts, ids, w) in enumerate(call_sets(t, ws)):
@@ -92,7 +91,7 @@ def main() -> None:
                 return out
             q = c["gu"] if gate else c["dn"]
             tail = (b.shape[1], b.shape[2] * 32, b.stride(0), b.stride(1), s.stride(0),
-                    w.alpha, w.limit, stream)
+                    w.alpha, w.limit, torch.cuda.current_stream().cuda_stream)
             if args.grouped:
                 sid, order, groups = c["by_expert"]
                 err = lib.tinyoss_shuf_grouped_variant(
