@@ -37,7 +37,7 @@ from tinyoss import LLM, SamplingParams  # noqa: E402
 from tinyoss.sampling_params import StructuredOutputs  # noqa: E402
 from tinyoss.engine.core import CoreRequest  # noqa: E402
 from tinyoss.config import MXFP4_BACKENDS, ModelConfig  # noqa: E402
-from tinyoss.config import parse_mxfp4_layers  # noqa: E402
+from tinyoss.config import parse_fp8_layers, parse_mxfp4_layers  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, reps: int = 20) -> float:
@@ -58,9 +58,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, reps: int = 20
     return 2 * nbytes / statistics.median(times)
 
 
-def dense_bytes(n: int, k: int, mxfp4: bool) -> int:
-    """A dense [n, k] weight: bf16, or MXFP4 (k/2 bytes of codes and k/32 scale bytes a row)."""
-    return n * (k // 2 + k // 32) if mxfp4 else n * k * 2
+def dense_bytes(n: int, k: int, mxfp4: bool, fp8: bool = False) -> int:
+    """A dense [n, k] weight: bf16, MXFP4 (k/2 bytes of codes and k/32 scale bytes a row) or
+    FP8 (k bytes and a 4-byte scale a row)."""
+    return n * (k // 2 + k // 32) if mxfp4 else n * (k + 4) if fp8 else n * k * 2
 
 
 def bytes_per_step(
@@ -70,9 +71,11 @@ def bytes_per_step(
     kv_dtype_bytes: int = 2,
     mxfp4_layers: tuple[str, ...] = (),
     ranks: int = 1,
+    fp8_layers: tuple[str, ...] = (),
 ) -> dict:
     """What one decode step must read from memory, by part (dense weights in bf16 except the
-    `mxfp4_layers` quantized at load, from `parse_mxfp4_layers`; MXFP4 experts). With tensor
+    `mxfp4_layers` and `fp8_layers` quantized at load, from `parse_mxfp4_layers` and
+    `parse_fp8_layers`; MXFP4 experts). With tensor
     parallelism, what each GPU reads: `c` is a rank's own config (its heads and intermediate
     units, padding included) and lm_head holds 1/`ranks` of the vocabulary.
 
@@ -82,8 +85,8 @@ def bytes_per_step(
     h, L = c.hidden_size, c.num_hidden_layers
     qkv = c.q_size + 2 * c.kv_size
     attn = (
-        dense_bytes(qkv, h, "qkv" in mxfp4_layers)
-        + dense_bytes(h, c.q_size, "o" in mxfp4_layers)
+        dense_bytes(qkv, h, "qkv" in mxfp4_layers, "qkv" in fp8_layers)
+        + dense_bytes(h, c.q_size, "o" in mxfp4_layers, "o" in fp8_layers)
         + (qkv + h) * 2
     )
     router = c.num_local_experts * h * 2
@@ -96,7 +99,8 @@ def bytes_per_step(
     parts = {
         "attention_weights": L * (attn + router + 2 * h * 2),
         "experts": L * active * expert,
-        "lm_head": dense_bytes(-(-c.vocab_size // ranks), h, "lm_head" in mxfp4_layers),
+        "lm_head": dense_bytes(-(-c.vocab_size // ranks), h, "lm_head" in mxfp4_layers,
+                               "lm_head" in fp8_layers),
         "kv_cache": kv,
     }
     parts["total"] = sum(parts.values())
@@ -142,6 +146,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         async_scheduling=not args.no_async_scheduling,
         mxfp4_backend=args.mxfp4_backend,
         mxfp4_layers=args.mxfp4_layers,
+        fp8_layers=args.fp8_layers,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
     )
@@ -183,9 +188,11 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
     bandwidth = copy_bandwidth(device)
     context = args.input_len + args.output_len // 2
     layers = parse_mxfp4_layers(args.mxfp4_layers)
+    fp8 = parse_fp8_layers(args.fp8_layers, args.mxfp4_layers)
     config = engine.executor.model.config
     ranks = args.tensor_parallel_size
-    need = bytes_per_step(config, args.batch_size, context, mxfp4_layers=layers, ranks=ranks)
+    need = bytes_per_step(config, args.batch_size, context, mxfp4_layers=layers, ranks=ranks,
+                          fp8_layers=fp8)
     median = statistics.median(steps)
     record = {
         "gpu": torch.cuda.get_device_name(device),
@@ -199,6 +206,7 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         "iterations": args.iters,
         "engine": engine.info.summary,
         "mxfp4_layers": ",".join(("moe", *layers)),
+        "fp8_layers": ",".join(fp8) or "none",
         "cuda_graphs": not args.enforce_eager,
         "async_scheduling": not args.no_async_scheduling,
         "structured_output": mode,
@@ -296,6 +304,8 @@ def main() -> None:
     p.add_argument(
         "--mxfp4-layers", default="moe", help="moe, or a comma list adding qkv, o, lm_head; all"
     )
+    p.add_argument("--fp8-layers", default="none",
+                   help="none, or a comma list of qkv, o, lm_head in FP8; all")
     p.add_argument("--structured", nargs="+", choices=tuple(STRUCTURED), default=["none"],
                    help="constraint modes to measure in turn on one engine (none, json, string)")
     p.add_argument("--speculative-config", default=None,

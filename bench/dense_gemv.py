@@ -1,7 +1,10 @@
 """Times the dense bf16 decode GEMV (tinyoss.kernels.linear_triton) against cuBLAS (F.linear) at
 gpt-oss shapes, alone and as a chain of 24 layers (q/k/v then o) in one CUDA graph, on one GPU.
+With --fp8 the GEMV reads the weights in FP8 (`fp8_layers`: e4m3, a scale a row) against cuBLAS
+on bf16, errors against the dequantized weights, GB/s of the FP8 bytes.
 
     python bench/dense_gemv.py --m 1,2,4 --configs 8/512/4/3,16/256/4/3
+    python bench/dense_gemv.py --fp8 --m 1,2,4,8 --configs 8/1024/4/4,16/512/4/4,8/2048/4/4
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tinyoss.kernels import linear_triton as lt  # noqa: E402
+from tinyoss.model.quant_linear import quantize_fp8  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "router": (32, 2880), "lm_head": (201088, 2880)}
 
@@ -38,28 +42,34 @@ def main() -> None:
     p.add_argument("--configs", default="8/512/4/3,16/256/4/3,4/512/2/3,8/256/2/4",
                    help="block_n/block_k/warps/stages (K steps through shared memory), each "
                         "with block_m from gemv_config")
+    p.add_argument("--fp8", action="store_true", help="the GEMV on FP8 weights")
     args = p.parse_args()
     dev = torch.device("cuda")
     for name, (n, k) in SHAPES.items():
         sets = 4 if n < 100000 else 1  # rotate weight sets so L2 does not hold them
         ws = [torch.randn(n, k, device=dev).to(torch.bfloat16) * 0.02 for _ in range(sets)]
         bs = [torch.randn(n, device=dev).to(torch.bfloat16) for _ in range(sets)]
+        # what the GEMV reads: (weight, scale or None) a set
+        qs = [quantize_fp8(w) for w in ws] if args.fp8 else [(w, None) for w in ws]
         mb = n * k * 2 / 1e6
+        gemv_mb = (n * k + 4 * n) / 1e6 if args.fp8 else mb
         for m in map(int, args.m.split(",")):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-            ref = F.linear(x.float(), ws[0].float(), bs[0].float())
+            q0, s0 = qs[0]
+            w0 = q0.float() * s0[:, None] if args.fp8 else ws[0].float()
+            ref = F.linear(x.float(), w0, bs[0].float())
             row = [f"{name:8s} M={m} {mb:7.1f} MB"]
             us = graph_time(lambda: [F.linear(x, w, b) for w, b in zip(ws, bs)], sets)
             row.append(f"cublas {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
             for c in args.configs.split(","):
                 bn, bk, nw, ns = map(int, c.split("/"))
-                base = lt.gemv_config(m, n)
+                base = lt.gemv_config(m, n, 1 if args.fp8 else 2)
                 cfg = lt.GemvConfig(base.block_m, bn, max(32, bk // base.block_m), nw, ns)
-                out = lt.linear_gemv(x, ws[0], bs[0], cfg).float()
+                out = lt.linear_gemv(x, q0, bs[0], cfg, scale=s0).float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                us = graph_time(
-                    lambda cfg=cfg: [lt.linear_gemv(x, w, b, cfg) for w, b in zip(ws, bs)], sets)
-                row.append(f"{c}: {us:7.1f} us {mb / us * 1e3:5.0f} GB/s err {err:.0e}")
+                us = graph_time(lambda cfg=cfg: [lt.linear_gemv(x, q, b, cfg, scale=s)
+                                                 for (q, s), b in zip(qs, bs)], sets)
+                row.append(f"{c}: {us:7.1f} us {gemv_mb / us * 1e3:5.0f} GB/s err {err:.0e}")
             print(" | ".join(row), flush=True)
     # A chain: 24 layers of qkv then o, as a decode step runs them.
     qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
@@ -77,6 +87,11 @@ def main() -> None:
     row.append(f"cublas {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
     us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, w)))
     row.append(f"triton {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+    if args.fp8:
+        fp8 = {id(w): quantize_fp8(w) for w in qkv + o}
+        us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, fp8[id(w)][0],
+                                                                  scale=fp8[id(w)][1])))
+        row.append(f"triton fp8 {us:7.1f} us {mb / 2 / us * 1e3:5.0f} GB/s (of the FP8 bytes)")
     print(" | ".join(row), flush=True)
 
 

@@ -1,8 +1,10 @@
-"""What quantizing gpt-oss's dense layers to MXFP4 at load (`--mxfp4-layers`) does to its logits.
+"""What quantizing gpt-oss's dense layers at load (`--mxfp4-layers`, `--fp8-layers`) does to its
+logits.
 
     python bench/mxfp4_quality.py --model tiny                               # CPU or GPU
     python bench/mxfp4_quality.py --model gpt-oss-20b --load-format dummy   # GPU
 
+A variant names the layers in MXFP4 (`qkv`, `all`, ...) or, prefixed `fp8:`, in FP8 (`fp8:all`).
 Each variant is a fresh engine with those layers quantized; its logits at every position of a
 batch of random prompts are compared with those of `moe` (the checkpoint as shipped): max and
 mean absolute difference, relative difference ||diff|| / ||ref||, mean KL(ref || variant), and
@@ -30,7 +32,7 @@ from tinyoss.kernels.attention import (  # noqa: E402
     TorchAttention,
 )
 
-VARIANTS = ("moe", "qkv", "o", "lm_head", "all")
+VARIANTS = ("moe", "qkv", "o", "lm_head", "all", "fp8:qkv", "fp8:o", "fp8:lm_head", "fp8:all")
 BLOCK = 16  # tokens per KV block
 CHUNK = 256  # logit rows compared at a time (bounds the temporaries)
 NUM_REGULAR_TOKENS = 199998  # below harmony's special ids
@@ -108,7 +110,9 @@ def quality(
     ref = None
     rows = []
     for variant in ("moe", *variants):
-        llm = LLM(model, mxfp4_layers=variant, **options)
+        fp8 = variant.removeprefix("fp8:") if variant.startswith("fp8:") else "none"
+        llm = LLM(model, mxfp4_layers="moe" if fp8 != "none" else variant, fp8_layers=fp8,
+                  **options)
         logits = prompt_logits(llm, prompts)
         del llm
         gc.collect()
@@ -121,10 +125,10 @@ def quality(
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'layers':<8} {'max|d|':>9} {'mean|d|':>9} {'rel':>9} {'KL':>9} {'greedy':>8}"]
+    lines = [f"{'layers':<12} {'max|d|':>9} {'mean|d|':>9} {'rel':>9} {'KL':>9} {'greedy':>8}"]
     for r in rows:
         lines.append(
-            f"{r['layers']:<8} {r['max_abs']:9.4f} {r['mean_abs']:9.5f} {r['rel']:9.5f} "
+            f"{r['layers']:<12} {r['max_abs']:9.4f} {r['mean_abs']:9.5f} {r['rel']:9.5f} "
             f"{r['kl']:9.2e} {100 * r['greedy_agreement']:7.2f}%"
         )
     return "\n".join(lines)

@@ -64,8 +64,10 @@ def kernels() -> dict:
     lin = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", out_ptr="*bf16", M=1,
                N=201088, K=2880, stride_q=1440, stride_s=90)
     lv = linear_mxfp4_triton.gemv_config(1, 201088)
-    bf = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M=1, N=5120, K=2880)
+    bf = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16", M=1,
+              N=5120, K=2880)
     bv = linear_triton.gemv_config(1, 5120)
+    fv = linear_triton.gemv_config(1, 5120, 1)
     pair_opts = dict(num_warps=gv.num_warps, num_stages=gv.num_stages)
     return {
         "pair_gemv": (moe_triton._pair_gemv, pair,
@@ -80,10 +82,15 @@ def kernels() -> dict:
                          dict(num_warps=lv.num_warps, num_stages=lv.num_stages),
                          lv.block_n * lv.block_k),
         "linear_bf16": (linear_triton._gemv, bf,
-                        dict(HAS_BIAS=True, BLOCK_M=1, BLOCK_N=bv.block_n, BLOCK_K=bv.block_k,
-                             STAGES=bv.num_stages),
+                        dict(HAS_SCALE=False, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=bv.block_n,
+                             BLOCK_K=bv.block_k, STAGES=bv.num_stages),
                         dict(num_warps=bv.num_warps, num_stages=bv.num_stages),
                         bv.block_n * bv.block_k),
+        "linear_fp8": (linear_triton._gemv, dict(bf, w_ptr="*fp8e4nv"),
+                       dict(HAS_SCALE=True, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=fv.block_n,
+                            BLOCK_K=fv.block_k, STAGES=fv.num_stages),
+                       dict(num_warps=fv.num_warps, num_stages=fv.num_stages),
+                       fv.block_n * fv.block_k),
     }
 
 

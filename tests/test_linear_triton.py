@@ -48,3 +48,17 @@ def test_gpt_oss_shapes_gpu(n: int, k: int) -> None:
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     assert rel(lt.linear_gemv(x, w, b), F.linear(x.float(), w.float(), b.float())) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880)])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_gpt_oss_shapes_gpu(n: int, k: int, m: int) -> None:
+    """The FP8 GEMV (`fp8_layers`) against fp32 on the dequantized weights."""
+    from tinyoss.model.quant_linear import quantize_fp8
+
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    q, s = quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    want = F.linear(x.float(), q.float() * s[:, None], b.float())
+    assert rel(lt.fp8_linear(x, q, s, b), want) < 1e-2

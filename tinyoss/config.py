@@ -309,6 +309,12 @@ class EngineConfig:
         "lm_head (quantized at load: fewer bytes per token, some accuracy lost); all = every one",
         default="moe",
     )
+    fp8_layers: str = option(
+        "dense layers in FP8 (e4m3, a scale a row, quantized at load: half of bf16's bytes per "
+        "token, less accuracy lost than MXFP4): none, or a comma list of qkv, o, lm_head; "
+        "all = every one not in mxfp4_layers",
+        default="none",
+    )
     decode_step_budget_ms: float = option(
         "while sequences decode, size a step's prefill chunks to about this many ms, so that a "
         "long prompt does not stall running streams, at some cost in throughput (GPU: the "
@@ -363,7 +369,14 @@ class EngineConfig:
                 raise ValueError(
                     f"invalid {f.name} {value!r}: choose one of {', '.join(choices)}"
                 )
-        parse_mxfp4_layers(self.mxfp4_layers)
+        parse_fp8_layers(self.fp8_layers)
+        named = {part.strip() for part in self.fp8_layers.split(",")}  # `all` yields to MXFP4
+        both = [n for n in parse_mxfp4_layers(self.mxfp4_layers) if n in named]
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} named in both mxfp4_layers and fp8_layers: choose one format "
+                "a layer"
+            )
         from tinyoss.engine.speculative import SpeculativeConfig  # torch: imported late
 
         spec = SpeculativeConfig.parse(self.speculative_config)
@@ -372,19 +385,32 @@ class EngineConfig:
                              "tensor_parallel_size or use the ngram method")
 
 
-MXFP4_DENSE_LAYERS = ("qkv", "o", "lm_head")  # what `mxfp4_layers` can add to the experts
-MXFP4_LAYER_NAMES = ("moe", *MXFP4_DENSE_LAYERS, "all")
+DENSE_LAYERS = ("qkv", "o", "lm_head")  # what mxfp4_layers and fp8_layers can quantize
+
+
+def _parse_layers(spec: str | Iterable[str], field_name: str, base: str) -> tuple[str, ...]:
+    """`base`, `all` or a comma list (or a list) of base and DENSE_LAYERS -> the dense layers
+    named, in DENSE_LAYERS order (`base` adds nothing)."""
+    names = {str(part).strip() for part in (spec.split(",") if isinstance(spec, str) else spec)}
+    allowed = (base, *DENSE_LAYERS, "all")
+    unknown = sorted(names - set(allowed))
+    if unknown or not names:
+        raise ValueError(
+            f"invalid {field_name} {spec!r} (unknown: {', '.join(map(repr, unknown))}): give a "
+            f"comma list of {', '.join(allowed[:-1])}, or all"
+        )
+    return tuple(n for n in DENSE_LAYERS if n in names or "all" in names)
 
 
 def parse_mxfp4_layers(spec: str | Iterable[str]) -> tuple[str, ...]:
-    """`moe`, `all` or a comma list (or a list) of moe, qkv, o, lm_head -> the dense layers to
-    quantize, in MXFP4_DENSE_LAYERS order. The experts are MXFP4 in any case: `moe` adds
-    nothing."""
-    names = {str(part).strip() for part in (spec.split(",") if isinstance(spec, str) else spec)}
-    unknown = sorted(names - set(MXFP4_LAYER_NAMES))
-    if unknown or not names:
-        raise ValueError(
-            f"invalid mxfp4_layers {spec!r} (unknown: {', '.join(map(repr, unknown))}): give a "
-            f"comma list of {', '.join(MXFP4_LAYER_NAMES[:-1])}, or all"
-        )
-    return tuple(n for n in MXFP4_DENSE_LAYERS if n in names or "all" in names)
+    """`moe`, `all` or a comma list of moe, qkv, o, lm_head -> the dense layers to quantize to
+    MXFP4. The experts are MXFP4 in any case: `moe` adds nothing."""
+    return _parse_layers(spec, "mxfp4_layers", "moe")
+
+
+def parse_fp8_layers(spec: str | Iterable[str], mxfp4_layers: str | Iterable[str] = "moe"
+                     ) -> tuple[str, ...]:
+    """`none`, `all` or a comma list of qkv, o, lm_head -> the dense layers to quantize to FP8;
+    `all` leaves out those `mxfp4_layers` takes."""
+    taken = set(parse_mxfp4_layers(mxfp4_layers))
+    return tuple(n for n in _parse_layers(spec, "fp8_layers", "none") if n not in taken)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tinyoss.config import EngineConfig, ModelConfig, parse_mxfp4_layers
+from tinyoss.config import EngineConfig, ModelConfig, parse_fp8_layers, parse_mxfp4_layers
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
@@ -211,6 +211,7 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
             sinks.source,
         )
     quantize_layers(model, parse_mxfp4_layers(config.mxfp4_layers))
+    quantize_layers(model, parse_fp8_layers(config.fp8_layers, config.mxfp4_layers), "fp8")
 
     local = model.config
     speculative = SpeculativeConfig.parse(config.speculative_config)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from tinyoss.kernels.linear_fp8_torch import fp8_linear_torch
 from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
 
@@ -67,6 +68,7 @@ class Kernels:
     rms_norm: NormFn = rms_norm_torch
     router_topk: RouterFn = router_topk_torch
     mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
+    fp8_linear: LinearFn = fp8_linear_torch
     linear: DenseFn = F.linear  # q/k/v, o, router, lm_head
     # The norm after attention, the router and its top-k fused (None: the kernels above in turn)
     norm_route: NormRouteFn | None = None
@@ -77,7 +79,7 @@ class Kernels:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
-        ("moe", "norm", "router", "mxfp4_linear", "linear"), "torch"))
+        ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear"), "torch"))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the tensor-parallel ranks (x itself on one)."""

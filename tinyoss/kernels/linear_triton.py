@@ -1,4 +1,5 @@
-"""Dense bf16 linear layers for decode in Triton: y = x @ W.T + b for a few rows of x.
+"""Dense linear layers for decode in Triton: y = x @ W.T + b for a few rows of x, W bf16 or FP8
+(e4m3 with a scale a row, `fp8_layers`).
 
 At batch 1 a decode step reads every dense weight once (q/k/v, o, the router and lm_head are
 ~2.4 GB of gpt-oss-20b's ~3.7 GB a token), so these GEMVs are bandwidth-bound. A plain
@@ -6,7 +7,10 @@ CUDA-core GEMV streams each weight row once, through shared memory with Triton's
 (cp.async, a few K steps ahead), and reduces over K after the loop. At one row it reads the
 weights faster than cuBLAS; loading the next K step into registers instead of shared memory was
 slower (bench/dense_gemv.py; bench/results/2026-11-23_h100_kernels_e5bac60.txt). More rows of x
-than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused.
+than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused. FP8 weights
+take the same GEMV with their row scales applied once after K, up to FP8_GEMV_MAX_M rows (it
+reads half the bytes cuBLAS's bf16 GEMM would), and above that a bf16 copy of a slice of rows at
+a time for cuBLAS.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import triton.language as tl
 
 # From two rows on cuBLAS is faster (bench/results/2026-11-23_h100_dense_gemv.txt).
 GEMV_MAX_M = 1
+FP8_GEMV_MAX_M = 8
+_FP8_SLICE = 8192  # rows of an FP8 weight dequantized at a time above FP8_GEMV_MAX_M
 
 
 @dataclass(frozen=True)
@@ -34,17 +40,20 @@ class GemvConfig:
     num_stages: int = 4  # K steps in flight through shared memory (num_stages - 1 ahead)
 
 
-def gemv_config(m: int, n: int) -> GemvConfig:
-    """More tokens hold more partial sums in registers, hence a shorter K step."""
-    block_m = triton.next_power_of_2(max(1, min(m, GEMV_MAX_M)))
-    return GemvConfig(block_m=block_m, block_k=512 // block_m)
+def gemv_config(m: int, n: int, weight_bytes: int = 2) -> GemvConfig:
+    """More tokens hold more partial sums in registers, hence a shorter K step; a K step reads
+    1 KB of each weight row."""
+    block_m = triton.next_power_of_2(max(1, min(m, FP8_GEMV_MAX_M if weight_bytes == 1
+                                                   else GEMV_MAX_M)))
+    return GemvConfig(block_m=block_m, block_k=max(32, 1024 // weight_bytes // block_m))
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+def _gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, HAS_SCALE: tl.constexpr,
+          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Triton's pipeliner streams the weights through shared memory (cp.async), STAGES - 1 K
-    steps ahead of the math."""
+    steps ahead of the math; FP8 rows' scales multiply the sums once, after K."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,6 +67,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M
         x = tl.load(xp + k0, mask=tok_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, 2)
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + toks.to(tl.int64)[:, None] * N + rows[None, :],
@@ -65,18 +76,26 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation."""
+                config: GemvConfig | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation; an FP8
+    weight's rows times `scale` [N] (fp32)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit")
-    cfg = config or gemv_config(m, n)
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if (scale is not None) != fp8 or (fp8 and scale.shape != (n,)):
+        raise ValueError(f"a {weight.dtype} weight {tuple(weight.shape)} with scale "
+                         f"{None if scale is None else tuple(scale.shape)}: an FP8 weight takes "
+                         f"a float32 scale a row, any other none")
+    cfg = config or gemv_config(m, n, weight.element_size())
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _gemv[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
-            x.contiguous(), weight.contiguous(), out if bias is None else bias, out, m, n, k,
+            x.contiguous(), weight.contiguous(), out if scale is None else scale,
+            out if bias is None else bias, out, m, n, k, HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
@@ -90,3 +109,19 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor,
     if x.shape[0] <= GEMV_MAX_M:
         return linear_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for `fp8_linear_torch`: the GEMV up to FP8_GEMV_MAX_M rows, above that cuBLAS on
+    bf16 copies of _FP8_SLICE rows of the weight at a time (prefill). The path depends only on
+    the static row count."""
+    if x.shape[0] <= FP8_GEMV_MAX_M:
+        return linear_gemv(x, weight, bias, scale=scale)
+    n = weight.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r in range(0, n, _FP8_SLICE):
+        w = (weight[r : r + _FP8_SLICE].to(torch.float32) * scale[r : r + _FP8_SLICE, None])
+        out[:, r : r + _FP8_SLICE] = F.linear(
+            x, w.to(x.dtype), None if bias is None else bias[r : r + _FP8_SLICE])
+    return out
