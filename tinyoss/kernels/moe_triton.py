@@ -1,7 +1,9 @@
 """Mixture-of-experts on packed MXFP4 experts in Triton: a drop-in for `moe_torch`.
 
-The experts stay exactly as the checkpoint stores them (`ExpertWeights`); every kernel reads the
-packed bytes and scales and dequantizes tiles in registers, so no bf16 copy of an expert exists.
+The experts stay packed as the checkpoint stores them (`ExpertWeights`), or with the blocks
+shuffled inside 16-row tiles for the tensor-core GEMVs (`ExpertWeights.shuffled`, which the
+grouped GEMMs read too); every kernel reads the packed bytes and scales and dequantizes tiles in
+registers, so no bf16 copy of an expert exists.
 
 Three paths, chosen by the static token count T (never by data): nothing syncs with the host and
 every grid has a static size, so both can be captured in CUDA graphs.
@@ -9,7 +11,8 @@ every grid has a static size, so both can be captured in CUDA graphs.
 * pair GEMV (T <= GEMV_MAX_TOKENS): every (token, expert) pair gets its own programs, so one
   token fills the GPU; `_pair_gemv` streams gate_up rows (bias + clamped SwiGLU fused), then
   down rows (bias, routing weight), and `_combine` sums each token's top-k rows. On a GPU the
-  same GEMV runs as a Gluon kernel with explicit layouts (`moe_gemv_gluon`), which is faster.
+  same GEMV runs on the tensor cores (`moe_gemv_mma`, Hopper, shuffled experts) or else as a
+  Gluon kernel with explicit layouts (`moe_gemv_gluon`), both faster.
 * grouped tensor-core GEMV (GEMV_MAX_TOKENS < T <= `moe_gemv_mma.GROUPED_MAX_TOKENS`, when the
   tensor-core library runs): pairs sorted by expert (`MmaGemv.sort_pairs`), up to 8 pairs of
   an expert a program, then `_combine` (`_grouped_pairs`).
@@ -40,12 +43,7 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
-from tinyoss.kernels.moe_gemv_mma import (
-    DOWN_MIN_TOKENS,
-    GATE_UP_MIN_TOKENS,
-    GROUPED_MAX_TOKENS,
-    MmaGemv,
-)
+from tinyoss.kernels.moe_gemv_mma import GROUPED_MAX_TOKENS, MmaGemv
 from tinyoss.kernels.moe_torch import ExpertWeights
 
 
@@ -95,18 +93,35 @@ def _mx_load(
     row_ok,
     k0,
     BLOCK_K: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     """One K tile: activations a [M, BLOCK_K], weights q as 32-bit words [N, BLOCK_K/8] of eight
     E2M1 codes and scales s [N, BLOCK_K/32].
 
-    A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
-    thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
+    In the checkpoint's layout a weight row's bytes are contiguous and the K mask is constant
+    over each 16 bytes, so a thread loads 16-byte vectors (one scale group) and a warp whole
+    128-byte lines. SHUFFLED blocks (`moe_gemv_mma.shuffle_blocks`; SWIGLU: gate_up's row order)
+    hold word t of block b of a 16-row tile's MMA row m (tile row 2m / 2m - 15 for gate_up, m for
+    down) at word (b // 2) * 128 + (m % 8) * 16 + t * 4 + (b % 2) * 2 + m // 8 of the tile: each
+    512 contiguous bytes still arrive whole, 4 bytes a load."""
     kk = k0 + tl.arange(0, BLOCK_K)
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     r = rows.to(tl.int64)[:, None]
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if SHUFFLED:
+        rt = r % 16
+        if SWIGLU:
+            m8, m_hi = rt // 2, rt % 2
+        else:
+            m8, m_hi = rt % 8, rt // 8
+        blk = kw // 4
+        col = (blk // 2) * 128 + (kw % 4) * 4 + (blk % 2) * 2
+        words = (r - rt) * (stride_q // 4) + m8 * 16 + m_hi + col[None, :]
+    else:
+        words = r * (stride_q // 4) + kw[None, :]
     q = tl.load(
-        q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
+        q_ptr.to(tl.pointer_type(tl.int32)) + words,
         mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
         other=0,
     )
@@ -145,8 +160,10 @@ def _mx_gemm(
     row_ok,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
-    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T.
+    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T (W's blocks SHUFFLED or not, see `_mx_load`).
 
     A is row-major [*, K], rows a_rows masked by a_ok. W is one expert's MXFP4 rows: bytes at
     q_ptr (row stride stride_q = K/2), scales at s_ptr (row stride stride_s = K/32). The next
@@ -161,7 +178,8 @@ def _mx_gemm(
     """
     a_off = a_rows.to(tl.int64)[:, None] * K
     nxt = _mx_load(
-        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K
+        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K,
+        SHUFFLED, SWIGLU,
     )
     for k0 in range(0, K, BLOCK_K):
         a, q, s = nxt
@@ -178,6 +196,8 @@ def _mx_gemm(
             row_ok,
             k0 + BLOCK_K,
             BLOCK_K,
+            SHUFFLED,
+            SWIGLU,
         )
         # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
         # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
@@ -251,6 +271,7 @@ def _prefill_gate_up(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SHUFFLED: tl.constexpr,
 ):
     """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
@@ -276,6 +297,8 @@ def _prefill_gate_up(
         row_ok,
         BLOCK_K,
         DOT_DTYPE,
+        SHUFFLED,
+        True,
     )
     bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
     y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
@@ -309,6 +332,7 @@ def _prefill_down(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SHUFFLED: tl.constexpr,
 ):
     """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
@@ -333,6 +357,8 @@ def _prefill_down(
         row_ok,
         BLOCK_K,
         DOT_DTYPE,
+        SHUFFLED,
+        False,
     )
     bias = tl.load(b_ptr + e * H + rows, mask=row_ok, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
@@ -477,6 +503,7 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         "BLOCK_M": cfg.block_m,
         "BLOCK_K": cfg.block_k,
         "DOT_DTYPE": _dot_dtype(x),
+        "SHUFFLED": w.shuffled,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
@@ -622,8 +649,8 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                 w: ExpertWeights, config: GemvConfig | None,
                 mma: MmaGemv | None = None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
-    `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
-    from DOWN_MIN_TOKENS tokens on, else Gluon's (the Triton kernel in the interpreter)."""
+    `mma`'s (the tensor-core kernels, on shuffled experts) where it supports them, else Gluon's
+    (the Triton kernel in the interpreter) on the checkpoint's layout."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -637,17 +664,18 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     act = _empty((pairs, i), torch.float32, x.device)
-    tensor_cores = mma is not None and mma.supports(x, w)
-    ids32 = ids.to(torch.int32) if tensor_cores else ids
-    if tensor_cores and t >= GATE_UP_MIN_TOKENS:
+    if mma is not None and mma.supports(x, w):
+        ids32 = ids.to(torch.int32)
         mma.gate_up(x.contiguous(), k, ids32, *gu, wts, act, w.alpha, w.limit)
-    else:
-        _pair_gemv_cores(x.contiguous(), k, ids, gu, wts, act, 2 * i, h, w, cfg, cfg.block_n1,
-                         swiglu=True)
-    if tensor_cores and t >= DOWN_MIN_TOKENS:
         mma.down(act, ids32, *dn, wts, y, w.alpha, w.limit)
-    else:
-        _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
+        return y
+    if w.shuffled:
+        raise ValueError(f"experts shuffled for the tensor-core MoE GEMV need it "
+                         f"({'not given' if mma is None else 'it does not take these'}: "
+                         f"bfloat16 activations, got {x.dtype})")
+    _pair_gemv_cores(x.contiguous(), k, ids, gu, wts, act, 2 * i, h, w, cfg, cfg.block_n1,
+                     swiglu=True)
+    _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
     return y
 
 
