@@ -159,10 +159,12 @@ def test_prepare_shuffles_what_the_kernels_take(monkeypatch):
     assert torch.equal(kept.gate_up_blocks, copies[0]) and torch.equal(kept.down_blocks, copies[3])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors in Triton's interpreter; on a "
+                    "GPU test_moe_triton.py runs the grouped GEMMs on shuffled experts")
 def test_grouped_gemms_read_the_shuffled_layout():
-    """The grouped GEMMs (prefill) on shuffled experts load the same values into the same tile
-    positions as on the checkpoint's: the same bits, several row tiles and K tiles; the torch
-    MoE and the Gluon/Triton pair GEMV refuse shuffled experts rather than misread them."""
+    """The grouped GEMMs (prefill) on shuffled experts give what they give on the checkpoint's
+    (to fp32 rounding: the K sums run in another order), over several row tiles and K tiles; the
+    torch MoE and the Gluon/Triton pair GEMV refuse shuffled experts rather than misread them."""
     gen = torch.Generator().manual_seed(5)
     e, h, i, t = 8, 128, 192, 20
     w = _real_experts(gen, e, h, i)
@@ -173,7 +175,8 @@ def test_grouped_gemms_read_the_shuffled_layout():
     weights = torch.softmax(torch.randn(t, 4, generator=gen), -1)
     cfg = mt.PrefillConfig(block_m=16, block_n1=64, block_n2=32, block_k=64)
     want = mt.moe_prefill(x, weights, ids, w, cfg)
-    assert torch.equal(mt.moe_prefill(x, weights, ids, ws, cfg), want)
+    got = mt.moe_prefill(x, weights, ids, ws, cfg)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6  # sums in another order
     ref = moe_torch(x, weights, ids, w)
     assert ((want - ref).norm() / ref.norm()).item() < 1e-5
     with pytest.raises(ValueError, match="shuffled for the tensor-core MoE GEMV"):
