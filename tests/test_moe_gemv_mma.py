@@ -102,9 +102,9 @@ def test_supports_gpt_oss_shapes_in_bf16_shuffled_only():
 
 @pytest.mark.parametrize("swiglu", [True, False])
 def test_shuffle_gives_each_lane_its_fragment_words(swiglu: bool) -> None:
-    """Tile T, block pair jb, lane (g, t), word k: word t of block 2jb + k // 2 of MMA row g
-    (k even) or g + 8 (k odd), MMA rows g / g + 8 being tile rows 2g / 2g + 1 for gate_up and
-    g / g + 8 for down; each tile's bytes stay in the tile (also across the chunks of experts
+    """Tile T, block pair jb, lane (g, t), word k: word t of block 2jb + k % 2 of MMA row g
+    (k < 2) or g + 8, MMA rows g / g + 8 being tile rows 2g / 2g + 1 for gate_up and g / g + 8
+    for down; each tile's bytes stay in the tile (also across the chunks of experts
     it shuffles at a time)."""
     e, n, nblk = 6, 32, 6
     blocks = torch.randint(0, 256, (e, n, nblk, 16), dtype=torch.uint8)
@@ -119,8 +119,8 @@ def test_shuffle_gives_each_lane_its_fragment_words(swiglu: bool) -> None:
                     g, t = lane // 4, lane % 4
                     la, lb = (2 * g, 2 * g + 1) if swiglu else (g, g + 8)
                     for k in range(4):
-                        row = 16 * tile + (lb if k % 2 else la)
-                        want = words[x, row, 2 * jb + k // 2, t]
+                        row = 16 * tile + (lb if k // 2 else la)
+                        want = words[x, row, 2 * jb + k % 2, t]
                         assert got[(jb * 32 + lane) * 4 + k] == want
     with pytest.raises(ValueError, match="rows in 16s"):
         mm.shuffle_blocks(torch.zeros(1, 24, 4, 16, dtype=torch.uint8), True)
@@ -163,8 +163,9 @@ def test_prepare_shuffles_what_the_kernels_take(monkeypatch):
                     "GPU test_moe_triton.py runs the grouped GEMMs on shuffled experts")
 def test_grouped_gemms_read_the_shuffled_layout():
     """The grouped GEMMs (prefill) on shuffled experts give what they give on the checkpoint's
-    (to fp32 rounding: the K sums run in another order), over several row tiles and K tiles; the
-    torch MoE and the Gluon/Triton pair GEMV refuse shuffled experts rather than misread them."""
+    (to fp32 rounding: the K sums run in another order), over several row tiles and K tiles, on
+    both row orders (gate_up and down); the torch MoE and the Gluon/Triton pair GEMV refuse
+    shuffled experts rather than misread them."""
     gen = torch.Generator().manual_seed(5)
     e, h, i, t = 8, 128, 192, 20
     w = _real_experts(gen, e, h, i)

@@ -10,7 +10,8 @@
 // 32-code scale block for its two rows, and one block is two MMAs: codes (0, 4), (1, 5), then
 // (2, 6), (3, 7) as fp16 pairs. The weights are shuffled once at load (moe_gemv_mma.py:
 // shuffle_blocks) so that a 16-row tile holds, for each pair of scale blocks jb and each lane in
-// order, the 16 bytes that lane takes: word t of blocks 2jb and 2jb + 1 of MMA rows g and g + 8.
+// order, the 16 bytes that lane takes: word t of blocks 2jb and 2jb + 1 of MMA row g, then of
+// row g + 8.
 // A warp's load is then 512 contiguous bytes, one 16-byte load a lane (the checkpoint's rows
 // would give a lane 4 bytes of one row a load). MMA rows g, g + 8 are tile rows 2g, 2g + 1 for
 // gate_up (a gate row and its up row) and g, g + 8 for down. Decoding is a bit copy: sign to bit
@@ -71,7 +72,7 @@ __device__ __forceinline__ void load_words(const uint4* __restrict__ qw, int b0,
 #pragma unroll
   for (int u = 0; u < U; u += 2) {
     const uint4 v = __ldg(qw + ((b0 + u) / 2) * 32);
-    wa[u] = v.x, wb[u] = v.y, wa[u + 1] = v.z, wb[u + 1] = v.w;
+    wa[u] = v.x, wa[u + 1] = v.y, wb[u] = v.z, wb[u + 1] = v.w;
   }
 }
 

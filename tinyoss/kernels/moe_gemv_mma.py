@@ -61,7 +61,8 @@ def shuffle_blocks(blocks: torch.Tensor, swiglu: bool) -> torch.Tensor:
     """Experts' MXFP4 blocks [E, N, K/32, 16] in the checkpoint's order -> the same shape and
     bytes in the kernels' order: inside each 16-row tile, for each pair of scale blocks jb and
     each lane (g, t) in lane order, 16 bytes: word t of blocks 2jb and 2jb + 1 of MMA rows g and
-    g + 8 ([g 2jb, g+8 2jb, g 2jb+1, g+8 2jb+1]). MMA rows g, g + 8 are tile rows 2g, 2g + 1 for
+    g + 8 ([g 2jb, g 2jb+1, g+8 2jb, g+8 2jb+1]: a row's two words side by side, which the
+    grouped GEMMs load 8 bytes at a time). MMA rows g, g + 8 are tile rows 2g, 2g + 1 for
     gate_up (`swiglu`: a gate row and its up row), g, g + 8 for down. A few experts at a time,
     so the copy made on the way stays small."""
     e, n, nblk, _ = blocks.shape
@@ -73,8 +74,8 @@ def shuffle_blocks(blocks: torch.Tensor, swiglu: bool) -> torch.Tensor:
     for i in range(0, e, 4):
         words = blocks[i:i + 4].contiguous().view(torch.int32).view(-1, n // 16, 16, nblk, 4)
         w = words[:, :, perm].view(-1, n // 16, 2, 8, nblk // 2, 2, 4)  # [e, tile, h, g, jb, bb, t]
-        out[i:i + 4] = w.permute(0, 1, 4, 3, 6, 5, 2).contiguous().view(torch.uint8).view(
-            -1, n, nblk, 16)  # [e, tile, jb, g, t, bb, h]
+        out[i:i + 4] = w.permute(0, 1, 4, 3, 6, 2, 5).contiguous().view(torch.uint8).view(
+            -1, n, nblk, 16)  # [e, tile, jb, g, t, h, bb]
     return out
 
 

@@ -93,18 +93,37 @@ def _mx_load(
     row_ok,
     k0,
     BLOCK_K: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     """One K tile: activations a [M, BLOCK_K], weights q as 32-bit words [N, BLOCK_K/8] of eight
     E2M1 codes and scales s [N, BLOCK_K/32].
 
-    A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
-    thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
+    In the checkpoint's layout a weight row's bytes are contiguous and the K mask is constant
+    over each 16 bytes, so a thread loads 16-byte vectors (one scale group) and a warp whole
+    128-byte lines. SHUFFLED blocks (`moe_gemv_mma.shuffle_blocks`; SWIGLU: gate_up's row
+    order) keep word t of blocks 2jb and 2jb + 1 of a row side by side: the words come in the
+    order u = jb * 8 + t * 2 + bb (block 2jb + bb), 8 bytes a load, and a's columns in the same
+    order (`_shuffled_k`)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     r = rows.to(tl.int64)[:, None]
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if SHUFFLED:
+        kk = _shuffled_k(kk)
+        rt = r % 16  # MMA row m = 8 * m_hi + m8 of the tile: row 2m8 + m_hi (gate_up) or m
+        if SWIGLU:
+            m8 = rt // 2
+            m_hi = rt % 2
+        else:
+            m8 = rt % 8
+            m_hi = rt // 8
+        words = ((r - rt) * (stride_q // 4) + m8 * 16 + m_hi * 2
+                 + ((kw // 8) * 128 + (kw // 2) % 4 * 4 + kw % 2)[None, :])
+    else:
+        words = r * (stride_q // 4) + kw[None, :]
     q = tl.load(
-        q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
+        q_ptr.to(tl.pointer_type(tl.int32)) + words,
         mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
         other=0,
     )
@@ -113,6 +132,14 @@ def _mx_load(
     )
     a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
     return a, q, s
+
+
+@triton.jit
+def _shuffled_k(kk):
+    """Columns k -> the column that meets code k % 8 of word u = k // 8 in the shuffled words'
+    order (u = jb * 8 + t * 2 + bb stands for word t of block 2jb + bb)."""
+    u = kk // 8
+    return ((u // 8) * 8 + (u % 2) * 4 + (u // 2) % 4) * 8 + kk % 8
 
 
 @triton.jit
@@ -143,8 +170,10 @@ def _mx_gemm(
     row_ok,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
-    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T.
+    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T (W's blocks SHUFFLED or not, see `_mx_load`).
 
     A is row-major [*, K], rows a_rows masked by a_ok. W is one expert's MXFP4 rows: bytes at
     q_ptr (row stride stride_q = K/2), scales at s_ptr (row stride stride_s = K/32). The next
@@ -159,7 +188,8 @@ def _mx_gemm(
     """
     a_off = a_rows.to(tl.int64)[:, None] * K
     nxt = _mx_load(
-        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K
+        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K,
+        SHUFFLED, SWIGLU,
     )
     for k0 in range(0, K, BLOCK_K):
         a, q, s = nxt
@@ -176,6 +206,8 @@ def _mx_gemm(
             row_ok,
             k0 + BLOCK_K,
             BLOCK_K,
+            SHUFFLED,
+            SWIGLU,
         )
         # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
         # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
@@ -183,7 +215,11 @@ def _mx_gemm(
         # K = BLOCK_K/8, one per phase, share the accumulator.
         phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
         sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
-        sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
+        if SHUFFLED:  # word jb * 8 + t * 2 + bb is block 2jb + bb's
+            sc = tl.broadcast_to(sc.reshape(rows.shape[0], BLOCK_K // 64, 1, 2),
+                                 (rows.shape[0], BLOCK_K // 64, 4, 2))
+        else:
+            sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
         sc = sc.reshape(q.shape)  # each word's scale
         for j in tl.static_range(8):
             w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
@@ -196,103 +232,12 @@ def _mx_gemm(
 
 
 @triton.jit
-def _mx_load_shuffled(a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_s, rows0, rows1, v_ok, lane,
-                      k0, V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_mx_load` on shuffled blocks (`moe_gemv_mma.shuffle_blocks`) for V row pairs: a
-    [M, BLOCK_K] in the order the words arrive, the words of rows0 and rows1 as q0, q1
-    [V, BLOCK_K/8], and their scales s0, s1 [V, BLOCK_K/32].
-
-    Row pair v is MMA rows g and g + 8 of a 16-row tile; for each pair of scale blocks jb its 16
-    bytes at word lane[v] + jb * 128 + t * 4 (lane: the tile's first word + g * 16) are [rows0
-    block 2jb, rows1 2jb, rows0 2jb+1, rows1 2jb+1] (word t of each): one 16-byte vector a
-    load, split into the two rows in registers. A row's words then come as u = jb' * 8 + t * 2
-    + bb (block 2jb + bb, word t), so a is loaded in that order too."""
-    i = tl.arange(0, BLOCK_K)
-    u = i // 8
-    kk = k0 + ((u // 8) * 8 + (u % 2) * 4 + (u // 2) % 4) * 8 + i % 8
-    a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
-    u2 = tl.arange(0, BLOCK_K // 16)  # jb' * 4 + t
-    jb = k0 // 64 + u2 // 4
-    words = (lane[:, None, None] + (jb * 128 + u2 % 4 * 4)[None, :, None]
-             + tl.arange(0, 4)[None, None, :])
-    q = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + words,
-                mask=v_ok[:, None, None] & (jb < K // 64)[None, :, None], other=0)
-    q0, q1 = tl.split(q.reshape(V, BLOCK_K // 16, 2, 2))
-    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    s_ok = v_ok[:, None] & (kg < K // 32)[None, :]
-    s0 = tl.load(s_ptr + rows0.to(tl.int64)[:, None] * stride_s + kg[None, :], mask=s_ok, other=0)
-    s1 = tl.load(s_ptr + rows1.to(tl.int64)[:, None] * stride_s + kg[None, :], mask=s_ok, other=0)
-    return a, q0.reshape(V, BLOCK_K // 8), q1.reshape(V, BLOCK_K // 8), s0, s1
-
-
-@triton.jit
-def _word_scales(s, V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Scale bytes [V, BLOCK_K/32] -> each shuffled word's fp32 factor 2**(s - 127 + 14)
-    [V, BLOCK_K/8], words in `_mx_load_shuffled`'s order (block 2jb + bb for word jb*8+t*2+bb)."""
-    sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    sc = tl.broadcast_to(sc.reshape(V, BLOCK_K // 64, 1, 2), (V, BLOCK_K // 64, 4, 2))
-    return sc.reshape(V, BLOCK_K // 8)
-
-
-@triton.jit
-def _mx_gemm_shuffled(
-    acc0, acc1, a_ptr, a_rows, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows0, rows1, v_ok,
-    V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-):
-    """`_mx_gemm` on shuffled blocks: (acc0 + A @ W[rows0].T, acc1 + A @ W[rows1].T), rows0 and
-    rows1 [V] the two rows of each row pair (`_pair_rows`). Same dequantization and phase dots,
-    each of N = V; the words and a's columns in the order they arrive."""
-    a_off = a_rows.to(tl.int64)[:, None] * K
-    g = tl.where(rows1 - rows0 == 1, rows0 % 16 // 2, rows0 % 16)  # the pair's MMA row
-    lane = (rows0 - rows0 % 16).to(tl.int64) * (stride_q // 4) + g * 16
-    nxt = _mx_load_shuffled(a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_s, rows0, rows1, v_ok,
-                            lane, 0, V, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        a, q0, q1, s0, s1 = nxt
-        nxt = _mx_load_shuffled(a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_s, rows0, rows1,
-                                v_ok, lane, k0 + BLOCK_K, V, BLOCK_K)
-        phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
-        sc0 = _word_scales(s0, V, BLOCK_K)
-        sc1 = _word_scales(s1, V, BLOCK_K)
-        for j in tl.static_range(8):
-            w0 = (((q0 << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
-            w0 = w0.to(tl.float16, bitcast=True).to(tl.float32) * sc0
-            w1 = (((q1 << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
-            w1 = w1.to(tl.float16, bitcast=True).to(tl.float32) * sc1
-            if DOT_DTYPE == tl.float32:
-                acc0 = tl.dot(phase[j], tl.trans(w0), acc0, input_precision="ieee")
-                acc1 = tl.dot(phase[j], tl.trans(w1), acc1, input_precision="ieee")
-            else:
-                acc0 = tl.dot(phase[j], tl.trans(w0.to(DOT_DTYPE)), acc0)
-                acc1 = tl.dot(phase[j], tl.trans(w1.to(DOT_DTYPE)), acc1)
-    return acc0, acc1
-
-
-@triton.jit
-def _pair_rows(n0, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
-    """The row pairs of shuffled rows n0 .. n0 + BLOCK_N (in 16s): v = tile * 8 + g holds MMA
-    rows g and g + 8 of that 16-row tile, which are rows 2g and 2g + 1 for gate_up (a gate row
-    and its up row, SWIGLU) and g, g + 8 for down."""
-    v = tl.arange(0, BLOCK_N // 2)
-    base = n0 + (v // 8) * 16
-    if SWIGLU:
-        return base + (v % 8) * 2, base + (v % 8) * 2 + 1
-    return base + v % 8, base + v % 8 + 8
-
-
-@triton.jit
-def _swiglu_pair(gate, up, alpha, limit):
-    """gpt-oss's clamped SwiGLU of gate and up pre-activations."""
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return (up + 1) * gate * tl.sigmoid(alpha * gate)
-
-
-@triton.jit
 def _swiglu(h, alpha, limit, BM: tl.constexpr, BN: tl.constexpr):
     """gpt-oss's clamped SwiGLU on interleaved gate/up columns: [BM, BN] -> [BM, BN/2]."""
     gate, up = tl.split(h.reshape(BM, BN // 2, 2))
-    return _swiglu_pair(gate, up, alpha, limit)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1) * gate * tl.sigmoid(alpha * gate)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,8 +287,7 @@ def _prefill_gate_up(
     DOT_DTYPE: tl.constexpr,
     SHUFFLED: tl.constexpr,
 ):
-    """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile
-    (BLOCK_N / 2 outputs); SHUFFLED: the experts' blocks in `moe_gemv_mma`'s order."""
+    """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
     if row0 >= row_end:
         return
@@ -351,52 +295,33 @@ def _prefill_gate_up(
     ok = r < row_end
     tok = tl.load(order_ptr + r, mask=ok, other=0) // TOPK
     pid_n = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = _mx_gemm(
+        tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+        x_ptr,
+        tok,
+        ok,
+        H,
+        q_ptr + e * stride_qe,
+        s_ptr + e * stride_se,
+        stride_q,
+        stride_s,
+        rows,
+        row_ok,
+        BLOCK_K,
+        DOT_DTYPE,
+        SHUFFLED,
+        True,
+    )
+    bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
     half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    if SHUFFLED:
-        gate_rows, up_rows = _pair_rows(pid_n * BLOCK_N, BLOCK_N, True)
-        acc = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
-        gate, up = _mx_gemm_shuffled(acc, acc, x_ptr, tok, ok, H, q_ptr + e * stride_qe,
-                                     s_ptr + e * stride_se, stride_q, stride_s, gate_rows,
-                                     up_rows, gate_rows < N, BLOCK_N // 2, BLOCK_K, DOT_DTYPE)
-        gate += tl.load(b_ptr + e * N + gate_rows, mask=gate_rows < N, other=0.0).to(
-            tl.float32)[None, :]
-        up += tl.load(b_ptr + e * N + up_rows, mask=up_rows < N, other=0.0).to(
-            tl.float32)[None, :]
-        y = _swiglu_pair(gate, up, alpha, limit)
-    else:
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        acc = _mx_gemm(
-            tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-            x_ptr,
-            tok,
-            ok,
-            H,
-            q_ptr + e * stride_qe,
-            s_ptr + e * stride_se,
-            stride_q,
-            stride_s,
-            rows,
-            row_ok,
-            BLOCK_K,
-            DOT_DTYPE,
-        )
-        bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
-        y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
     tl.store(
         act_ptr + r.to(tl.int64)[:, None] * (N // 2) + half[None, :],
         y.to(act_ptr.dtype.element_ty),
         mask=ok[:, None] & (half < N // 2)[None, :],
     )
-
-
-@triton.jit
-def _store_down(out, rows, acc, bias_ptr, H, wt, ok):
-    """out[:, rows] = (acc + bias[rows]) * wt, the tile's pairs ok."""
-    row_ok = rows < H
-    bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out + rows[None, :], (acc + bias[None, :]) * wt[:, None],
-             mask=ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
@@ -423,42 +348,39 @@ def _prefill_down(
     DOT_DTYPE: tl.constexpr,
     SHUFFLED: tl.constexpr,
 ):
-    """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32;
-    SHUFFLED: the experts' blocks in `moe_gemv_mma`'s order."""
+    """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
     if row0 >= row_end:
         return
     r = row0 + tl.arange(0, BLOCK_M)
     ok = r < row_end
     slot = tl.load(order_ptr + r, mask=ok, other=0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < H
+    acc = _mx_gemm(
+        tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+        act_ptr,
+        r,
+        ok,
+        I,
+        q_ptr + e * stride_qe,
+        s_ptr + e * stride_se,
+        stride_q,
+        stride_s,
+        rows,
+        row_ok,
+        BLOCK_K,
+        DOT_DTYPE,
+        SHUFFLED,
+        False,
+    )
+    bias = tl.load(b_ptr + e * H + rows, mask=row_ok, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-    out = y_ptr + slot.to(tl.int64)[:, None] * H
-    if SHUFFLED:
-        rows0, rows1 = _pair_rows(tl.program_id(1) * BLOCK_N, BLOCK_N, False)
-        acc = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
-        acc0, acc1 = _mx_gemm_shuffled(acc, acc, act_ptr, r, ok, I, q_ptr + e * stride_qe,
-                                       s_ptr + e * stride_se, stride_q, stride_s, rows0, rows1,
-                                       rows0 < H, BLOCK_N // 2, BLOCK_K, DOT_DTYPE)
-        _store_down(out, rows0, acc0, b_ptr + e * H, H, wt, ok)
-        _store_down(out, rows1, acc1, b_ptr + e * H, H, wt, ok)
-    else:
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _mx_gemm(
-            tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-            act_ptr,
-            r,
-            ok,
-            I,
-            q_ptr + e * stride_qe,
-            s_ptr + e * stride_se,
-            stride_q,
-            stride_s,
-            rows,
-            rows < H,
-            BLOCK_K,
-            DOT_DTYPE,
-        )
-        _store_down(out, rows, acc, b_ptr + e * H, H, wt, ok)
+    tl.store(
+        y_ptr + slot.to(tl.int64)[:, None] * H + rows[None, :],
+        (acc + bias[None, :]) * wt[:, None],
+        mask=ok[:, None] & row_ok[None, :],
+    )
 
 
 @triton.jit
@@ -580,9 +502,9 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
     _check_tiles(x, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
-    if w.shuffled and (cfg.block_n1 % 16 or cfg.block_n2 % 16 or cfg.block_k % 64):
-        raise ValueError(f"shuffled experts are read in 16-row tiles and pairs of scale blocks: "
-                         f"row tiles in 16s and K tiles in 64s expected, got {cfg}")
+    if w.shuffled and cfg.block_k % 64:
+        raise ValueError(f"shuffled experts are read in pairs of scale blocks: K tiles in 64s "
+                         f"expected, got {cfg.block_k}")
     pairs = t * k
     y = _empty((pairs, h), torch.float32, x.device)
     if t == 0:

@@ -39,8 +39,8 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
       const uint4 v = w[32 * j];
       const int b = st * C + 2 * j;
       float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      block_mma<SPLIT>(d0, v.x, v.y, xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
-      block_mma<SPLIT>(d1, v.z, v.w, xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
+      block_mma<SPLIT>(d0, v.x, v.z, xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
+      block_mma<SPLIT>(d1, v.y, v.w, xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
       const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
       const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
       const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
