@@ -111,27 +111,39 @@ def _mx_load(
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     if SHUFFLED:
         kk = _shuffled_k(kk)
-        rt = r % 16  # MMA row m = 8 * m_hi + m8 of the tile: row 2m8 + m_hi (gate_up) or m
+        r32 = rows[:, None]  # int32 offsets inside one expert (< 2**31 bytes): fewer registers
+        rt = r32 % 16  # MMA row m = 8 * m_hi + m8 of the tile: row 2m8 + m_hi (gate_up) or m
         if SWIGLU:
             m8 = rt // 2
             m_hi = rt % 2
         else:
             m8 = rt % 8
             m_hi = rt // 8
-        words = ((r - rt) * (stride_q // 4) + m8 * 16 + m_hi * 2
+        words = ((r32 - rt) * (stride_q // 4) + m8 * 16 + m_hi * 2
                  + ((kw // 8) * 128 + (kw // 2) % 4 * 4 + kw % 2)[None, :])
+        s = tl.zeros((1,), tl.uint8)  # `_word_scales` loads them when they are used
     else:
         words = r * (stride_q // 4) + kw[None, :]
+        s = tl.load(s_ptr + r * stride_s + kg[None, :],
+                    mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
     q = tl.load(
         q_ptr.to(tl.pointer_type(tl.int32)) + words,
         mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
         other=0,
     )
-    s = tl.load(
-        s_ptr + r * stride_s + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0
-    )
     a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
     return a, q, s
+
+
+@triton.jit
+def _word_scales(s_ptr, stride_s, rows, row_ok, K, k0, BLOCK_K: tl.constexpr):
+    """Each shuffled word's scale byte [N, BLOCK_K/8] (word jb * 8 + t * 2 + bb is block
+    2jb + bb's), loaded in the words' own layout: broadcasting [N, BLOCK_K/32] into that order
+    goes through shared memory, and holding them a tile ahead spills registers."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    kg = (kw // 8) * 2 + kw % 2
+    return tl.load(s_ptr + rows[:, None] * stride_s + kg[None, :],
+                   mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
 
 
 @triton.jit
@@ -214,11 +226,10 @@ def _mx_gemm(
         # s <= 240 (weights up to 6 * 2**113; checkpoints stay far below). Eight dots of
         # K = BLOCK_K/8, one per phase, share the accumulator.
         phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
+        if SHUFFLED:
+            s = _word_scales(s_ptr, stride_s, rows, row_ok, K, k0, BLOCK_K)
         sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
-        if SHUFFLED:  # word jb * 8 + t * 2 + bb is block 2jb + bb's
-            sc = tl.broadcast_to(sc.reshape(rows.shape[0], BLOCK_K // 64, 1, 2),
-                                 (rows.shape[0], BLOCK_K // 64, 4, 2))
-        else:
+        if not SHUFFLED:
             sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
         sc = sc.reshape(q.shape)  # each word's scale
         for j in tl.static_range(8):
