@@ -367,6 +367,8 @@ def _prefill_down(
     ok = r < row_end
     slot = tl.load(order_ptr + r, mask=ok, other=0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SHUFFLED:  # rows g and g + 8 of each 16 side by side, as their words lie
+        rows = rows - rows % 16 + rows % 16 // 2 + rows % 2 * 8
     row_ok = rows < H
     acc = _mx_gemm(
         tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
@@ -513,9 +515,9 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
     _check_tiles(x, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
-    if w.shuffled and cfg.block_k % 64:
-        raise ValueError(f"shuffled experts are read in pairs of scale blocks: K tiles in 64s "
-                         f"expected, got {cfg.block_k}")
+    if w.shuffled and (cfg.block_k % 64 or cfg.block_n2 % 16):
+        raise ValueError(f"shuffled experts are read in 16-row tiles and pairs of scale blocks: "
+                         f"down's row tiles in 16s and K tiles in 64s expected, got {cfg}")
     pairs = t * k
     y = _empty((pairs, h), torch.float32, x.device)
     if t == 0:
