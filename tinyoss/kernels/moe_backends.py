@@ -3,9 +3,7 @@ best one for the GPU at hand.
 
 * torch: the reference (any device; slow on a GPU).
 * triton: tinyoss's Triton kernels on the checkpoint layout (any CUDA GPU; the decode GEMV is
-  their Gluon twin, `moe_gemv_gluon`), or on Hopper with nvcc the tensor-core GEMVs
-  (`moe_gemv_mma`) up to 64 tokens a step, on experts shuffled at load, which the Triton
-  grouped GEMMs above that read too.
+  their Gluon twin, `moe_gemv_gluon`, run so far on Hopper only).
 * cutlass: FlashInfer's CUTLASS fused MoE (Hopper: bf16 x MXFP4; Blackwell-class: MXFP8 x MXFP4).
 
 auto: no GPU -> torch; Hopper -> triton; Blackwell-class -> cutlass where it runs, else triton
@@ -147,16 +145,15 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
 
         kernels.moe, kernels.moe_norm = moe_triton, moe_norm_triton
         if p.device_type == "cuda":
-            from tinyoss.kernels.moe_gemv_mma import GROUPED_MAX_TOKENS, load
+            from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, GROUPED_MAX_TOKENS, load
 
             mma, why = load(p.capability)
-            log.info("MoE GEMV on the tensor cores (grouped by expert up to %d tokens a step; "
-                     "experts shuffled at load): %s", GROUPED_MAX_TOKENS,
+            log.info("MoE GEMV on the tensor cores (down from %d tokens a step, grouped by "
+                     "expert up to %d): %s", DOWN_MIN_TOKENS, GROUPED_MAX_TOKENS,
                      why if mma else f"no, {why}; the Gluon kernel and the grouped GEMMs run")
             if mma is not None:
                 kernels.moe = functools.partial(moe_triton, mma=mma)
                 kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)
-                kernels.prepare_experts = mma.prepare
                 backend = "triton+mma"
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass

@@ -6,23 +6,19 @@
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
-// position stands for as long as x uses the same, so thread t takes word t (8 codes) of a
+// position stands for as long as x uses the same, so thread t loads word t (8 codes) of a
 // 32-code scale block for its two rows, and one block is two MMAs: codes (0, 4), (1, 5), then
-// (2, 6), (3, 7) as fp16 pairs. The weights are shuffled once at load (moe_gemv_mma.py:
-// shuffle_blocks) so that a 16-row tile holds, for each pair of scale blocks jb and each lane in
-// order, the 16 bytes that lane takes: word t of blocks 2jb and 2jb + 1 of MMA row g, then of
-// row g + 8.
-// A warp's load is then 512 contiguous bytes, one 16-byte load a lane (the checkpoint's rows
-// would give a lane 4 bytes of one row a load). MMA rows g, g + 8 are tile rows 2g, 2g + 1 for
-// gate_up (a gate row and its up row) and g, g + 8 for down. Decoding is a bit copy: sign to bit
-// 15, exponent and mantissa to bits 11..9, which is the code's value times 2**-14 (E2M1
-// subnormals land on fp16 subnormals, which the tensor cores take). The block's E8M0 scale
-// (scales keep the checkpoint's layout) multiplies the MMA's fp32 result, so an MMA never mixes
-// blocks. x is staged once a program in shared memory as fp16 pairs in that order: bf16 x times
-// a power of two that puts its largest magnitude just under 2**15 (exact; values below 2**-24 of
-// the largest round), fp32 x (the SwiGLU output) as fp16 hi + lo, two more MMAs, ~22 bits. In
-// the pair kernels every column of B holds the same x, so each column of D is the product; in
-// the grouped ones column j holds pair j's x.
+// (2, 6), (3, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
+// to bits 11..9, which is the code's value times 2**-14 (E2M1 subnormals land on fp16
+// subnormals, which the tensor cores take). The block's E8M0 scale multiplies the MMA's fp32
+// result, so an MMA never mixes blocks. x is staged once a program in shared memory as fp16
+// pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
+// 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
+// hi + lo, two more MMAs, ~22 bits. In the pair kernels every column of B holds the same x, so
+// each column of D is the product; in the grouped ones column j holds pair j's x. pair_gemv_mma
+// and group_gemv_mma load those words straight into registers; pair_gemv_stream (gate_up above
+// 8 pairs) and group_gemv_stream (down above 16 tokens) first copy the rows into shared memory
+// with cp.async and hand each thread the same words with ldmatrix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -61,18 +57,6 @@ __device__ __forceinline__ void block_mma(float (&d)[4], uint32_t qa, uint32_t q
   if (SPLIT) {
     mma(d, a0, a1, a2, a3, xl.x, xl.y);
     mma(d, c0, c1, c2, c3, xl.z, xl.w);
-  }
-}
-
-// U blocks from block b0 (even) of the lane's shuffled words qw (the tile's, offset by the lane):
-// rows g (wa) and g + 8 (wb), two blocks a 16-byte load.
-template <int U>
-__device__ __forceinline__ void load_words(const uint4* __restrict__ qw, int b0,
-                                           uint32_t (&wa)[U], uint32_t (&wb)[U]) {
-#pragma unroll
-  for (int u = 0; u < U; u += 2) {
-    const uint4 v = __ldg(qw + ((b0 + u) / 2) * 32);
-    wa[u] = v.x, wa[u + 1] = v.y, wb[u] = v.z, wb[u + 1] = v.w;
   }
 }
 
@@ -194,10 +178,16 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   // checkpoint); else 16 consecutive rows
   const int la = SWIGLU ? 2 * (warp * 8 + g) : warp * 16 + g;
   const int lb = SWIGLU ? la + 1 : la + 8;
-  const uint4* qw = reinterpret_cast<const uint4*>(q + e * stride_qe +
-                                                   (long)(row0 + 16 * warp) * stride_q) + lane;
+  const uint32_t* qa = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
+                                                         (long)(row0 + la) * stride_q) + t + 4 * first;
+  const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
+                                                         (long)(row0 + lb) * stride_q) + t + 4 * first;
   uint32_t wa[U], wb[U];
-  load_words<U>(qw, first, wa, wb);  // on their way while x stages
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
+    wa[u] = __ldg(qa + 4 * u);
+    wb[u] = __ldg(qb + 4 * u);
+  }
   const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
     reinterpret_cast<uint4*>(ss)[i] = sg[i];
@@ -215,7 +205,13 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
       acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
       acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
     }
-    if (b0 + U < per) load_words<U>(qw, first + b0 + U, wa, wb);
+    if (b0 + U < per) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        wa[u] = __ldg(qa + 4 * (b0 + U + u));
+        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+      }
+    }
   }
   if (KSPLIT > 1) {  // the other parts' sums into part 0's
     float* red = reinterpret_cast<float*>(smem);  // x is read no more
@@ -244,12 +240,149 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
            cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
-  if (N % ROWS || (K / 32 / KSPLIT) % U || K % (32 * KSPLIT) || U % 2 || K > KMAX) {
-    return (int)cudaErrorInvalidValue;
-  }
+  if (N % ROWS || K % (32 * U * KSPLIT) || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
   pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
+      out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
+  return (int)cudaGetLastError();
+}
+
+// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+
+// The streamed kernels' weight path: a warp takes 16 rows over the whole K and copies them into
+// its shared-memory ring with cp.async, C scale blocks (C * 16 bytes a row, contiguous, 16 bytes
+// a copy) a stage, S stages in flight, rows laid out in MMA row order with C + 1 units a row
+// (odd: ldmatrix reads 8 rows without bank conflicts); ldmatrix hands each thread the words
+// block_mma takes. issue_stage copies stage st of the rows at src into slot st % S.
+template <bool SWIGLU, int C, int S>
+__device__ __forceinline__ void issue_stage(uint8_t* ring, const uint8_t* __restrict__ src,
+                                            int stride_q, int st) {
+  constexpr int RU = C + 1;  // 16-byte units a row of a stage
+  uint8_t* dst = ring + (st % S) * 16 * RU * 16;
+#pragma unroll
+  for (int i = threadIdx.x & 31; i < 16 * C; i += 32) {
+    const int r = i / C, u = i % C;
+    const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;  // checkpoint row r -> MMA row m
+    cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
+  }
+}
+
+// The ring's nst stages against x's fp16 pairs (xs, and xl when SPLIT: a column's words in
+// block_mma's order), after the first S - 1 stages were issued: sums of the warp's rows (g, g + 8
+// in MMA order) times columns (2t, 2t + 1) into acc, each block times its rows' scales (ss, the
+// tile's [16][nblk] in checkpoint row order: ca, cb the rows g and g + 8 stand for).
+template <bool SWIGLU, int C, int S>
+__device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __restrict__ src,
+                                            int stride_q, int nst, const uint4* xs,
+                                            const uint4* xl, const uint8_t* ss, int nblk,
+                                            int ca, int cb, float (&acc)[4]) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int RU = C + 1;
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  // ldmatrix: lanes 0-7 MMA rows 0-7 of block b, 8-15 rows 8-15, 16-31 the same at b + 1
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
+  for (int st = 0; st < nst; ++st) {
+    cp_wait<S - 2>();
+    __syncwarp();  // stage st landed for every lane; every lane is done with stage st - 1's slot
+    if (st + S - 1 < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st + S - 1);
+    cp_commit();
+    const uint8_t* w = ring + (st % S) * 16 * RU * 16 + (lrow * RU + lblk) * 16;
+#pragma unroll
+    for (int j = 0; j < C / 2; ++j) {
+      uint32_t r[4];
+      ldsm4(r, w + 32 * j);
+      const int b = st * C + 2 * j;
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+      block_mma<SPLIT>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
+      block_mma<SPLIT>(d1, r[2], r[3], xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
+      const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
+      const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
+      const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
+      const float sb1 = __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23);
+      acc[0] = fmaf(d1[0], sa1, fmaf(d0[0], sa0, acc[0]));
+      acc[1] = fmaf(d1[1], sa1, fmaf(d0[1], sa0, acc[1]));
+      acc[2] = fmaf(d1[2], sb1, fmaf(d0[2], sb0, acc[2]));
+      acc[3] = fmaf(d1[3], sb1, fmaf(d0[3], sb0, acc[3]));
+    }
+  }
+}
+
+// The streamed pair kernel, for gate_up at more than 8 pairs: W warps a program share the
+// pair's x, each streams its 16 rows; the tile's scales come with the first stage.
+template <bool SWIGLU, int C, int S, int W, typename XT>
+__global__ void __launch_bounds__(W * 32)
+    pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
+                     const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                     const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                     float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                     long stride_se, float alpha, float limit) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);
+  constexpr int STAGE = 16 * (C + 1) * 16;  // bytes a stage
+  extern __shared__ uint4 smem[];
+  __shared__ float xmax[W];
+  const int nblk = K / 32, nst = nblk / C;
+  uint4* xs = smem;
+  uint4* xl = smem + K / 8;
+  uint8_t* base = (uint8_t*)(smem + (SPLIT ? 2 : 1) * (K / 8));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  uint8_t* ring = base + warp * (S * STAGE + 16 * nblk);  // this warp's stages, then its scales
+  uint8_t* ss = ring + S * STAGE;
+  const int pair = blockIdx.x;
+  const long e = ids[pair];
+  const int row0 = (blockIdx.y * W + warp) * 16;
+  const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
+  const uint8_t* sg = s + e * stride_se + (long)row0 * nblk;
+  for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);  // 16 rows x nblk
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st);
+    cp_commit();
+  }
+  const float pre = stage_x<SPLIT, XWORDS, W>(x + (long)(pair / x_div) * K, K, xs, xl, xmax);
+  __syncthreads();
+  const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;  // checkpoint rows
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // every column holds the same x: columns 0 and 1 agree
+  stream_rows<SWIGLU, C, S>(ring, src, stride_q, nst, xs, xl, ss, nblk, ca, cb, acc);
+  if (t == 0) {
+    store<SWIGLU>(acc[0], acc[2], pre, row0 + ca, row0 + cb, pair, e, bias, wts, out, N, alpha,
+                  limit);
+  }
+}
+
+template <bool SWIGLU, int C, int S, int W, typename XT>
+int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
+                  const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
+                  long stride_qe, int stride_q, long stride_se, float alpha, float limit,
+                  cudaStream_t stream) {
+  if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
+  const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
+  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+  }
+  kernel<<<dim3(pairs, N / (16 * W)), W * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
@@ -338,10 +471,16 @@ __global__ void __launch_bounds__(TILES * 32)
   const int row0 = blockIdx.y * ROWS;
   const int la = SWIGLU ? 2 * (warp * 8 + g) : warp * 16 + g;
   const int lb = SWIGLU ? la + 1 : la + 8;
-  const uint4* qw = reinterpret_cast<const uint4*>(q + (long)e * stride_qe +
-                                                   (long)(row0 + 16 * warp) * stride_q) + lane;
+  const uint32_t* qa = reinterpret_cast<const uint32_t*>(q + (long)e * stride_qe +
+                                                         (long)(row0 + la) * stride_q) + t;
+  const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + (long)e * stride_qe +
+                                                         (long)(row0 + lb) * stride_q) + t;
   uint32_t wa[U], wb[U];
-  load_words<U>(qw, 0, wa, wb);  // on their way while x stages
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
+    wa[u] = __ldg(qa + 4 * u);
+    wb[u] = __ldg(qb + 4 * u);
+  }
   const uint4* sg = reinterpret_cast<const uint4*>(s + (long)e * stride_se + (long)row0 * nblk);
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += THREADS) {
     reinterpret_cast<uint4*>(ss)[i] = sg[i];
@@ -365,13 +504,71 @@ __global__ void __launch_bounds__(TILES * 32)
       acc[2] = fmaf(d[2], sb, acc[2]);
       acc[3] = fmaf(d[3], sb, acc[3]);
     }
-    if (b0 + U < nblk) load_words<U>(qw, b0 + U, wa, wb);
+    if (b0 + U < nblk) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        wa[u] = __ldg(qa + 4 * (b0 + U + u));
+        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+      }
+    }
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * t + i;
     if (c < count) {
       store<SWIGLU>(acc[i], acc[2 + i], SPLIT ? 1.f : cpre[c], row0 + la, row0 + lb,
+                    order[start + c], e, bias, wts, out, N, alpha, limit);
+    }
+  }
+}
+
+// The grouped kernel with the streamed weight path (issue_stage, stream_rows), W warps a program
+// sharing the group's staged x: down above 16 tokens, where it keeps more bytes in flight than
+// group_gemv_mma's register loads.
+template <bool SWIGLU, int C, int S, int W, typename XT>
+__global__ void __launch_bounds__(W * 32)
+    group_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
+                      const int* __restrict__ sorted_ids, const int* __restrict__ order,
+                      const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                      const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                      float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                      long stride_se, float alpha, float limit) {
+  constexpr bool SPLIT = !SWIGLU;
+  constexpr int STAGE = 16 * (C + 1) * 16;
+  extern __shared__ uint4 smem[];
+  __shared__ float cpre[8];
+  const int gi = groups[blockIdx.x];
+  if (gi < 0) return;
+  const int start = gi & 0xFFFF, count = gi >> 16;
+  const int e = sorted_ids[start];
+  const int nblk = K / 32, nst = nblk / C, KP = K / 8 + 1;
+  uint4* xs = smem;
+  uint4* xl = smem + 8 * KP;
+  uint8_t* base = (uint8_t*)(smem + (SPLIT ? 2 : 1) * 8 * KP);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  uint8_t* ring = base + warp * (S * STAGE + 16 * nblk);  // this warp's stages, then its scales
+  uint8_t* ss = ring + S * STAGE;
+  const int row0 = (blockIdx.y * W + warp) * 16;
+  const uint8_t* src = q + (long)e * stride_qe + (long)row0 * stride_q;
+  const uint8_t* sg = s + (long)e * stride_se + (long)row0 * nblk;
+  for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st);
+    cp_commit();
+  }
+  stage_group<SPLIT, W>(x, x_div, order + start, count, K, xs, xl, cpre);
+  __syncthreads();
+  const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // thread column g's x: B's column g is pair g's
+  stream_rows<SWIGLU, C, S>(ring, src, stride_q, nst, xs + g * KP, xl + g * KP, ss, nblk, ca,
+                            cb, acc);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = 2 * t + i;
+    if (c < count) {
+      store<SWIGLU>(acc[i], acc[2 + i], SPLIT ? 1.f : cpre[c], row0 + ca, row0 + cb,
                     order[start + c], e, bias, wts, out, N, alpha, limit);
     }
   }
@@ -436,7 +633,7 @@ int launch_grouped(const void* x, int x_div, const int* groups, int G, const int
                    const float* wts, float* out, int N, int K, long stride_qe, int stride_q,
                    long stride_se, float alpha, float limit, cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
-  if (N % ROWS || K % (32 * U) || U % 2 || K > KMAX) return (int)cudaErrorInvalidValue;
+  if (N % ROWS || K % (32 * U) || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 + ROWS * (K / 32);
   auto kernel = group_gemv_mma<SWIGLU, U, TILES, XT>;
   const cudaError_t err =
@@ -449,26 +646,50 @@ int launch_grouped(const void* x, int x_div, const int* groups, int G, const int
   return (int)cudaGetLastError();
 }
 
+template <bool SWIGLU, int C, int S, int W, typename XT>
+int launch_grouped_stream(const void* x, int x_div, const int* groups, int G,
+                          const int* sorted_ids, const int* order, const uint8_t* q,
+                          const uint8_t* s, const void* bias, const float* wts, float* out,
+                          int N, int K, long stride_qe, int stride_q, long stride_se,
+                          float alpha, float limit, cudaStream_t stream) {
+  if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
+  const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 +
+                   W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
+  auto kernel = group_gemv_stream<SWIGLU, C, S, W, XT>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
+  kernel<<<dim3(G, N / (16 * W)), W * 32, smem, stream>>>(
+      static_cast<const XT*>(x), x_div, groups, sorted_ids, order, q, s,
+      static_cast<const __nv_bfloat16*>(bias), wts, out, N, K, stride_qe, stride_q, stride_se,
+      alpha, limit);
+  return (int)cudaGetLastError();
+}
 }  // namespace
 
-// The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv/sweep_pair.py
-// and bench/results/2026-11-25_h100_shuffled_moe.md), by the pairs a step has (4 a token):
-// gate_up with three warps a row tile (K in thirds) up to 4 pairs, one above; down with three
-// warps a row tile at every count.
-#define TINYOSS_GATE_UP true, 10, 3, 4, __nv_bfloat16
-#define TINYOSS_GATE_UP_MANY true, 18, 1, 4, __nv_bfloat16
-#define TINYOSS_DOWN false, 6, 3, 2, float
-// grouped by expert: 192 gate_up rows a program; 320 down rows up to 64 pairs, 192 above
-#define TINYOSS_GATE_UP_GROUPED true, 6, 12, __nv_bfloat16
-#define TINYOSS_DOWN_GROUPED false, 10, 20, float
-#define TINYOSS_DOWN_GROUPED_MANY false, 10, 12, float
+// The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
+// pairs a step has (4 a token): gate_up streamed through shared memory above 8 pairs, with one
+// warp a row tile at 5-8; down with two-tile programs up to 8 pairs. Down runs from 2 tokens on
+// (at 1, Gluon's is faster).
+#define TINYOSS_GATE_UP true, 9, 2, 4, __nv_bfloat16
+#define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
+#define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
+#define TINYOSS_DOWN false, 15, 1, 4, float
+#define TINYOSS_DOWN_FEW false, 9, 2, 2, float
+// grouped by expert: 192 gate_up and 320 down rows a program, down streamed (192 rows a program)
+// above 64 pairs (sweep_pair.py --grouped)
+#define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
+#define TINYOSS_DOWN_GROUPED false, 9, 20, float
+#define TINYOSS_DOWN_GROUPED_STREAM false, 10, 2, 12, float
 
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
                                    const float* wts, float* out, int N, int K, long stride_qe,
                                    int stride_q, long stride_se, float alpha, float limit,
                                    void* stream) {
-  auto run = pairs > 4 ? launch<TINYOSS_GATE_UP_MANY> : launch<TINYOSS_GATE_UP>;
+  auto run = pairs > 8   ? launch_stream<TINYOSS_GATE_UP_STREAM>
+             : pairs > 4 ? launch<TINYOSS_GATE_UP_FEW>
+                         : launch<TINYOSS_GATE_UP>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
@@ -478,9 +699,9 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 const float* wts, float* out, int N, int K, long stride_qe,
                                 int stride_q, long stride_se, float alpha, float limit,
                                 void* stream) {
-  return launch<TINYOSS_DOWN>(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe,
-                              stride_q, stride_se, alpha, limit,
-                              static_cast<cudaStream_t>(stream));
+  auto run = pairs > 8 ? launch<TINYOSS_DOWN> : launch<TINYOSS_DOWN_FEW>;
+  return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
+             alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
@@ -490,7 +711,7 @@ extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const i
                                    int stride_q, long stride_se, float alpha, float limit,
                                    void* stream) {
   auto run = swiglu       ? launch_grouped<TINYOSS_GATE_UP_GROUPED>
-             : pairs > 64 ? launch_grouped<TINYOSS_DOWN_GROUPED_MANY>
+             : pairs > 64 ? launch_grouped_stream<TINYOSS_DOWN_GROUPED_STREAM>
                           : launch_grouped<TINYOSS_DOWN_GROUPED>;
   return run(x, x_div, groups, G, sorted_ids, order, q, s, bias, wts, out, N, K, stride_qe,
              stride_q, stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
@@ -509,11 +730,13 @@ extern "C" int tinyoss_sort_pairs(const int* ids, int pairs, int* sorted_ids, in
 // here rather than at the first launch), else the CUDA error.
 extern "C" int tinyoss_mma_ready(void) {
   const void* kernels[] = {(const void*)pair_gemv_mma<TINYOSS_GATE_UP>,
-                           (const void*)pair_gemv_mma<TINYOSS_GATE_UP_MANY>,
+                           (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>,
+                           (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
+                           (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
                            (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,
-                           (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED_MANY>,
+                           (const void*)group_gemv_stream<TINYOSS_DOWN_GROUPED_STREAM>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

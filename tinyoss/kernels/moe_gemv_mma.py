@@ -4,23 +4,21 @@ kernel grouped by expert above that, up to GROUPED_MAX_TOKENS.
 
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
-about half the instructions. They read the experts shuffled at load into the MMA's fragment
-order (`shuffle_blocks`, `MmaGemv.prepare`: same bytes, reordered inside each 16-row tile), so
-a warp's load is 512 contiguous bytes: 9-16% faster than on the checkpoint's rows at 1 to 64
-tokens (bench/results/2026-11-25_h100_shuffled_moe.md). Everything else that reads those
-experts (the grouped GEMMs above GROUPED_MAX_TOKENS) reads the shuffled layout too, so no copy
-in the checkpoint's layout is kept. The library picks the tile by the step's pairs. Above
-GEMV_MAX_TOKENS the pairs are sorted by expert and cut into groups of up to 8 pairs of one
+about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
+(2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
+pairs gate_up streams its rows through shared memory (bench/results/2026-11-25_h100_mma_tiles.md).
+Above GEMV_MAX_TOKENS the pairs are sorted by expert and cut into groups of up to 8 pairs of one
 expert (one launch, `sort_pairs`); a program takes a group, one pair a column of the MMA,
 reading the expert's rows once for them: faster than the grouped GEMMs (which dequantize to
-bf16) up to GROUPED_MAX_TOKENS, and exact where those round to bf16. Products agree with the
-fp32 Gluon kernel's to ~3e-7.
+bf16) up to GROUPED_MAX_TOKENS, and exact where those round to bf16. Above 16 tokens down
+streams its rows through shared memory like the pair gate_up (more bytes in flight than
+register loads; bench/results/2026-11-25_h100_grouped_mma.md and _grouped_stream.md). Products
+agree with the fp32 Gluon kernel's to ~3e-7.
 
 It is CUDA C++: nvcc builds it once a machine into a small shared library (no PyTorch headers,
 a few seconds), cached by the source's hash under TINYOSS_CACHE (~/.cache/tinyoss), loaded with
 ctypes and launched on PyTorch's current stream, so CUDA graphs capture it. Without nvcc, or on
-a GPU other than sm_90, `load` says why and the Gluon kernel and the grouped GEMMs run instead,
-on the checkpoint's layout.
+a GPU other than sm_90, `load` says why and the Gluon kernel and the grouped GEMMs run instead.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,8 +42,10 @@ from tinyoss.tools.make_checkpoint import cache_dir
 
 log = logging.getLogger("tinyoss")
 
+GATE_UP_MIN_TOKENS = 1
+DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
 GROUPED_MAX_TOKENS = 64  # measured faster than the grouped GEMMs up to here
-GROUPED_ROWS = (192, 320, 192)  # rows a program: grouped gate_up, down to 64 pairs, above
+GROUPED_ROWS = (192, 320, 192)  # rows a program: grouped gate_up, down, streamed down
 SOURCE = Path(__file__).with_suffix(".cu")
 _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -54,29 +53,6 @@ _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_
          ctypes.c_float, ctypes.c_void_p]
 _GROUPED_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                  ctypes.c_void_p, ctypes.c_void_p, *_ARGS[3:]]
-
-
-@torch.no_grad()
-def shuffle_blocks(blocks: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """Experts' MXFP4 blocks [E, N, K/32, 16] in the checkpoint's order -> the same shape and
-    bytes in the kernels' order: inside each 16-row tile, for each pair of scale blocks jb and
-    each lane (g, t) in lane order, 16 bytes: word t of blocks 2jb and 2jb + 1 of MMA rows g and
-    g + 8 ([g 2jb, g 2jb+1, g+8 2jb, g+8 2jb+1]: a row's two words side by side, which the
-    grouped GEMMs load 8 bytes at a time). MMA rows g, g + 8 are tile rows 2g, 2g + 1 for
-    gate_up (`swiglu`: a gate row and its up row), g, g + 8 for down. A few experts at a time,
-    so the copy made on the way stays small."""
-    e, n, nblk, _ = blocks.shape
-    if n % 16 or nblk % 2:
-        raise ValueError(f"rows in 16s and an even number of scale blocks expected, got {n} rows "
-                         f"and {nblk} blocks")
-    perm = [2 * g for g in range(8)] + [2 * g + 1 for g in range(8)] if swiglu else list(range(16))
-    out = torch.empty_like(blocks)
-    for i in range(0, e, 4):
-        words = blocks[i:i + 4].contiguous().view(torch.int32).view(-1, n // 16, 16, nblk, 4)
-        w = words[:, :, perm].view(-1, n // 16, 2, 8, nblk // 2, 2, 4)  # [e, tile, h, g, jb, bb, t]
-        out[i:i + 4] = w.permute(0, 1, 4, 3, 6, 2, 5).contiguous().view(torch.uint8).view(
-            -1, n, nblk, 16)  # [e, tile, jb, g, t, h, bb]
-    return out
 
 
 class SortedPairs(NamedTuple):
@@ -117,36 +93,15 @@ class MmaGemv:
         return self.error(err) if err else None
 
     @staticmethod
-    def takes(w: ExpertWeights) -> bool:
-        """bf16 biases, rows in 64s, K 2880 (gpt-oss's hidden and intermediate size: every
-        tile's K steps divide it, and x is staged for at most that), SwiGLU outputs that fit fp16
-        (|act| <= (limit + 1) * limit)."""
+    def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
+        """bf16 activations and biases, rows in 64s, K 2880 (gpt-oss's hidden and intermediate
+        size: every tile's K steps divide it, and x is staged for at most that), SwiGLU outputs
+        that fit fp16 (|act| <= (limit + 1) * limit)."""
         ks = (w.gate_up_blocks.shape[2] * 32, w.down_blocks.shape[2] * 32)
         ns = (w.gate_up_blocks.shape[1], w.down_blocks.shape[1])
-        return (w.gate_up_bias.dtype == w.down_bias.dtype == torch.bfloat16
+        return (x.dtype == w.gate_up_bias.dtype == w.down_bias.dtype == torch.bfloat16
                 and all(n % 64 == 0 for n in ns) and ks == (2880, 2880)
                 and (w.limit + 1) * w.limit < 6e4)
-
-    @staticmethod
-    def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """`takes(w)`, bf16 activations, and the experts shuffled (`prepare`)."""
-        return x.dtype == torch.bfloat16 and w.shuffled and MmaGemv.takes(w)
-
-    @staticmethod
-    def prepare(w: ExpertWeights) -> ExpertWeights:
-        """`Kernels.prepare_experts`: experts these kernels take, with their blocks shuffled
-        (`shuffle_blocks`); others as they are (new tensor objects on the same storage, which
-        outlive the checkpoint parameters `Experts.prepare` empties)."""
-        if not MmaGemv.takes(w):
-            return replace(w, **{f: getattr(w, f).detach() for f in (
-                "gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales",
-                "down_bias")})
-        return replace(w, gate_up_blocks=shuffle_blocks(w.gate_up_blocks, swiglu=True),
-                       gate_up_scales=w.gate_up_scales.detach(),
-                       gate_up_bias=w.gate_up_bias.detach(),
-                       down_blocks=shuffle_blocks(w.down_blocks, swiglu=False),
-                       down_scales=w.down_scales.detach(), down_bias=w.down_bias.detach(),
-                       shuffled=True)
 
     @staticmethod
     def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:

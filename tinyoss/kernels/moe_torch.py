@@ -15,9 +15,7 @@ from tinyoss.model.mxfp4 import dequantize
 
 @dataclass
 class ExpertWeights:
-    """One layer's experts as the checkpoint stores them ([E, out, in] rows); `shuffled`: the
-    blocks reordered inside each 16-row tile for the tensor-core GEMVs
-    (`moe_gemv_mma.shuffle_blocks`), which only the Triton MoE kernels also read."""
+    """One layer's experts exactly as the checkpoint stores them ([E, out, in] rows)."""
 
     gate_up_blocks: torch.Tensor  # [E, 2I, H/32, 16] uint8, rows interleaved: gate 2j, up 2j+1
     gate_up_scales: torch.Tensor  # [E, 2I, H/32] uint8
@@ -27,7 +25,6 @@ class ExpertWeights:
     down_bias: torch.Tensor  # [E, H]
     alpha: float = 1.702
     limit: float = 7.0
-    shuffled: bool = False
 
 
 def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -49,10 +46,6 @@ def moe_torch(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: ExpertWeights
 ) -> torch.Tensor:
     """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] -> sum_k w_k * expert_k(x) [T, H]."""
-    if w.shuffled:
-        raise ValueError("these experts are shuffled for the tensor-core MoE GEMV "
-                         "(moe_gemv_mma.MmaGemv.prepare); the torch MoE reads the checkpoint's "
-                         "layout")
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in topk_ids.unique().tolist():

@@ -1,9 +1,7 @@
 """Mixture-of-experts on packed MXFP4 experts in Triton: a drop-in for `moe_torch`.
 
-The experts stay packed as the checkpoint stores them (`ExpertWeights`), or with the blocks
-shuffled inside 16-row tiles for the tensor-core GEMVs (`ExpertWeights.shuffled`, which the
-grouped GEMMs read too); every kernel reads the packed bytes and scales and dequantizes tiles in
-registers, so no bf16 copy of an expert exists.
+The experts stay exactly as the checkpoint stores them (`ExpertWeights`); every kernel reads the
+packed bytes and scales and dequantizes tiles in registers, so no bf16 copy of an expert exists.
 
 Three paths, chosen by the static token count T (never by data): nothing syncs with the host and
 every grid has a static size, so both can be captured in CUDA graphs.
@@ -11,8 +9,7 @@ every grid has a static size, so both can be captured in CUDA graphs.
 * pair GEMV (T <= GEMV_MAX_TOKENS): every (token, expert) pair gets its own programs, so one
   token fills the GPU; `_pair_gemv` streams gate_up rows (bias + clamped SwiGLU fused), then
   down rows (bias, routing weight), and `_combine` sums each token's top-k rows. On a GPU the
-  same GEMV runs on the tensor cores (`moe_gemv_mma`, Hopper, shuffled experts) or else as a
-  Gluon kernel with explicit layouts (`moe_gemv_gluon`), both faster.
+  same GEMV runs as a Gluon kernel with explicit layouts (`moe_gemv_gluon`), which is faster.
 * grouped tensor-core GEMV (GEMV_MAX_TOKENS < T <= `moe_gemv_mma.GROUPED_MAX_TOKENS`, when the
   tensor-core library runs): pairs sorted by expert (`MmaGemv.sort_pairs`), up to 8 pairs of
   an expert a program, then `_combine` (`_grouped_pairs`).
@@ -43,7 +40,12 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
-from tinyoss.kernels.moe_gemv_mma import GROUPED_MAX_TOKENS, MmaGemv
+from tinyoss.kernels.moe_gemv_mma import (
+    DOWN_MIN_TOKENS,
+    GATE_UP_MIN_TOKENS,
+    GROUPED_MAX_TOKENS,
+    MmaGemv,
+)
 from tinyoss.kernels.moe_torch import ExpertWeights
 
 
@@ -93,65 +95,26 @@ def _mx_load(
     row_ok,
     k0,
     BLOCK_K: tl.constexpr,
-    SHUFFLED: tl.constexpr,
-    SWIGLU: tl.constexpr,
 ):
     """One K tile: activations a [M, BLOCK_K], weights q as 32-bit words [N, BLOCK_K/8] of eight
     E2M1 codes and scales s [N, BLOCK_K/32].
 
-    In the checkpoint's layout a weight row's bytes are contiguous and the K mask is constant
-    over each 16 bytes, so a thread loads 16-byte vectors (one scale group) and a warp whole
-    128-byte lines. SHUFFLED blocks (`moe_gemv_mma.shuffle_blocks`; SWIGLU: gate_up's row
-    order) keep word t of blocks 2jb and 2jb + 1 of a row side by side: the words come in the
-    order u = jb * 8 + t * 2 + bb (block 2jb + bb), 8 bytes a load, and a's columns in the same
-    order (`_shuffled_k`)."""
+    A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
+    thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
     kk = k0 + tl.arange(0, BLOCK_K)
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     r = rows.to(tl.int64)[:, None]
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    if SHUFFLED:
-        kk = _shuffled_k(kk)
-        r32 = rows[:, None]  # int32 offsets inside one expert (< 2**31 bytes): fewer registers
-        rt = r32 % 16  # MMA row m = 8 * m_hi + m8 of the tile: row 2m8 + m_hi (gate_up) or m
-        if SWIGLU:
-            m8 = rt // 2
-            m_hi = rt % 2
-        else:
-            m8 = rt % 8
-            m_hi = rt // 8
-        words = ((r32 - rt) * (stride_q // 4) + m8 * 16 + m_hi * 2
-                 + ((kw // 8) * 128 + (kw // 2) % 4 * 4 + kw % 2)[None, :])
-        s = tl.zeros((1,), tl.uint8)  # `_word_scales` loads them when they are used
-    else:
-        words = r * (stride_q // 4) + kw[None, :]
-        s = tl.load(s_ptr + r * stride_s + kg[None, :],
-                    mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
     q = tl.load(
-        q_ptr.to(tl.pointer_type(tl.int32)) + words,
+        q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
         mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
         other=0,
     )
+    s = tl.load(
+        s_ptr + r * stride_s + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0
+    )
     a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
     return a, q, s
-
-
-@triton.jit
-def _word_scales(s_ptr, stride_s, rows, row_ok, K, k0, BLOCK_K: tl.constexpr):
-    """Each shuffled word's scale byte [N, BLOCK_K/8] (word jb * 8 + t * 2 + bb is block
-    2jb + bb's), loaded in the words' own layout: broadcasting [N, BLOCK_K/32] into that order
-    goes through shared memory, and holding them a tile ahead spills registers."""
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    kg = (kw // 8) * 2 + kw % 2
-    return tl.load(s_ptr + rows[:, None] * stride_s + kg[None, :],
-                   mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
-
-
-@triton.jit
-def _shuffled_k(kk):
-    """Columns k -> the column that meets code k % 8 of word u = k // 8 in the shuffled words'
-    order (u = jb * 8 + t * 2 + bb stands for word t of block 2jb + bb)."""
-    u = kk // 8
-    return ((u // 8) * 8 + (u % 2) * 4 + (u // 2) % 4) * 8 + kk % 8
 
 
 @triton.jit
@@ -182,10 +145,8 @@ def _mx_gemm(
     row_ok,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    SHUFFLED: tl.constexpr,
-    SWIGLU: tl.constexpr,
 ):
-    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T (W's blocks SHUFFLED or not, see `_mx_load`).
+    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T.
 
     A is row-major [*, K], rows a_rows masked by a_ok. W is one expert's MXFP4 rows: bytes at
     q_ptr (row stride stride_q = K/2), scales at s_ptr (row stride stride_s = K/32). The next
@@ -200,8 +161,7 @@ def _mx_gemm(
     """
     a_off = a_rows.to(tl.int64)[:, None] * K
     nxt = _mx_load(
-        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K,
-        SHUFFLED, SWIGLU,
+        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K
     )
     for k0 in range(0, K, BLOCK_K):
         a, q, s = nxt
@@ -218,19 +178,14 @@ def _mx_gemm(
             row_ok,
             k0 + BLOCK_K,
             BLOCK_K,
-            SHUFFLED,
-            SWIGLU,
         )
         # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
         # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
         # s <= 240 (weights up to 6 * 2**113; checkpoints stay far below). Eight dots of
         # K = BLOCK_K/8, one per phase, share the accumulator.
         phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
-        if SHUFFLED:
-            s = _word_scales(s_ptr, stride_s, rows, row_ok, K, k0, BLOCK_K)
         sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
-        if not SHUFFLED:
-            sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
+        sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
         sc = sc.reshape(q.shape)  # each word's scale
         for j in tl.static_range(8):
             w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
@@ -296,7 +251,6 @@ def _prefill_gate_up(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    SHUFFLED: tl.constexpr,
 ):
     """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
@@ -322,8 +276,6 @@ def _prefill_gate_up(
         row_ok,
         BLOCK_K,
         DOT_DTYPE,
-        SHUFFLED,
-        True,
     )
     bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
     y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
@@ -357,7 +309,6 @@ def _prefill_down(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    SHUFFLED: tl.constexpr,
 ):
     """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
@@ -367,8 +318,6 @@ def _prefill_down(
     ok = r < row_end
     slot = tl.load(order_ptr + r, mask=ok, other=0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SHUFFLED:  # rows g and g + 8 of each 16 side by side, as their words lie
-        rows = rows - rows % 16 + rows % 16 // 2 + rows % 2 * 8
     row_ok = rows < H
     acc = _mx_gemm(
         tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
@@ -384,8 +333,6 @@ def _prefill_down(
         row_ok,
         BLOCK_K,
         DOT_DTYPE,
-        SHUFFLED,
-        False,
     )
     bias = tl.load(b_ptr + e * H + rows, mask=row_ok, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
@@ -515,9 +462,6 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or prefill_config(x.shape[0], w.gate_up_blocks.shape[0], topk_ids.shape[1])
     _check_tiles(x, cfg.block_m, (cfg.block_n1, cfg.block_n2), (cfg.block_k,))
-    if w.shuffled and (cfg.block_k % 64 or cfg.block_n2 % 16):
-        raise ValueError(f"shuffled experts are read in 16-row tiles and pairs of scale blocks: "
-                         f"down's row tiles in 16s and K tiles in 64s expected, got {cfg}")
     pairs = t * k
     y = _empty((pairs, h), torch.float32, x.device)
     if t == 0:
@@ -533,7 +477,6 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         "BLOCK_M": cfg.block_m,
         "BLOCK_K": cfg.block_k,
         "DOT_DTYPE": _dot_dtype(x),
-        "SHUFFLED": w.shuffled,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
@@ -679,8 +622,8 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                 w: ExpertWeights, config: GemvConfig | None,
                 mma: MmaGemv | None = None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
-    `mma`'s (the tensor-core kernels, on shuffled experts) where it supports them, else Gluon's
-    (the Triton kernel in the interpreter) on the checkpoint's layout."""
+    `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
+    from DOWN_MIN_TOKENS tokens on, else Gluon's (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -694,18 +637,17 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     act = _empty((pairs, i), torch.float32, x.device)
-    if mma is not None and mma.supports(x, w):
-        ids32 = ids.to(torch.int32)
+    tensor_cores = mma is not None and mma.supports(x, w)
+    ids32 = ids.to(torch.int32) if tensor_cores else ids
+    if tensor_cores and t >= GATE_UP_MIN_TOKENS:
         mma.gate_up(x.contiguous(), k, ids32, *gu, wts, act, w.alpha, w.limit)
+    else:
+        _pair_gemv_cores(x.contiguous(), k, ids, gu, wts, act, 2 * i, h, w, cfg, cfg.block_n1,
+                         swiglu=True)
+    if tensor_cores and t >= DOWN_MIN_TOKENS:
         mma.down(act, ids32, *dn, wts, y, w.alpha, w.limit)
-        return y
-    if w.shuffled:
-        raise ValueError(f"experts shuffled for the tensor-core MoE GEMV need it "
-                         f"({'not given' if mma is None else 'it does not take these'}: "
-                         f"bfloat16 activations, got {x.dtype})")
-    _pair_gemv_cores(x.contiguous(), k, ids, gu, wts, act, 2 * i, h, w, cfg, cfg.block_n1,
-                     swiglu=True)
-    _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
+    else:
+        _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
     return y
 
 

@@ -1,13 +1,12 @@
 """The MoE's tensor-core GEMVs against the Gluon pair GEMV and the grouped GEMMs at gpt-oss-20b
 shapes on one GPU: the product's pair kernels (tinyoss/kernels/moe_gemv_mma.cu, both projections
-at every token count, on shuffled experts) and its kernel grouped
+at every token count; the engine runs Gluon's down below DOWN_MIN_TOKENS) and its kernel grouped
 by expert (`moe_triton._grouped_pairs`, at every token count; the engine groups from
 GEMV_MAX_TOKENS + 1 to GROUPED_MAX_TOKENS). Errors against the Gluon kernel's fp32 pair outputs;
 microseconds of gate_up + down (no combine), replayed from CUDA graphs over 4 rotating weight
 sets. `--parts` times the grouped kernels and the sorts one at a time.
 
     python bench/experiments/mma_gemv/bench.py --tokens 1,2,4,8,16,32,64
-    python bench/experiments/mma_gemv/bench.py --prefill 128,1024,8192   # GEMMs on both layouts
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,2,4,8,16,64")
     p.add_argument("--parts", action="store_true", help="time the grouped kernels one at a time")
-    p.add_argument("--prefill", default="", help="token counts: the grouped GEMMs (prefill) on "
-                   "the checkpoint's and the shuffled layout instead")
     args = p.parse_args()
     mma, why = load(capability())
     if mma is None:
@@ -43,29 +40,20 @@ def main() -> None:
     ws = [weights(s, 32, h, i) for s in range(4)]
     ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
           for w in ws]
-    if args.prefill:
-        for t in map(int, args.prefill.split(",")):
-            row = [f"T={t:<5} grouped GEMMs"]
-            for name, layout in (("checkpoint", ws), ("shuffled", [mma.prepare(w) for w in ws])):
-                us = timed(lambda x, wts, ids, w: mt._prefill_pairs(x, wts, ids, w, None),
-                           call_sets(t, layout))
-                row.append(f"{name} {us:8.1f} us")
-            print(" | ".join(row), flush=True)
-        return
     for t in map(int, args.tokens.split(",")):
         sets = []
         for x, wts, ids, w in call_sets(t, ws):
             pairs = ids.numel()
             sets.append(dict(
                 x=x, wts=wts, ids=ids, ids32=ids.reshape(-1).to(torch.int32),
-                flat_wts=wts.reshape(-1).float().contiguous(), w=w, ws=mma.prepare(w),
+                flat_wts=wts.reshape(-1).float().contiguous(), w=w,
                 act=torch.empty(pairs, i, device="cuda"), y=torch.empty(pairs, h, device="cuda")))
 
         def gluon(c):
             return mt._gemv_pairs(c["x"], c["wts"], c["ids"], c["w"], None)
 
         def pair_mma(c):
-            w = c["ws"]
+            w = c["w"]
             mma.gate_up(c["x"], 4, c["ids32"], w.gate_up_blocks, w.gate_up_scales,
                         w.gate_up_bias, c["flat_wts"], c["act"], w.alpha, w.limit)
             mma.down(c["act"], c["ids32"], w.down_blocks, w.down_scales, w.down_bias,
@@ -84,14 +72,14 @@ def main() -> None:
         if t > mt.GEMV_MAX_TOKENS:  # where the engine runs the grouped GEMMs
 
             def gemms(c):
-                return mt._prefill_pairs(c["x"], c["wts"], c["ids"], c["ws"], None)
+                return mt._prefill_pairs(c["x"], c["wts"], c["ids"], c["w"], None)
 
             err = (gemms(sets[0]) - ref).norm() / ref.norm()
             us = timed(each(gemms), [()]) / len(sets)
             row.append(f"grouped GEMMs {us:6.1f} us (err {err:.0e})")
 
         def product(c):  # also below GEMV_MAX_TOKENS, where the engine does not group
-            return mt._grouped_pairs(c["x"], c["flat_wts"].view(t, 4), c["ids"], c["ws"], mma)
+            return mt._grouped_pairs(c["x"], c["flat_wts"].view(t, 4), c["ids"], c["w"], mma)
 
         err = (product(sets[0]) - ref).norm() / ref.norm()
         us = timed(each(product), [()]) / len(sets)
@@ -101,7 +89,7 @@ def main() -> None:
                 c["by_expert"] = mma.sort_pairs(c["ids32"], 32)
 
             def part(c, which):
-                w, by_expert = c["ws"], c["by_expert"]
+                w, by_expert = c["w"], c["by_expert"]
                 if which == "product gate_up":
                     mma.grouped(c["x"], 4, by_expert, w.gate_up_blocks, w.gate_up_scales,
                                 w.gate_up_bias, c["flat_wts"], c["act"], w.alpha, w.limit, True)

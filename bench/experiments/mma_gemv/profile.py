@@ -38,8 +38,7 @@ def main() -> None:
     lib = build() if args.variants else None
     h = i = 2880
     w = weights(0, 32, h, i)
-    w = mma.prepare(replace(w, gate_up_bias=w.gate_up_bias.bfloat16(),
-                            down_bias=w.down_bias.bfloat16()))
+    w = replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
     for t in map(int, args.tokens.split(",")):
         x, wts, ids, _ = call_sets(t, [w])[0]
         ids32 = ids.reshape(-1).to(torch.int32)

@@ -1,8 +1,8 @@
-"""Tiles of the tensor-core MoE GEMVs on shuffled experts (pair_tiles.cu: the product's pair
-kernel with other U, KSPLIT and TILES choices, and a variant streamed through shared memory with
-cp.async), gate_up and down timed apart, against the Gluon kernel's halves on the checkpoint's
-layout, at gpt-oss-20b shapes. Errors against the product's tiles; microseconds a call replayed
-from CUDA graphs over 4 rotating weight sets.
+"""Tiles of the tensor-core pair GEMV (pair_tiles.cu: the product kernel with other U, KSPLIT
+and TILES choices, and a variant streamed through shared memory with cp.async), gate_up and down
+timed apart, against the Gluon kernel's halves, at gpt-oss-20b shapes. Errors against the
+product kernel's output; microseconds a call replayed from CUDA graphs over 4 rotating weight
+sets.
 
     python bench/experiments/mma_gemv/sweep_pair.py --tokens 1,2,4,8
     python bench/experiments/mma_gemv/sweep_pair.py --grouped [--only streamed] --tokens 16,32,64
@@ -52,8 +52,8 @@ def sweep_grouped(lib: ctypes.CDLL, mma: mm.MmaGemv, tokens: list[int], only: st
     against its outputs), the pairs sorted once outside the timing."""
     h = i = 2880
     ws = [weights(s, 32, h, i) for s in range(4)]
-    ws = [mma.prepare(replace(w, gate_up_bias=w.gate_up_bias.bfloat16(),
-                              down_bias=w.down_bias.bfloat16())) for w in ws]
+    ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
+          for w in ws]
     variants = [v for v in range(100, 200) if lib.tinyoss_grouped_variant_name(v)
                 and only in lib.tinyoss_grouped_variant_name(v).decode()]
     for t in tokens:
@@ -121,13 +121,12 @@ def main() -> None:
     ws = [weights(s, 32, h, i) for s in range(4)]
     ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
           for w in ws]
-    shuffled = [mma.prepare(w) for w in ws]  # the variants read these; Gluon the checkpoint's
     cfg = GemvConfig()
     for t in map(int, args.tokens.split(",")):
         sets = []
-        for (x, wts, ids, w), prepared in zip(call_sets(t, ws), shuffled):
+        for x, wts, ids, w in call_sets(t, ws):
             pairs = ids.numel()
-            sets.append(dict(x=x, ids=ids.reshape(-1).to(torch.int32), w=w, ws=prepared,
+            sets.append(dict(x=x, ids=ids.reshape(-1).to(torch.int32), w=w,
                              wts=wts.reshape(-1).float().contiguous(),
                              act=torch.empty(pairs, i, device="cuda"),
                              y=torch.empty(pairs, h, device="cuda")))
@@ -140,7 +139,6 @@ def main() -> None:
                                 swiglu=True, block_n=cfg.block_n1, block_k=cfg.block_k,
                                 num_warps=cfg.num_warps)
                 return c["act"]
-            w = c["ws"]
             b, s = w.gate_up_blocks, w.gate_up_scales
             err = lib.tinyoss_pair_variant(
                 variant, c["x"].data_ptr(), 4, c["ids"].data_ptr(), c["ids"].numel(),
@@ -158,7 +156,6 @@ def main() -> None:
                                 swiglu=False, block_n=cfg.block_n2, block_k=cfg.block_k,
                                 num_warps=cfg.num_warps)
                 return c["y"]
-            w = c["ws"]
             b, s = w.down_blocks, w.down_scales
             err = lib.tinyoss_pair_variant(
                 variant, c["act"].data_ptr(), 1, c["ids"].data_ptr(), c["ids"].numel(),

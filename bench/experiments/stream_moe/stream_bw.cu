@@ -9,14 +9,13 @@
 //           them with ldmatrix and do the real tensor-core work (decode, mma, scales)
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a stream_bw.cu -o stream_bw
-// (it takes mma and pair16 from the product's tensor-core GEMV, ldsm4 from the experiments')
+// (it takes mma, pair16 and ldsm4 from the product's tensor-core GEMV)
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
-#include "../../../tinyoss/kernels/moe_gemv_mma.cu"  // mma, pair16
-#include "../mma_gemv/cp_async.cuh"                  // ldsm4
+#include "../../../tinyoss/kernels/moe_gemv_mma.cu"  // mma, pair16, ldsm4
 
 #define CK(x)                                                                   \
   do {                                                                          \
