@@ -159,3 +159,81 @@ def test_cuda_graph_replay_gpu() -> None:
     torch.cuda.synchronize()
     assert rel(out, mxfp4_linear_torch(x.float(), blocks, scales, bias)) < GPU_TOL
     assert not torch.equal(out, eager)
+
+
+# -- the tensor-core GEMV (moe_gemv_mma) on dense layers ---------------------------------------
+
+
+def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
+    """q/k/v and lm_head (K 2880, rows in 64s, bf16) go to `mma.dense` up to GEMV_MAX_M rows;
+    o (K 4096), fp32 activations or biases, and prefill-sized M stay on the Triton kernels."""
+    from tinyoss.kernels.moe_gemv_mma import MmaGemv
+
+    meta = "meta"
+    x = torch.empty(1, 2880, dtype=torch.bfloat16, device=meta)
+    qkv = (torch.empty(5120, 90, 16, dtype=torch.uint8, device=meta),
+           torch.empty(5120, 90, dtype=torch.uint8, device=meta))
+    bias = torch.empty(5120, dtype=torch.bfloat16, device=meta)
+    assert MmaGemv.supports_dense(x, *qkv, bias) and MmaGemv.supports_dense(x, *qkv, None)
+    assert not MmaGemv.supports_dense(x.float(), *qkv, bias)
+    assert not MmaGemv.supports_dense(x, *qkv, bias.float())
+    o = (torch.empty(2880, 128, 16, dtype=torch.uint8, device=meta),
+         torch.empty(2880, 128, dtype=torch.uint8, device=meta))
+    assert not MmaGemv.supports_dense(torch.empty(1, 4096, dtype=torch.bfloat16, device=meta),
+                                      *o, None)
+
+    class Recorder:
+        def __init__(self, supported: bool) -> None:
+            self.supported, self.calls = supported, []
+
+        def supports_dense(self, x, blocks, scales, bias) -> bool:
+            return self.supported
+
+        def dense(self, x, blocks, scales, bias):
+            self.calls.append(x.shape[0])
+            return mxfp4_linear_torch(x.float(), blocks, scales, bias).float()
+
+    blocks, scales, bias = weights(N, K)
+    for m, supported, want in ((1, True, [1]), (lt.GEMV_MAX_M, True, [lt.GEMV_MAX_M]),
+                               (lt.GEMV_MAX_M + 1, True, []), (1, False, [])):
+        fake = Recorder(supported)
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        out = lt.mxfp4_linear(x, blocks, scales, bias, mma=fake)
+        assert fake.calls == want and out.dtype == x.dtype and out.shape == (m, N)
+        assert rel(out, mxfp4_linear_torch(x, blocks, scales, bias)) < TOL
+
+
+def _mma():
+    from tinyoss.kernels.hardware import capability
+    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
+
+    if capability() != (9, 0) or _nvcc() is None:
+        pytest.skip("the tensor-core GEMV needs sm_90 and nvcc")
+    mma, why = load(capability())
+    assert mma is not None, why
+    return mma
+
+
+@gpu
+@pytest.mark.parametrize("layer", ["qkv", "lm_head"])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_tensor_core_gemv_real_shapes_gpu(layer: str, m: int) -> None:
+    """fp32 outputs equal the fp32 reference on the bf16 activations to fp32 rounding (bound
+    1e-5: x is staged exactly, codes decode exactly, sums in fp32), with and without bias;
+    through `mxfp4_linear`, bf16 outputs, also replayed from a CUDA graph on new inputs."""
+    mma = _mma()
+    n, k = REAL[layer]
+    blocks, scales, bias = weights(n, k, seed=m, device="cuda", std=0.02)
+    bias = bias.to(torch.bfloat16) if layer == "qkv" else None
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = mxfp4_linear_torch(x.float(), blocks, scales, bias)
+    got = mma.dense(x, blocks, scales, bias)
+    assert got.dtype == torch.float32 and rel(got, ref) < 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lt.mxfp4_linear(x, blocks, scales, bias, mma=mma)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16
+    assert rel(out, mxfp4_linear_torch(x.float(), blocks, scales, bias)) < GPU_TOL

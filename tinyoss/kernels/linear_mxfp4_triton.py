@@ -13,6 +13,8 @@ every grid has a static size, so decode steps that call them can be captured in 
   (512 values = 256 bytes; coalesced 8-byte loads a thread in the sm_90 SASS, as the pair GEMV),
   and reduces over K once, after the loop. Few rows per program, so that even a 2880-row layer
   at batch 1 runs hundreds of programs.
+  On Hopper with nvcc, `moe_gemv_mma`'s tensor-core pair kernel takes the layers it supports
+  (K 2880: q/k/v, lm_head) instead (`mma`).
 * GEMM (prefill): tiles dequantized to bf16 in registers, `tl.dot` on the tensor cores, fp32
   accumulation; correct for any M.
 
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyoss.kernels.moe_gemv_mma import MmaGemv
 from tinyoss.kernels.moe_triton import _dot_dtype, _e2m1_fp32, _mx_gemm, _phases, _ue8m0_fp32
 
 GEMV_MAX_M = 4  # up to this many rows the CUDA-core GEMV runs, above it the tensor-core GEMM
@@ -227,10 +230,15 @@ def mxfp4_linear(
     blocks: torch.Tensor,
     scales: torch.Tensor,
     bias: torch.Tensor | None,
+    mma: MmaGemv | None = None,
 ) -> torch.Tensor:
     """Drop-in for `mxfp4_linear_torch`: x [M, K] -> [M, N] in x.dtype, fp32 accumulation.
+    `mma`: the tensor-core GEMV (Hopper), which takes the GEMV's steps where it supports the
+    layer (`MmaGemv.supports_dense`).
 
     The path depends only on the static M, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_M:
+        if mma is not None and mma.supports_dense(x, blocks, scales, bias):
+            return mma.dense(x, blocks, scales, bias).to(x.dtype)
         return linear_gemv(x, blocks, scales, bias)
     return linear_gemm(x, blocks, scales, bias)

@@ -155,6 +155,11 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
                 kernels.moe = functools.partial(moe_triton, mma=mma)
                 kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)
                 backend = "triton+mma"
+                if kernels.names["mxfp4_linear"] == "triton":  # the dense MXFP4 GEMV too
+                    from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
+
+                    kernels.mxfp4_linear = functools.partial(mxfp4_linear, mma=mma)
+                    kernels.names["mxfp4_linear"] = "triton+mma"
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass
 

@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -135,21 +136,22 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
                                       const float* __restrict__ wts, float* __restrict__ out,
                                       int N, float alpha, float limit) {
   const float undo = 16384.f / pre;
-  const float ha = acc_a * undo + __bfloat162float(bias[e * N + ra]);
-  const float hb = acc_b * undo + __bfloat162float(bias[e * N + rb]);
+  const float ha = acc_a * undo + (bias ? __bfloat162float(bias[e * N + ra]) : 0.f);
+  const float hb = acc_b * undo + (bias ? __bfloat162float(bias[e * N + rb]) : 0.f);
   if (SWIGLU) {
     const float gate = fminf(ha, limit);
     const float up = fminf(fmaxf(hb, -limit), limit);
     out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
   } else {
-    const float wt = wts[pair];
+    const float wt = wts ? wts[pair] : 1.f;
     out[(long)pair * N + ra] = ha * wt;
     out[(long)pair * N + rb] = hb * wt;
   }
 }
 
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
-// out [pairs, N] times the routing weight). U: scale blocks a load group; KSPLIT: warps that
+// out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
+// expert 0, no bias, weight 1). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
 // TILES: 16-row tiles a program.
 template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                   float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                   long stride_se, float alpha, float limit) {
-  constexpr bool SPLIT = !SWIGLU;  // fp32 x: hi + lo
+  constexpr bool SPLIT = std::is_same<XT, float>::value;  // fp32 x: hi + lo
   constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
   constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
   extern __shared__ uint4 smem[];
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % TILES;
   const int part = (threadIdx.x >> 5) / TILES, first = part * per;
   const int g = lane >> 2, t = lane & 3;
-  const long e = ids[pair];
+  const long e = ids ? ids[pair] : 0;
   const int row0 = blockIdx.y * ROWS;
   // SwiGLU: row g is the gate and row g + 8 the up row of one output (2j and 2j + 1 in the
   // checkpoint); else 16 consecutive rows
@@ -241,7 +243,7 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
            cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
   if (N % ROWS || K % (32 * U * KSPLIT) || K > KMAX) return (int)cudaErrorInvalidValue;
-  const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + ROWS * (K / 32);
+  const int smem = (std::is_same<XT, float>::value ? 2 : 1) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
   pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
@@ -704,6 +706,20 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
+// A dense MXFP4 layer (`--mxfp4-layers`; K 2880: q/k/v and lm_head), M rows of x [M, K] bf16:
+// 16-row programs in K thirds for layers of few rows, so that they still fill the GPU; 64-row
+// programs for lm_head's 201088.
+#define TINYOSS_DENSE false, 10, 3, 1, __nv_bfloat16
+#define TINYOSS_DENSE_WIDE false, 9, 2, 4, __nv_bfloat16
+
+extern "C" int tinyoss_dense_mma(const void* x, int rows, const uint8_t* q, const uint8_t* s,
+                                 const void* bias, float* out, int N, int K, int stride_q,
+                                 void* stream) {
+  auto run = N >= 16384 ? launch<TINYOSS_DENSE_WIDE> : launch<TINYOSS_DENSE>;
+  return run(x, 1, nullptr, rows, q, s, bias, nullptr, out, N, K, 0, stride_q, 0, 0.f, 0.f,
+             static_cast<cudaStream_t>(stream));
+}
+
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
                                    int G, const int* sorted_ids, const int* order, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -734,6 +750,8 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
+                           (const void*)pair_gemv_mma<TINYOSS_DENSE>,
+                           (const void*)pair_gemv_mma<TINYOSS_DENSE_WIDE>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
                            (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,
                            (const void*)group_gemv_stream<TINYOSS_DOWN_GROUPED_STREAM>,

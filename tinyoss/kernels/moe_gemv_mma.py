@@ -2,6 +2,9 @@
 1 to `moe_triton.GEMV_MAX_TOKENS` tokens (decode, batched decode, speculative verify) and the
 kernel grouped by expert above that, up to GROUPED_MAX_TOKENS.
 
+The same pair kernel also takes the dense layers quantized to MXFP4 at load (`--mxfp4-layers`)
+whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEMV (`dense`).
+
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
 about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
@@ -79,6 +82,11 @@ class MmaGemv:
         self.sort_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         self.sort_fn.restype = ctypes.c_int
+        self.dense_fn = lib.tinyoss_dense_mma
+        self.dense_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_void_p]
+        self.dense_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -110,6 +118,34 @@ class MmaGemv:
                 and w.gate_up_blocks.shape[1] % GROUPED_ROWS[0] == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS[1] == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS[2] == 0)
+
+    @staticmethod
+    def supports_dense(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None) -> bool:
+        """A dense MXFP4 layer these kernels take: bf16 x [M, 2880] and bias, rows in 64s,
+        contiguous blocks and scales (q/k/v and lm_head of gpt-oss; o has K 4096)."""
+        n, nblk = blocks.shape[:2]
+        return (x.dtype == torch.bfloat16 and x.dim() == 2 and nblk * 32 == 2880 == x.shape[1]
+                and n % 64 == 0 and blocks.is_contiguous() and scales.is_contiguous()
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+
+    def dense(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] bf16 @ W.T (+ bias) -> [M, N] fp32, W the MXFP4 `blocks` [N, K/32, 16] and
+        `scales` [N, K/32] (`supports_dense`): each row of x is a pair of one expert."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32, device=x.device)
+        if x.shape[0] == 0:
+            return out
+        err = self.dense_fn(x.data_ptr(), x.shape[0], blocks.data_ptr(), scales.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(),
+                            blocks.shape[0], blocks.shape[1] * 32, blocks.stride(0),
+                            torch.cuda.current_stream(x.device).cuda_stream)
+        if err:
+            raise RuntimeError(f"the tensor-core MXFP4 GEMV failed to launch: {self.error(err)} "
+                               f"(N {blocks.shape[0]}, K {blocks.shape[1] * 32}, "
+                               f"rows {x.shape[0]})")
+        return out
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
         """int32 expert ids [pairs] (each below `experts`) sorted as a stable `torch.sort` sorts
