@@ -5,6 +5,9 @@ on bf16, errors against the dequantized weights, GB/s of the FP8 bytes.
 
     python bench/dense_gemv.py --m 1,2,4 --configs 8/512/4/3,16/256/4/3
     python bench/dense_gemv.py --fp8 --m 1,2,4,8 --configs 8/1024/4/4,16/512/4/4,8/2048/4/4
+    python bench/dense_gemv.py [--fp8] --mma --m 1,2,4,8 --configs 8/1024/4/4   # tensor cores
+
+--mma adds the tensor-core GEMV (`moe_gemv_mma`, Hopper with nvcc) on the same weights.
 """
 
 from __future__ import annotations
@@ -43,8 +46,17 @@ def main() -> None:
                    help="block_n/block_k/warps/stages (K steps through shared memory), each "
                         "with block_m from gemv_config")
     p.add_argument("--fp8", action="store_true", help="the GEMV on FP8 weights")
+    p.add_argument("--mma", action="store_true", help="also the tensor-core GEMV")
     args = p.parse_args()
     dev = torch.device("cuda")
+    mma = None
+    if args.mma:
+        from tinyoss.kernels.hardware import capability
+        from tinyoss.kernels.moe_gemv_mma import load
+
+        mma, why = load(capability())
+        if mma is None:
+            raise SystemExit(f"the tensor-core GEMV cannot run here: {why}")
     for name, (n, k) in SHAPES.items():
         sets = 4 if n < 100000 else 1  # rotate weight sets so L2 does not hold them
         ws = [torch.randn(n, k, device=dev).to(torch.bfloat16) * 0.02 for _ in range(sets)]
@@ -70,6 +82,12 @@ def main() -> None:
                 us = graph_time(lambda cfg=cfg: [lt.linear_gemv(x, q, b, cfg, scale=s)
                                                  for (q, s), b in zip(qs, bs)], sets)
                 row.append(f"{c}: {us:7.1f} us {gemv_mb / us * 1e3:5.0f} GB/s err {err:.0e}")
+            if mma is not None and mma.supports_linear(x, q0, s0, bs[0]):
+                out = mma.linear(x, q0, bs[0], s0).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                us = graph_time(lambda: [mma.linear(x, q, b, s) for (q, s), b in zip(qs, bs)],
+                                sets)
+                row.append(f"mma: {us:7.1f} us {gemv_mb / us * 1e3:5.0f} GB/s err {err:.0e}")
             print(" | ".join(row), flush=True)
     # A chain: 24 layers of qkv then o, as a decode step runs them.
     qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
@@ -87,11 +105,18 @@ def main() -> None:
     row.append(f"cublas {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
     us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, w)))
     row.append(f"triton {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+    if mma is not None:
+        us = graph_time(lambda: chain(lambda h, w: mma.linear(h.contiguous(), w)))
+        row.append(f"mma {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
     if args.fp8:
         fp8 = {id(w): quantize_fp8(w) for w in qkv + o}
         us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, fp8[id(w)][0],
                                                                   scale=fp8[id(w)][1])))
         row.append(f"triton fp8 {us:7.1f} us {mb / 2 / us * 1e3:5.0f} GB/s (of the FP8 bytes)")
+        if mma is not None:
+            us = graph_time(lambda: chain(lambda h, w: mma.linear(
+                h.contiguous(), fp8[id(w)][0], scale=fp8[id(w)][1])))
+            row.append(f"mma fp8 {us:7.1f} us {mb / 2 / us * 1e3:5.0f} GB/s")
     print(" | ".join(row), flush=True)
 
 

@@ -62,3 +62,93 @@ def test_fp8_gpt_oss_shapes_gpu(n: int, k: int, m: int) -> None:
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     want = F.linear(x.float(), q.float() * s[:, None], b.float())
     assert rel(lt.fp8_linear(x, q, s, b), want) < 1e-2
+
+
+# -- the tensor-core GEMV (moe_gemv_mma) on dense layers ---------------------------------------
+
+
+def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
+    """bf16 or FP8 (with its row scales) weights of K and rows in 64s for 1-8 bf16 rows; not the
+    router (32 rows), fp32 activations, FP8 without scales or bf16 with them, nor 9 rows; and
+    `linear_triton` / `fp8_linear` hand it the rows in MMA_ROWS."""
+    from tinyoss.kernels.moe_gemv_mma import MmaGemv
+
+    meta = "meta"
+    x = torch.empty(8, 2880, dtype=torch.bfloat16, device=meta)
+    w = torch.empty(5120, 2880, dtype=torch.bfloat16, device=meta)
+    q = torch.empty(5120, 2880, dtype=torch.float8_e4m3fn, device=meta)
+    s = torch.empty(5120, dtype=torch.float32, device=meta)
+    b = torch.empty(5120, dtype=torch.bfloat16, device=meta)
+    assert MmaGemv.supports_linear(x, w, None, b) and MmaGemv.supports_linear(x[:1], w, None, None)
+    assert MmaGemv.supports_linear(x, q, s, b)
+    assert not MmaGemv.supports_linear(x, q, None, b) and not MmaGemv.supports_linear(x, w, s, b)
+    assert not MmaGemv.supports_linear(torch.empty(9, 2880, dtype=torch.bfloat16, device=meta),
+                                       w, None, b)
+    assert not MmaGemv.supports_linear(x.float(), w, None, b)
+    assert not MmaGemv.supports_linear(x, w[:32], None, None)  # the router
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls = []
+
+        def supports_linear(self, x, weight, scale, bias) -> bool:
+            return True
+
+        def linear(self, x, weight, bias=None, scale=None):
+            self.calls.append((x.shape[0], scale is not None))
+            w = weight.float() * (1 if scale is None else scale[:, None])
+            return F.linear(x.float(), w, None if bias is None else bias.float())
+
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 8, 9):
+        x, w, b = (torch.randn(m, 64, generator=gen), torch.randn(16, 64, generator=gen),
+                   torch.randn(16, generator=gen))
+        fake = Recorder()
+        assert rel(lt.linear_triton(x, w, b, mma=fake), F.linear(x, w, b)) < 1e-5
+        assert fake.calls == ([(m, False)] if m in lt.MMA_ROWS["bf16"] else [])
+        fake = Recorder()
+        scale = torch.rand(16, generator=gen) + 0.5
+        if m in lt.MMA_ROWS["fp8"]:
+            out = lt.fp8_linear(x, w, scale, b, mma=fake)
+            assert fake.calls == [(m, True)]
+            assert rel(out, F.linear(x, w * scale[:, None], b)) < 1e-5
+
+
+def _mma():
+    from tinyoss.kernels.hardware import capability
+    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
+
+    if capability() != (9, 0) or _nvcc() is None:
+        pytest.skip("the tensor-core GEMV needs sm_90 and nvcc")
+    mma, why = load(capability())
+    assert mma is not None, why
+    return mma
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880)])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_tensor_core_gemv_gpu(n: int, k: int, fp8: bool, m: int) -> None:
+    """bf16 outputs against fp32 on the (dequantized) weights, each row of x a column of the
+    MMA, FP8 activations at x * 1e3 too (staged times a power of two a column); and replayed
+    from a CUDA graph on new inputs."""
+    from tinyoss.model.quant_linear import quantize_fp8
+
+    mma = _mma()
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    x[-1] *= 1e3
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    q, s = quantize_fp8(w.float()) if fp8 else (w, None)
+    wf = q.float() * s[:, None] if fp8 else w.float()
+    out = mma.linear(x, q, b, s)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert rel(out, F.linear(x.float(), wf, b.float())) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mma.linear(x, q, None, s)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, F.linear(x.float(), wf)) < 1e-2

@@ -561,7 +561,10 @@ def test_a_failing_step_fails_its_requests_and_the_core_restarts(tmp_path, monke
     try:
         wait_healthy(served)
         events = stream_events(served.url, {"prompt": "a", "max_tokens": 50, "stream": True})
-        assert [len(e.get("choices", [])) for e in events] == [1, 1, 0]
+        # the two good steps' tokens, in one chunk or two (a slow reader gets them together),
+        # then the error
+        counts = [len(e.get("choices", [])) for e in events]
+        assert counts[-1] == 0 and counts[:-1] in ([1], [1, 1])
         err = events[-1]["error"]
         assert "injected engine failure" in err["message"] and err["code"] == "engine_unavailable"
         r = httpx.get(served.url + "/health")

@@ -155,11 +155,15 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
                 kernels.moe = functools.partial(moe_triton, mma=mma)
                 kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)
                 backend = "triton+mma"
-                if kernels.names["mxfp4_linear"] == "triton":  # the dense MXFP4 GEMV too
-                    from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
+                # the dense layers' decode GEMVs too, where they are on the Triton kernels
+                from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
+                from tinyoss.kernels.linear_triton import fp8_linear, linear_triton
 
-                    kernels.mxfp4_linear = functools.partial(mxfp4_linear, mma=mma)
-                    kernels.names["mxfp4_linear"] = "triton+mma"
+                for name, fn in (("mxfp4_linear", mxfp4_linear), ("fp8_linear", fp8_linear),
+                                 ("linear", linear_triton)):
+                    if kernels.names[name] == "triton":
+                        setattr(kernels, name, functools.partial(fn, mma=mma))
+                        kernels.names[name] = "triton+mma"
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass
 

@@ -21,6 +21,7 @@
 // with cp.async and hand each thread the same words with ldmatrix.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <type_traits>
@@ -44,6 +45,22 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// the low two e4m3 bytes of q as an fp16 pair (exact: e4m3 fits fp16)
+__device__ __forceinline__ uint32_t fp8x2(uint32_t q) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(q & 0xFFFFu), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
 // One scale block of rows g and g + 8: their words qa, qb (8 codes each) against x's fp16 pairs
@@ -667,6 +684,147 @@ int launch_grouped_stream(const void* x, int x_div, const int* groups, int G,
       alpha, limit);
   return (int)cudaGetLastError();
 }
+// Dense layers with bf16 or FP8 (e4m3, a scale a row) weights W [N, K] for up to 8 rows of x
+// [M, K] bf16, one row of x a column of the MMA (the weights read once for all of them). A lane
+// (g, t) loads 16 bytes of rows g and g + 8 of its warp's 16-row tile a chunk (64 bytes of a
+// row: 32 bf16 or 64 FP8 weights); as in block_mma, which physical k an MMA slot stands for is
+// free as long as x uses the same, so the lane's weights meet x at the same k's, staged in shared
+// memory: bf16 x as it is (bf16 MMAs), or for FP8 (converted to fp16 pairs with one cvt for two)
+// as fp16 times a power of two a column (stage_scale). KSPLIT warps share a row tile, each a
+// contiguous part of the chunks; TILES row tiles a program.
+template <bool FP8, int U, int KSPLIT, int TILES>
+__global__ void __launch_bounds__(TILES * KSPLIT * 32)
+    dense_gemv_mma(const __nv_bfloat16* __restrict__ x, int M, const uint8_t* __restrict__ w,
+                   const float* __restrict__ scale, const __nv_bfloat16* __restrict__ bias,
+                   __nv_bfloat16* __restrict__ out, int N, int K) {
+  constexpr int W = TILES * KSPLIT;
+  extern __shared__ uint4 smem[];
+  __shared__ float cpre[8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = warp % TILES, part = warp / TILES;
+  const int g = lane >> 2, t = lane & 3;
+  const int KP = K + 8;  // a column's elements in shared memory (padded against bank conflicts)
+  const int kb = FP8 ? K : 2 * K, nch = kb / 64;  // a row's bytes, its chunks of 64
+  const int first = part * nch / KSPLIT, last = (part + 1) * nch / KSPLIT;
+  const int row0 = (blockIdx.x * TILES + tile) * 16;
+  const uint4* wa = reinterpret_cast<const uint4*>(w + (long)(row0 + g) * kb) + t;
+  const uint4* wb = reinterpret_cast<const uint4*>(w + (long)(row0 + g + 8) * kb) + t;
+  uint4 ra[U], rb[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {  // the first chunks are on their way while x stages
+    if (first + u < last) ra[u] = __ldg(wa + 4 * (first + u)), rb[u] = __ldg(wb + 4 * (first + u));
+  }
+  __half* xh = reinterpret_cast<__half*>(smem);  // [M][KP]: FP8's x
+  __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(smem);  // [M][KP]: bf16's x
+  for (int j = warp; j < M; j += W) {  // column j by warp j
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (long)j * K);
+    float pre = 1.f;
+    if (FP8) {
+      uint32_t m = 0u;  // bf16 magnitudes compare as integers
+      for (int i = lane; i < K / 8; i += 32) {
+        const uint4 raw = __ldg(xr + i);
+        const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) m = max(m, max(r[c] & 0x7FFFu, (r[c] >> 16) & 0x7FFFu));
+      }
+      pre = stage_scale(__uint_as_float(__reduce_max_sync(0xffffffffu, m) << 16));
+      if (lane == 0) cpre[j] = pre;
+    }
+    for (int i = lane; i < K / 8; i += 32) {
+      const uint4 raw = __ldg(xr + i);
+      if (FP8) {
+        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+        __half h[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
+        *reinterpret_cast<uint4*>(xh + j * KP + 8 * i) =
+            make_uint4(pack(h[0], h[1]), pack(h[2], h[3]), pack(h[4], h[5]), pack(h[6], h[7]));
+      } else {
+        *reinterpret_cast<uint4*>(xb + j * KP + 8 * i) = raw;
+      }
+    }
+  }
+  __syncthreads();
+  const int col = min(g, M - 1);  // columns past M read a real one; they are never stored
+  const uint32_t* xc = reinterpret_cast<const uint32_t*>(smem) + col * (KP / 2);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = first; c0 < last; c0 += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u;
+      if (c < last) {
+        const uint32_t qa[4] = {ra[u].x, ra[u].y, ra[u].z, ra[u].w};
+        const uint32_t qb[4] = {rb[u].x, rb[u].y, rb[u].z, rb[u].w};
+        if (FP8) {  // 16 weights: k = 64c + 16t + 4i + (0..3) in MMA i
+          const uint4 x0 = *reinterpret_cast<const uint4*>(xc + 32 * c + 8 * t);
+          const uint4 x1 = *reinterpret_cast<const uint4*>(xc + 32 * c + 8 * t + 4);
+          const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            mma(acc, fp8x2(qa[i]), fp8x2(qb[i]), fp8x2(qa[i] >> 16), fp8x2(qb[i] >> 16),
+                xv[2 * i], xv[2 * i + 1]);
+          }
+        } else {  // 8 weights: k = 32c + 8t + 4i + (0..3) in MMA i
+          const uint4 xv = *reinterpret_cast<const uint4*>(xc + 16 * c + 4 * t);
+          mma_bf16(acc, qa[0], qb[0], qa[1], qb[1], xv.x, xv.y);
+          mma_bf16(acc, qa[2], qb[2], qa[3], qb[3], xv.z, xv.w);
+        }
+      }
+    }
+    if (c0 + U < last) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + U + u;
+        if (c < last) ra[u] = __ldg(wa + 4 * c), rb[u] = __ldg(wb + 4 * c);
+      }
+    }
+  }
+  if (KSPLIT > 1) {  // the other parts' sums into part 0's
+    float* red = reinterpret_cast<float*>(smem);  // x is read no more
+    __syncthreads();
+    if (part > 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(((part - 1) * TILES + tile) * 32 + lane) * 4 + i] = acc[i];
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int p = 1; p < KSPLIT; ++p) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] += red[(((p - 1) * TILES + tile) * 32 + lane) * 4 + i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // rows g (i < 2) and g + 8, columns 2t, 2t + 1
+    const int n = 2 * t + (i & 1), r = row0 + g + (i >> 1) * 8;
+    if (n < M) {
+      float v = acc[i];
+      if (FP8) v *= scale[r] / cpre[n];
+      if (bias) v += __bfloat162float(bias[r]);
+      out[(long)n * N + r] = __float2bfloat16(v);
+    }
+  }
+}
+
+template <bool FP8, int U, int KSPLIT, int TILES>
+int launch_dense(const void* x, int M, const uint8_t* w, const float* scale, const void* bias,
+                 void* out, int N, int K, cudaStream_t stream) {
+  constexpr int ROWS = 16 * TILES;
+  if (M < 1 || M > 8 || N % ROWS || K % 64 || (FP8 ? K : 2 * K) / 64 < KSPLIT) {
+    return (int)cudaErrorInvalidValue;
+  }
+  const int smem = max(M * (K + 8) * 2, (KSPLIT - 1) * TILES * 32 * 4 * 4);
+  auto kernel = dense_gemv_mma<FP8, U, KSPLIT, TILES>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+  }
+  kernel<<<N / ROWS, TILES * KSPLIT * 32, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), M, w, scale, static_cast<const __nv_bfloat16*>(bias),
+      static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
+}
 }  // namespace
 
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
@@ -720,6 +878,17 @@ extern "C" int tinyoss_dense_mma(const void* x, int rows, const uint8_t* q, cons
              static_cast<cudaStream_t>(stream));
 }
 
+// Dense bf16 / FP8 layers at 1-8 rows: 16-row tiles in K thirds for layers of few rows, 64-row
+// tiles for lm_head.
+extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8_t* w,
+                                      const float* scale, const void* bias, void* out, int N,
+                                      int K, void* stream) {
+  const bool wide = N >= 16384;
+  auto run = fp8 ? (wide ? launch_dense<true, 4, 1, 4> : launch_dense<true, 4, 3, 1>)
+                 : (wide ? launch_dense<false, 8, 1, 4> : launch_dense<false, 8, 3, 1>);
+  return run(x, M, w, scale, bias, out, N, K, static_cast<cudaStream_t>(stream));
+}
+
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
                                    int G, const int* sorted_ids, const int* order, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -755,6 +924,10 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
                            (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,
                            (const void*)group_gemv_stream<TINYOSS_DOWN_GROUPED_STREAM>,
+                           (const void*)dense_gemv_mma<true, 4, 1, 4>,
+                           (const void*)dense_gemv_mma<true, 4, 3, 1>,
+                           (const void*)dense_gemv_mma<false, 8, 1, 4>,
+                           (const void*)dense_gemv_mma<false, 8, 3, 1>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

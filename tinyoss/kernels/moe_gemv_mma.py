@@ -87,6 +87,12 @@ class MmaGemv:
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_void_p]
         self.dense_fn.restype = ctypes.c_int
+        self.dense_gemv_fn = lib.tinyoss_dense_gemv_mma
+        self.dense_gemv_fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_void_p]
+        self.dense_gemv_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -145,6 +151,37 @@ class MmaGemv:
             raise RuntimeError(f"the tensor-core MXFP4 GEMV failed to launch: {self.error(err)} "
                                f"(N {blocks.shape[0]}, K {blocks.shape[1] * 32}, "
                                f"rows {x.shape[0]})")
+        return out
+
+    @staticmethod
+    def supports_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                        bias: torch.Tensor | None) -> bool:
+        """A bf16 or FP8 (e4m3, fp32 `scale` a row) dense layer `linear` takes: bf16 x of 1-8
+        contiguous rows, K in 64s, rows in 64s (q/k/v, o and lm_head of gpt-oss; not the
+        router's 32)."""
+        n, k = weight.shape
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        return (x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= 8
+                and x.shape[1] == k and k % 64 == 0 and n % 64 == 0 and weight.is_contiguous()
+                and (fp8 or weight.dtype == torch.bfloat16)
+                and (scale is not None) == fp8
+                and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()))
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ W.T (* scale) (+ bias) -> [M, N] bf16 for 1-8 rows of x
+        (`supports_linear`): each row a column of the MMA, the weights read once for all."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
+        err = self.dense_gemv_fn(int(scale is not None), x.data_ptr(), x.shape[0],
+                                 weight.data_ptr(), None if scale is None else scale.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 weight.shape[0], weight.shape[1],
+                                 torch.cuda.current_stream(x.device).cuda_stream)
+        if err:
+            raise RuntimeError(f"the tensor-core dense GEMV failed to launch: {self.error(err)} "
+                               f"({tuple(weight.shape)} {weight.dtype}, rows {x.shape[0]})")
         return out
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
