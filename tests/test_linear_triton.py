@@ -100,18 +100,21 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
             return F.linear(x.float(), w, None if bias is None else bias.float())
 
     gen = torch.Generator().manual_seed(3)
-    for m in (1, 8, 9):
-        x, w, b = (torch.randn(m, 64, generator=gen), torch.randn(16, 64, generator=gen),
-                   torch.randn(16, generator=gen))
+    wide = lt.MMA_MIN_N
+    for m, n, fp8, routed in ((2, wide, False, True), (4, wide, False, True),
+                              (9, wide, False, False), (2, 16, False, False),
+                              (1, 16, False, False), (2, wide, True, True),
+                              (8, wide, True, True)):
+        x, w, b = (torch.randn(m, 64, generator=gen), torch.randn(n, 64, generator=gen),
+                   torch.randn(n, generator=gen))
         fake = Recorder()
-        assert rel(lt.linear_triton(x, w, b, mma=fake), F.linear(x, w, b)) < 1e-5
-        assert fake.calls == ([(m, False)] if m in lt.MMA_ROWS["bf16"] else [])
-        fake = Recorder()
-        scale = torch.rand(16, generator=gen) + 0.5
-        if m in lt.MMA_ROWS["fp8"]:
-            out = lt.fp8_linear(x, w, scale, b, mma=fake)
-            assert fake.calls == [(m, True)]
-            assert rel(out, F.linear(x, w * scale[:, None], b)) < 1e-5
+        if fp8:
+            scale = torch.rand(n, generator=gen) + 0.5
+            out, want = lt.fp8_linear(x, w, scale, b, mma=fake), F.linear(x, w * scale[:, None], b)
+        else:
+            out, want = lt.linear_triton(x, w, b, mma=fake), F.linear(x, w, b)
+        assert rel(out, want) < 1e-5
+        assert fake.calls == ([(m, fp8)] if routed else [])
 
 
 def _mma():

@@ -28,9 +28,12 @@ from tinyoss.kernels.moe_gemv_mma import MmaGemv
 # From two rows on cuBLAS is faster (bench/results/2026-11-23_h100_dense_gemv.txt).
 GEMV_MAX_M = 1
 FP8_GEMV_MAX_M = 8
-# Rows of x the tensor-core GEMV (`moe_gemv_mma`, Hopper) takes where it supports the layer, in
-# place of the paths above: bf16 and FP8 weights
-MMA_ROWS = {"bf16": range(1, 9), "fp8": range(1, 9)}
+# The tensor-core GEMV (`moe_gemv_mma`, Hopper: every row of x a column of the MMA, the weights
+# read once) takes layers of at least MMA_MIN_N rows (lm_head) at these rows of x, in place of
+# the paths above; it lost on q/k/v and o at every count and at 1 row everywhere
+# (bench/results/2026-11-25_h100_dense_mma.md)
+MMA_MIN_N = 16384
+MMA_ROWS = {"bf16": range(2, 5), "fp8": range(2, 9)}
 _FP8_SLICE = 8192  # rows of an FP8 weight dequantized at a time above FP8_GEMV_MAX_M
 
 
@@ -110,9 +113,10 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   mma: MmaGemv | None = None) -> torch.Tensor:
     """Drop-in for F.linear on 2-D x: the tensor-core GEMV (`mma`) for MMA_ROWS["bf16"] rows
-    where it takes the layer, else the Triton GEMV up to GEMV_MAX_M rows and cuBLAS above.
+    of layers of MMA_MIN_N rows or more that it takes, else the Triton GEMV up to GEMV_MAX_M
+    rows and cuBLAS above.
     The path depends only on the static row count, so a captured graph never changes path."""
-    if (mma is not None and x.shape[0] in MMA_ROWS["bf16"]
+    if (mma is not None and x.shape[0] in MMA_ROWS["bf16"] and weight.shape[0] >= MMA_MIN_N
             and mma.supports_linear(x, weight, None, bias)):
         return mma.linear(x, weight, bias)
     if x.shape[0] <= GEMV_MAX_M:
@@ -123,10 +127,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None, mma: MmaGemv | None = None) -> torch.Tensor:
     """Drop-in for `fp8_linear_torch`: the tensor-core GEMV (`mma`) for MMA_ROWS["fp8"] rows
-    where it takes the layer, else the GEMV up to FP8_GEMV_MAX_M rows, above that cuBLAS on
-    bf16 copies of _FP8_SLICE rows of the weight at a time (prefill). The path depends only on
-    the static row count."""
-    if (mma is not None and x.shape[0] in MMA_ROWS["fp8"]
+    of layers of MMA_MIN_N rows or more that it takes, else the GEMV up to FP8_GEMV_MAX_M rows,
+    above that cuBLAS on bf16 copies of _FP8_SLICE rows of the weight at a time (prefill). The
+    path depends only on the static row count."""
+    if (mma is not None and x.shape[0] in MMA_ROWS["fp8"] and weight.shape[0] >= MMA_MIN_N
             and mma.supports_linear(x, weight, scale, bias)):
         return mma.linear(x, weight, bias, scale)
     if x.shape[0] <= FP8_GEMV_MAX_M:
