@@ -1,8 +1,9 @@
 // The MoE GEMVs on Hopper's tensor cores: what moe_gemv_gluon computes (rows of one expert
 // against one pair's activations; bias, clamped SwiGLU or routing weight fused), a pair a
 // program for 1 to 8 tokens a step, and grouped by expert (up to 8 pairs of one expert a
-// program, one a column of the MMA) for 9 to 64. See moe_gemv_mma.py for when each runs and how
-// the library is built.
+// program, one a column of the MMA) for 9 to 64; the pair kernel also serves dense MXFP4 layers
+// (one "pair" a row of x), and dense_gemv_mma bf16 / FP8 layers (below). See moe_gemv_mma.py for
+// when each runs and how the library is built.
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a

@@ -3,7 +3,10 @@
 kernel grouped by expert above that, up to GROUPED_MAX_TOKENS.
 
 The same pair kernel also takes the dense layers quantized to MXFP4 at load (`--mxfp4-layers`)
-whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEMV (`dense`).
+whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEMV (`dense`);
+and `linear` runs bf16 or FP8 dense layers for 1-8 rows of x, each a column of the MMA (the
+weights read once), which `linear_triton` takes for lm_head from 2 rows, where it measured
+faster (bench/results/2026-11-25_h100_dense_mma.md).
 
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
