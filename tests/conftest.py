@@ -37,3 +37,17 @@ def tiny_llm(tiny_dir):
         kv_cache_tokens=16384,
         max_num_batched_tokens=2048,
     )
+
+
+@pytest.fixture
+def mma():
+    """The tensor-core GEMV library (`moe_gemv_mma`) on an sm_90 GPU with nvcc; skips
+    elsewhere, and fails where it should build but does not."""
+    from tinyoss.kernels.hardware import capability
+    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
+
+    if not torch.cuda.is_available() or capability() != (9, 0) or _nvcc() is None:
+        pytest.skip("the tensor-core GEMV needs sm_90 and nvcc")
+    lib, why = load(capability())
+    assert lib is not None, why
+    return lib

@@ -203,25 +203,13 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
         assert rel(out, mxfp4_linear_torch(x, blocks, scales, bias)) < TOL
 
 
-def _mma():
-    from tinyoss.kernels.hardware import capability
-    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
-
-    if capability() != (9, 0) or _nvcc() is None:
-        pytest.skip("the tensor-core GEMV needs sm_90 and nvcc")
-    mma, why = load(capability())
-    assert mma is not None, why
-    return mma
-
-
 @gpu
 @pytest.mark.parametrize("layer", ["qkv", "lm_head"])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_tensor_core_gemv_real_shapes_gpu(layer: str, m: int) -> None:
+def test_tensor_core_gemv_real_shapes_gpu(layer: str, m: int, mma) -> None:
     """fp32 outputs equal the fp32 reference on the bf16 activations to fp32 rounding (bound
     1e-5: x is staged exactly, codes decode exactly, sums in fp32), with and without bias;
     through `mxfp4_linear`, bf16 outputs, also replayed from a CUDA graph on new inputs."""
-    mma = _mma()
     n, k = REAL[layer]
     blocks, scales, bias = weights(n, k, seed=m, device="cuda", std=0.02)
     bias = bias.to(torch.bfloat16) if layer == "qkv" else None

@@ -117,28 +117,16 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
         assert fake.calls == ([(m, fp8)] if routed else [])
 
 
-def _mma():
-    from tinyoss.kernels.hardware import capability
-    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
-
-    if capability() != (9, 0) or _nvcc() is None:
-        pytest.skip("the tensor-core GEMV needs sm_90 and nvcc")
-    mma, why = load(capability())
-    assert mma is not None, why
-    return mma
-
-
 @gpu
 @pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880)])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_tensor_core_gemv_gpu(n: int, k: int, fp8: bool, m: int) -> None:
+def test_tensor_core_gemv_gpu(n: int, k: int, fp8: bool, m: int, mma) -> None:
     """bf16 outputs against fp32 on the (dequantized) weights, each row of x a column of the
     MMA, FP8 activations at x * 1e3 too (staged times a power of two a column); and replayed
     from a CUDA graph on new inputs."""
     from tinyoss.model.quant_linear import quantize_fp8
 
-    mma = _mma()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     x[-1] *= 1e3
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)

@@ -252,29 +252,16 @@ def test_moe_norm_is_moe_then_add_rms_norm(t):
 # GPU only: the tensor-core pair GEMV (moe_gemv_mma, Hopper, built with nvcc)
 
 
-def _mma():
-    from tinyoss.kernels.hardware import capability
-    from tinyoss.kernels.moe_gemv_mma import _nvcc, load
-
-    cap = capability()
-    if cap != (9, 0) or _nvcc() is None:
-        pytest.skip("the tensor-core MoE GEMV needs sm_90 and nvcc")
-    mma, why = load(cap)
-    assert mma is not None, why  # sm_90 with nvcc: it must build
-    return mma
-
-
 @gpu
 @pytest.mark.parametrize("t,scale", [(1, 1.0), (2, 1.0), (3, 1.0), (8, 1.0), (4, 3e4),
                                      (4, 1e-6)])
-def test_mma_gemv_matches_gluon(t, scale):
+def test_mma_gemv_matches_gluon(t, scale, mma):
     """Each pair's fp32 output equals the Gluon kernel's to ~2e-7 (bound 1e-5), also for
     activations far below 1 and past fp16's range (staged times a power of two), with each tile
     the library picks by pairs (4: t = 1, 5-8: t = 2, more: gate_up streamed through shared
     memory). At x * 3e4 the pre-activations reach ~1e5 and both
     kernels part from `moe_torch` by ~1e-4 (measured: 1.2e-4 this one, 1.5e-4 Gluon), so there
     the bound is 1e-4. At 1 token only gate_up runs on the tensor cores."""
-    mma = _mma()
     x, weights, ids, w = big_case(600 + t, t)
     x = (x.float() * scale).to(DTYPE)
     got = mt._gemv_pairs(x, weights, ids, w, None, mma)
@@ -290,13 +277,12 @@ def test_mma_gemv_matches_gluon(t, scale):
                                              (12, 1.0, True), (40, 1.0, True),
                                              (12, 3e4, False), (12, 1e-6, False),
                                              (17, 3e4, False)])
-def test_grouped_mma_matches_gluon(t, scale, crowded):
+def test_grouped_mma_matches_gluon(t, scale, crowded, mma):
     """Above GEMV_MAX_TOKENS the pairs grouped by expert (up to 8 an MMA's columns) give each
     pair's fp32 output as the Gluon pair GEMV does, to the pair kernels' bounds (1e-5; 1e-4 at
     x * 3e4), also with every token on the same 4 experts (2 and 5 groups an expert), with each
     column staged times its own power of two (x * 1e-6), and through the streamed down kernel
     (above 16 tokens)."""
-    mma = _mma()
     x, weights, ids, w = big_case(700 + t, t)
     x = (x.float() * scale).to(DTYPE)
     if crowded:
@@ -310,10 +296,9 @@ def test_grouped_mma_matches_gluon(t, scale, crowded):
 
 @gpu
 @pytest.mark.parametrize("pairs,experts", [(1, 32), (37, 32), (192, 4), (300, 128)])
-def test_sort_pairs_is_a_stable_sort(pairs, experts):
+def test_sort_pairs_is_a_stable_sort(pairs, experts, mma):
     """Sorted as a stable torch.sort, and cut into runs of up to 8 pairs of one expert, in
     order, the rest of the table -1."""
-    mma = _mma()
     ids = torch.randint(0, experts, (pairs,), device=DEVICE, dtype=torch.int32)
     sorted_ids, order, groups = mma.sort_pairs(ids, experts)
     want_ids, want_order = torch.sort(ids, stable=True)
@@ -332,10 +317,9 @@ def test_sort_pairs_is_a_stable_sort(pairs, experts):
 
 
 @gpu
-def test_grouped_mma_is_the_path_up_to_its_limit():
+def test_grouped_mma_is_the_path_up_to_its_limit(mma):
     """The dispatch: pair kernels to GEMV_MAX_TOKENS, grouped to GROUPED_MAX_TOKENS, then the
     grouped GEMMs (which round their products to bf16: further from the fp32 pair outputs)."""
-    mma = _mma()
     from tinyoss.kernels.moe_gemv_mma import GROUPED_MAX_TOKENS
 
     x, weights, ids, w = big_case(800, GROUPED_MAX_TOKENS + 1)
@@ -347,8 +331,7 @@ def test_grouped_mma_is_the_path_up_to_its_limit():
 
 @gpu
 @pytest.mark.parametrize("t", [6, 20])
-def test_mma_gemv_captures_in_cuda_graph(t):
-    mma = _mma()
+def test_mma_gemv_captures_in_cuda_graph(t, mma):
     x, weights, ids, w = big_case(90, t)
     mt.moe_triton(x, weights, ids, w, mma=mma)
     graph = torch.cuda.CUDAGraph()
