@@ -14,7 +14,11 @@ the fix tinyoss would make.
     for k in triton cuda; do for v in none small again3; do
         python bench/experiments/graph_count/graph_count.py --kind $k --variant $v; done; done
     for f in 0 1 8 9; do python bench/experiments/graph_count/graph_count.py \
-        --kind triton --variant small --flags $f; done
+        --kind triton --variant small --flags $f; done   # measured: all slow the same
+    for v in idle alloc; do python bench/experiments/graph_count/graph_count.py \
+        --kind triton --variant $v; done   # not yet run
+    CUDA_MODULE_LOADING=EAGER python bench/experiments/graph_count/graph_count.py \
+        --kind triton --variant small   # not yet run
     python bench/experiments/graph_count/graph_count.py --kind triton --variant small \
         --stream side
 """
@@ -25,6 +29,7 @@ import argparse
 import ctypes
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -103,7 +108,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", choices=("triton", "cuda"), required=True)
-    p.add_argument("--variant", choices=("none", "small", "again3"), required=True)
+    p.add_argument("--variant", choices=("none", "small", "again3", "idle", "alloc"),
+                   required=True, help="idle: sleep as long as `small` takes to capture, no "
+                   "graphs (do clocks drop?); alloc: 3 x 64 MB allocated instead (new device "
+                   "memory, as graph pools get)")
     p.add_argument("--flags", type=int, default=None,
                    help="instantiate through the driver API with these flags (PyTorch's: 9)")
     p.add_argument("--stream", choices=("default", "side"), default="default",
@@ -137,7 +145,15 @@ def main() -> None:
     before = [replay_us(g0), replay_us(g0)]
     extra = []
     if args.variant == "small":
+        start = time.perf_counter()
         extra = [capture(FUNCS) for _ in range(3)]
+        print(f"capturing 3 small graphs took {time.perf_counter() - start:.3f} s", flush=True)
+    elif args.variant == "idle":
+        time.sleep(0.05)  # of the order `small` prints for its captures
+    elif args.variant == "alloc":
+        held = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+        for t in held:
+            t.zero_()
     elif args.variant == "again3":
         extra = [capture(NODES) for _ in range(3)]
     for g in extra:
