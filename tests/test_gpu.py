@@ -389,11 +389,15 @@ def test_tensor_parallel_on_two_gpus_equals_the_cpu_reference(tiny_dir):
 
 
 @two_gpus
-def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir):
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "flashinfer"])
+def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, monkeypatch, all_reduce):
     """The fast kernels over two GPUs: decode and piecewise CUDA graphs, with the all-reduces
-    and logit gathers captured in them, give the tokens of the same engine run eagerly."""
+    and logit gathers captured in them, give the tokens of the same engine run eagerly; with
+    each all-reduce (symmetric memory where it starts, NCCL, FlashInfer's one-shot fused with
+    the residual add and RMSNorm after the experts)."""
     from tinyoss import LLM
 
+    monkeypatch.setenv("TINYOSS_ALL_REDUCE", all_reduce)  # the worker inherits it
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 150000) for _ in range(n)] for n in (5, 90, 200)]
     got = {}
@@ -402,6 +406,9 @@ def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir):
                   enforce_eager=eager, tensor_parallel_size=2)
         try:
             assert (llm.engine.executor.graphs is None) == eager
+            fast = llm.engine.executor.peers.group._fast
+            if all_reduce != "auto":
+                assert (fast is None) == (all_reduce == "nccl")
             got[eager] = _greedy(llm, prompts)
         finally:
             llm.engine.close()

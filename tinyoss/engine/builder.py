@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -188,9 +189,11 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         max_num_tokens=max_step_tokens,
     )
     if group is not None:
-        log.info("tensor-parallel all-reduce: %s", group.use_fast_all_reduce(dtype))
-        backends.kernels.all_reduce, backends.kernels.all_gather = (group.all_reduce,
-                                                                    group.all_gather)
+        kernels = backends.kernels
+        log.info("tensor-parallel all-reduce: %s",
+                 group.use_fast_all_reduce(dtype, model_config.hidden_size))
+        kernels.all_reduce, kernels.all_gather = group.all_reduce, group.all_gather
+        kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
     t0 = time.perf_counter()
     model = load_model(

@@ -5,17 +5,24 @@ gathers, the chained steps' token broadcast); on GPUs they are stream-ordered an
 the CUDA graphs like any kernel.
 
 A decode step all-reduces a few kilobytes twice a layer, where NCCL's fixed cost per call
-dominates. Small all-reduces can instead go through PyTorch's symmetric memory: each rank
-copies its part into a buffer every rank can read over NVLink and sums the others' in one
-kernel (`one_shot_all_reduce_copy_out`, peer-to-peer loads, no multicast). Env
-TINYOSS_ALL_REDUCE picks: `nccl`, `symm_mem`, or `auto` (symmetric memory for messages up to
-`FAST_MAX_BYTES` where it starts and sums right, NCCL otherwise); the choice is logged.
+dominates. Small all-reduces (up to `FAST_MAX_BYTES`) can instead go through
+- PyTorch's symmetric memory: each rank copies its part into a buffer every rank can read over
+  NVLink and sums the others' in one kernel (`one_shot_all_reduce_copy_out`, peer-to-peer loads);
+- FlashInfer's TensorRT-LLM all-reduce: a one-shot kernel that signals with Lamport flags in the
+  data instead of barriers, on IPC buffers from PyTorch's symmetric memory; it also fuses the
+  residual add and RMSNorm after the experts' all-reduce (`all_reduce_norm`).
+Neither uses NVLink multicast. Env TINYOSS_ALL_REDUCE picks: `nccl`, `symm_mem`, `flashinfer`,
+or `auto` (symmetric memory where it starts and sums right, NCCL otherwise); each fast path is
+checked against NCCL at start and the choice is logged. `flashinfer` is not yet measured on
+GPUs, so `auto` does not take it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,32 +57,50 @@ class Group:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 **kwargs)
         self._nccl = backend == "nccl"
-        self._fast: _SymmMemAllReduce | None = None
+        self._fast: _SymmMemAllReduce | _FlashInferAllReduce | None = None
         self.all_reduce(torch.zeros(1, device=device))  # the communicator, before any capture
 
-    def use_fast_all_reduce(self, dtype: torch.dtype) -> str:
-        """Chooses how small all-reduces of `dtype` run (before any CUDA graph is captured;
-        every rank calls this at the same point). Returns the choice, for the log."""
-        choices = ("auto", "nccl", "symm_mem")
+    def use_fast_all_reduce(self, dtype: torch.dtype, hidden: int) -> str:
+        """Chooses how small all-reduces of `dtype` rows of `hidden` run (before any CUDA graph
+        is captured; every rank calls this at the same point). Returns the choice, for the log."""
+        choices = ("auto", "nccl", "symm_mem", "flashinfer")
         setting = resolve("all-reduce", None, ALL_REDUCE_ENV, choices)
         if not self._nccl or setting.value == "nccl":
             return "nccl" if self._nccl else "gloo"
         try:
-            self._fast = _SymmMemAllReduce(self, dtype)
+            if setting.value == "flashinfer":
+                self._fast = _FlashInferAllReduce(self, dtype, hidden)
+            else:
+                self._fast = _SymmMemAllReduce(self, dtype)
         except Exception as e:  # noqa: BLE001 - the fast path is optional unless forced
-            if setting.value == "symm_mem":
-                raise RuntimeError(f"all-reduce symm_mem (from {setting.source}) failed: {e}")
+            if setting.value != "auto":
+                raise RuntimeError(f"all-reduce {setting.value} (from {setting.source}) failed: "
+                                   f"{e}; TINYOSS_ALL_REDUCE=nccl always works")
             log.warning("symmetric-memory all-reduce unavailable (%s): NCCL for all", e)
             return "nccl"
-        return f"symm_mem one-shot up to {FAST_MAX_BYTES // 1024} KiB, nccl above"
+        fused = ", fused with the residual add and RMSNorm" if self._fast.fuses_norm else ""
+        return f"{self._fast.name} up to {FAST_MAX_BYTES // 1024} KiB{fused}, nccl above"
+
+    def _fast_for(self, x: torch.Tensor) -> _SymmMemAllReduce | _FlashInferAllReduce | None:
+        fast = self._fast
+        return fast if fast is not None and fast.fits(x) else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (in place, or a new tensor)."""
-        fast = self._fast
-        if fast is not None and x.dtype == fast.dtype and x.numel() <= fast.numel:
+        fast = self._fast_for(x)
+        if fast is not None:
             return fast(x)
         dist.all_reduce(x)
         return x
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float, norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` (an RMSNorm with `rms_norm_torch`'s contract) of the sum over ranks plus
+        `residual`: (normed, new residual), in one kernel where the fast path fuses it."""
+        fast = self._fast_for(x)
+        if fast is not None and fast.fuses_norm:
+            return fast.norm(x, residual, weight, eps)
+        return norm(self.all_reduce(x), weight, eps, residual)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, C] from every rank -> [T, size * C], rank 0's columns first."""
@@ -104,19 +129,26 @@ class Group:
             dist.destroy_process_group()
 
 
+def _probe(group: Group, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Small integers times (rank + 1): every sum exact in `dtype`, so any path must match."""
+    x = torch.arange(math.prod(shape), device=group.device, dtype=torch.float32) % 7
+    return (x * (group.rank + 1)).to(dtype).view(shape)
+
+
 class _SymmMemAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer; checked against NCCL at start."""
+
+    name, fuses_norm = "symm_mem one-shot", False
 
     def __init__(self, group: Group, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.dtype = dtype
         self.numel = FAST_MAX_BYTES // torch.tensor([], dtype=dtype).element_size()
-        self.name = dist.group.WORLD.group_name
+        self.group_name = dist.group.WORLD.group_name
         self.buffer = symm_mem.empty(self.numel, dtype=dtype, device=group.device)
-        symm_mem.rendezvous(self.buffer, self.name)
-        probe = torch.arange(3000, device=group.device, dtype=torch.float32) % 7
-        probe = (probe * (group.rank + 1)).to(dtype)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        probe = _probe(group, dtype, (3000,))
         want = probe.clone()
         dist.all_reduce(want)
         got = self(probe)
@@ -124,8 +156,73 @@ class _SymmMemAllReduce:
         if not torch.equal(got, want):
             raise RuntimeError("its sum differs from NCCL's")
 
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.numel
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(
-            self.buffer[: x.numel()], x.reshape(-1), "sum", self.name, out.view(-1))
+            self.buffer[: x.numel()], x.reshape(-1), "sum", self.group_name, out.view(-1))
         return out
+
+
+class _FlashInferAllReduce:
+    """FlashInfer's TensorRT-LLM one-shot all-reduce of [T, hidden] rows, alone or fused with
+    the residual add and RMSNorm (the weight multiplied in float32, as `rms_norm_torch`);
+    checked against NCCL and the torch norm at start."""
+
+    name, fuses_norm = "flashinfer one-shot", True
+
+    def __init__(self, group: Group, dtype: torch.dtype, hidden: int) -> None:
+        from flashinfer.comm import AllReduceFusionPattern, trtllm_allreduce_fusion
+        from flashinfer.comm import trtllm_create_ipc_workspace_for_all_reduce_fusion as create
+
+        from tinyoss.kernels import rms_norm_torch
+
+        self.group, self.dtype, self.hidden = group, dtype, hidden
+        self.max_tokens = max(1, FAST_MAX_BYTES // (hidden * dtype.itemsize))
+        self._run, self._patterns = trtllm_allreduce_fusion, AllReduceFusionPattern
+        # IPC buffers from PyTorch's symmetric memory (use_symm_dev_mem=False), which
+        # TORCH_SYMM_MEM_DISABLE_MULTICAST keeps off multicast; the handles must stay alive.
+        self._handles, self._ptrs, self._meta = create(
+            group.rank, group.size, self.max_tokens, hidden, create_metadata=True,
+            use_symm_dev_mem=False)
+        probe = _probe(group, dtype, (3, hidden))
+        want = probe.clone()
+        dist.all_reduce(want)
+        residual = _probe(group, dtype, (3, hidden)).roll(1) / (group.rank + 1)
+        weight = torch.linspace(0.5, 1.5, hidden, device=group.device).to(dtype)
+        got = self(probe)
+        normed, new_residual = self.norm(probe, residual.clone(), weight, 1e-5)
+        want_normed, want_residual = rms_norm_torch(want, weight, 1e-5, residual)
+        torch.cuda.synchronize(group.device)
+        if not torch.equal(got, want) or not torch.equal(new_residual, want_residual):
+            raise RuntimeError("its sum differs from NCCL's")
+        torch.testing.assert_close(normed, want_normed, rtol=2e-2, atol=2e-2)
+
+    def _call(self, x: torch.Tensor, pattern: int, **outs) -> None:
+        self._run(
+            allreduce_in=x, world_size=self.group.size, world_rank=self.group.rank,
+            token_num=x.shape[0], hidden_dim=self.hidden, workspace_ptrs=self._ptrs,
+            launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
+            pattern_code=pattern, use_oneshot=True, quant_out=None, scale_out=None,
+            scale_factor=None, layout_code=None, metadata=self._meta,
+            **{"allreduce_out": None, "residual_in": None, "residual_out": None,
+               "norm_out": None, "rms_gamma": None, "rms_eps": None} | outs)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.hidden
+                and x.shape[0] <= self.max_tokens and x.is_contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._call(x, self._patterns.kAllReduce, allreduce_out=out)
+        return out
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual), sum + residual); the new residual over `residual`."""
+        out = torch.empty_like(x)
+        self._call(x, self._patterns.kARResidualRMSNorm, residual_in=residual,
+                   residual_out=residual, norm_out=out, rms_gamma=weight, rms_eps=eps)
+        return out, residual

@@ -78,6 +78,10 @@ class Kernels:
     # ([T, C] -> [T, ranks * C]); None on one GPU
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # The all-reduce, the residual add and the RMSNorm after the experts, fused where the
+    # group's fast all-reduce can: (y, residual, norm weight, eps) -> (normed, residual)
+    all_reduce_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                              tuple[torch.Tensor, torch.Tensor]] | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear"), "torch"))
 
@@ -104,8 +108,10 @@ class Kernels:
         """What ends a layer: the experts' output y, then (norm(y + residual), y + residual) with
         the next layer's input norm (or the final one)."""
         if self.all_reduce is not None:  # the partial sums meet before the norm
-            y = self.all_reduce(self.moe(x, topk_weights, topk_ids, experts))
-            return self.rms_norm(y, norm_weight, eps, residual)
+            y = self.moe(x, topk_weights, topk_ids, experts)
+            if self.all_reduce_norm is not None:
+                return self.all_reduce_norm(y, residual, norm_weight, eps)
+            return self.rms_norm(self.all_reduce(y), norm_weight, eps, residual)
         if self.moe_norm is not None:
             return self.moe_norm(x, topk_weights, topk_ids, experts, residual, norm_weight, eps)
         return self.rms_norm(self.moe(x, topk_weights, topk_ids, experts), norm_weight, eps,
