@@ -1,5 +1,6 @@
 """A named set of decode_latency.py runs in one command, their records in one JSON-lines file and
-a markdown table: the issue-18 roofline table, or tensor parallelism's scaling (issue 19).
+a markdown table: the issue-18 roofline table, the dense GEMVs' batches 1-8 in bf16 and FP8, or
+tensor parallelism's scaling (issue 19).
 
     python bench/decode_grid.py roofline --commit abc1234 --out $OUT/roofline.jsonl --runs 2
     python bench/decode_grid.py tp --commit abc1234 --out $OUT/tp.jsonl --only 20b
@@ -38,6 +39,11 @@ GRIDS: dict[str, dict[str, list[str]]] = {
         "120b bs1": BIG,
         "20b bs1 mxfp4-all": ["--mxfp4-layers", "all"],
         "20b bs1 fp8-all": ["--fp8-layers", "all"],
+    },
+    "gemv": {  # the dense GEMV's routing (bf16, FP8) at the batches where it changes
+        f"20b bs{bs}{' fp8-all' * fp8}": ["--batch-size", str(bs)]
+        + (["--fp8-layers", "all"] if fp8 else [])
+        for fp8 in (False, True) for bs in (1, 2, 4, 8)
     },
     "tp": {
         f"{model} tp{tp} bs{bs}": (BIG if model == "120b" else [])

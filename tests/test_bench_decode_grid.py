@@ -1,0 +1,75 @@
+"""bench/decode_grid.py without a GPU: each run's record appended to one file, runs already there
+skipped, a failed run reported and left out, the table's medians and TP speed-ups."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench import decode_grid
+
+FAKE = """
+import json, sys
+args = sys.argv[1:]
+tp = int(args[args.index("--tensor-parallel-size") + 1])
+bs = int(args[args.index("--batch-size") + 1])
+if bs == 8 and tp == 2:
+    sys.exit(3)  # a run that fails
+tok = {1: 300.0, 2: 450.0}[tp] * bs
+json.dump({"tok_per_s": tok, "ms_per_step_median": 1e3 * bs / tok, "roofline_fraction": 0.5,
+           "ttft_ms": 40.0, "tensor_parallel_size": tp, "gpu": "FAKE", "commit": "abc"},
+          open(args[args.index("--json") + 1], "w"))
+"""
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """decode_latency.py replaced by FAKE; returns the list of processes started."""
+    started = []
+    real_commands, real_run = decode_grid.commands, decode_grid.subprocess.run
+
+    def commands(*a):
+        return [(label, run, [sys.executable, "-c", FAKE, *cmd[2:]])
+                for label, run, cmd in real_commands(*a)]
+
+    def run(cmd, **kw):
+        started.append(cmd)
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(decode_grid, "commands", commands)
+    monkeypatch.setattr(decode_grid.subprocess, "run", run)
+    return started
+
+
+def _main(monkeypatch, *argv: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["decode_grid.py", *argv])
+    decode_grid.main()
+
+
+def test_grid_appends_skips_and_tabulates(fake_runs, monkeypatch, tmp_path, capsys):
+    out = tmp_path / "tp.jsonl"
+    _main(monkeypatch, "tp", "--only", "120b", "--runs", "2", "--out", str(out))
+    assert len(fake_runs) == 8
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    labels = sorted({r["label"] for r in records})
+    assert labels == ["120b tp1 bs1", "120b tp1 bs8", "120b tp2 bs1"]  # tp2 bs8 failed
+    assert len(records) == 6 and {r["run"] for r in records} == {1, 2}
+    assert "120b tp2 bs8 (run 1): failed (exit 3)" in capsys.readouterr().out
+    table = out.with_suffix(".md").read_text()
+    assert "| 120b tp2 bs1 | 450.0 |" in table and "| 1.50x |" in table
+    assert "GPU FAKE; commit abc" in table
+
+    fake_runs.clear()
+    _main(monkeypatch, "tp", "--only", "120b", "--runs", "2", "--out", str(out))
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6  # nothing new: the failed runs failed again, the rest were skipped
+    assert len(fake_runs) == 2 and all(c[c.index("--batch-size") + 1] == "8" for c in fake_runs)
+
+
+def test_dry_run_lists_commands(monkeypatch, capsys):
+    _main(monkeypatch, "roofline", "--dry-run", "--only", "120b", "--commit", "abc")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1
+    assert "--model gpt-oss-120b --gpu-memory-utilization 0.97 --iters 2 --commit abc" in printed[0]
