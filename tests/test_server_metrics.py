@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.core_hooks import SLOW, WEATHER
@@ -154,10 +155,29 @@ def test_vllm_metrics_count_what_was_served(srv):
     assert delta("tinyoss_requests_aborted", "tinyoss_requests_aborted_total") == 0
 
 
+# What Prometheus 2.x sends by default
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+@pytest.mark.parametrize("accept", [PROMETHEUS_ACCEPT, "application/openmetrics-text",
+                                    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8"])
+def test_openmetrics_scrape_keeps_vllm_names(srv, accept):
+    """OpenMetrics, parsed strictly: the samples keep vLLM's names (colons and all), as their
+    HELP and TYPE lines do, so vLLM's dashboards find them."""
+    r = httpx.get(srv.url + "/metrics", headers={"Accept": accept})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    families = {f.name: f for f in openmetrics_parser.text_string_to_metric_families(r.text)}
+    assert value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 0
+    names = {s.name for s in families["vllm:request_success"].samples}
+    assert "vllm:request_success_total" in names
+    assert "vllm_request_success_total" not in r.text
+
+
 def test_scraper_gets_the_format_it_asks_for(srv):
-    families, content_type = scrape(srv, "application/openmetrics-text; version=1.0.0")
-    assert content_type.startswith("application/openmetrics-text")
     families, content_type = scrape(srv)
+    assert content_type.startswith("text/plain")
     assert value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 0
 
 

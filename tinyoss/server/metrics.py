@@ -17,8 +17,10 @@ several apps in one process do not clash.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -140,4 +142,12 @@ class Metrics:
         """The exposition in the format `accept` (the scraper's Accept header) asks for, and its
         content type."""
         encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith("application/openmetrics-text"):
+            # prometheus_client (0.26) escapes the colons of the samples' names ("vllm:x" ->
+            # "vllm_x") but not of their HELP and TYPE lines, so neither vLLM's dashboards nor
+            # a strict parser find them. Colons are valid in legacy metric names, so the
+            # unescaped text is also what `escaping=underscores` asks for.
+            version = content_type.partition("version=")[2].partition(";")[0] or "1.0.0"
+            encoder = partial(openmetrics.generate_latest, escaping=openmetrics.ALLOWUTF8,
+                              version=version)
         return encoder(self.registry), content_type
