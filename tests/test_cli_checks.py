@@ -45,6 +45,20 @@ def test_serve_on_a_port_in_use_stops_at_once():
     assert took < 15, f"took {took:.1f} s: something loaded before the check"
 
 
+def test_serve_of_a_model_that_is_not_there_says_so_in_one_line(tmp_path):
+    with _listening() as s:
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "tinyoss", "serve", str(tmp_path / "nothing"), "--port",
+         str(port)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "tinyoss serve: the engine could not run: model " in run.stderr
+    assert "is neither a checkpoint folder nor a hub id" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+
+
 def test_check_port_leaves_a_free_port_free():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,6 +130,37 @@ def test_invalid_engine_option_is_a_cli_error(capsys):
         cli.main(["generate", "hi", "--model", "tiny", "--max-num-seqs", "0"])
     assert e.value.code == 2
     assert "tinyoss generate: error: invalid max_num_seqs: 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens: max_tokens=0 is invalid"),
+    (["chat", "hi", "--temperature", "-1"], "--temperature: temperature=-1.0 is invalid"),
+    (["generate", ""], "PROMPT is empty"),
+    (["chat", ""], "MESSAGE is empty"),
+])
+def test_bad_sampling_or_input_stops_before_loading(argv, says, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("it loaded"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert f"tinyoss {argv[0]}: error: {says}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "no-such-model"], "model 'no-such-model' is neither a checkpoint folder"),
+    (["--model", "tiny", "--kv-cache-tokens", "10"], "too few to run anything"),
+    (["--model", "tiny", "--kv-cache-tokens", "1024", "--max-model-len", "64"],
+     "max_model_len is 64"),  # the prompt refused at submission
+])
+def test_model_and_engine_refusals_are_one_line(argv, says, capsys):
+    """What only loading finds (a model that is not there, a KV cache too small, a prompt too
+    long for max_model_len): exit 2 with the message, no traceback."""
+    prompt = "hi " * 100
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", prompt, "--max-tokens", "2", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "tinyoss generate: error: " in err and says in err and "Traceback" not in err
 
 
 def test_decode_latency_needs_a_gpu(monkeypatch):

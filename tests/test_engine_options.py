@@ -105,3 +105,10 @@ def test_attention_sinks_precedence_and_bad_values(monkeypatch):
     assert engine_kwargs(p.parse_args(["--attention-sinks", "false"]))["attention_sinks"] == "false"
     with pytest.raises(SystemExit):
         p.parse_args(["--attention-sinks", "off"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_device_cuda_without_a_gpu_says_so_before_loading(tiny_dir):
+    with pytest.raises(ValueError, match="device 'cuda' was asked for, but PyTorch finds no CUDA "
+                       "GPU here .*: give device='cpu'"):
+        LLM(str(tiny_dir), device="cuda")

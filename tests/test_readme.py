@@ -50,6 +50,9 @@ def kind(lang: str, code: str) -> str:
         return "gpu-benchmark"  # full-size models on a GPU: bench/results/ records them
     if lang == "bash" and all(line.startswith("tinyoss serve") for line in code.splitlines()):
         return "serve-commands"
+    if lang == "bash" and all(line.startswith(("tinyoss generate", "tinyoss chat"))
+                              for line in code.splitlines()):
+        return "cli"
     if lang == "python" and 'OpenAI(base_url="http://localhost:8000/v1"' in code:
         return "openai-client"
     if lang == "python" and "from tinyoss import LLM" in code:
@@ -64,7 +67,7 @@ def of_kind(k: str) -> list[str]:
 def test_every_block_is_covered():
     unknown = [(f, code[:60]) for f, lang, code in blocks() if kind(lang, code) == "unknown"]
     assert not unknown, f"code blocks no test runs or checks: {unknown}"
-    for k in ("install", "curl", "openai-client", "python-api", "serve-commands"):
+    for k in ("install", "curl", "openai-client", "python-api", "serve-commands", "cli"):
         assert of_kind(k), f"no {k} block left: update this test"
 
 
@@ -96,6 +99,18 @@ def test_serve_commands_parse():
             argv = shlex.split(line.split("#")[0])[1:]
             args = parser.parse_args(argv)
             assert args.command == "serve"
+
+
+def test_cli_commands():
+    """`tinyoss generate` and `chat` as written (the default model: `tiny` without a GPU):
+    exit 0 with text on stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for code in of_kind("cli"):
+        for line in code.splitlines():
+            run = subprocess.run([sys.executable, "-m", "tinyoss", *shlex.split(line)[1:]],
+                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.stdout.strip(), (line, run.stderr[-3000:])
 
 
 @pytest.fixture(scope="module")

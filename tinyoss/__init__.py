@@ -1,7 +1,7 @@
 """tinyoss: a lean inference engine for OpenAI's gpt-oss models.
 
-`from tinyoss import LLM, SamplingParams`. Names load on first use, so importing a submodule
-(the config reader, a kernel) does not pull in the whole engine.
+`from tinyoss import LLM, SamplingParams` (and `StructuredOutputs`). Names load on first use,
+so importing a submodule (the config reader, a kernel) does not pull in the whole engine.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ _EXPORTS = {
     "EngineConfig": "tinyoss.config",
     "RequestOutput": "tinyoss.engine.output_processor",
     "SamplingParams": "tinyoss.sampling_params",
+    "StructuredOutputs": "tinyoss.sampling_params",
 }
 __all__ = list(_EXPORTS)
 

@@ -1,8 +1,10 @@
 """The `tinyoss` command: serve, chat, generate, make-checkpoint.
 
 `tinyoss` and `python -m tinyoss` are the same (`main`). Mistakes in how it is called (a bad
-flag, a port in use, --device cuda without a GPU) are found before any weights load and
-reported as `tinyoss COMMAND: error: ...` with exit status 2, as argparse reports a bad flag.
+flag, a port in use, --device cuda without a GPU, a model that is not there, a bad sampling
+value, a KV cache too small) are reported as `tinyoss COMMAND: error: ...` with exit status 2,
+as argparse reports a bad flag, and without a traceback; those that need no weights are found
+before any load.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tinyoss.config import EngineConfig
 
 if TYPE_CHECKING:
     from tinyoss.llm import LLM, ChatOutput
+    from tinyoss.sampling_params import SamplingParams
 
 log = logging.getLogger("tinyoss")
 
@@ -185,7 +188,24 @@ def _load(args: argparse.Namespace) -> LLM:
         print(TINY_NOTE, file=sys.stderr)
     from tinyoss import LLM
 
-    return LLM(model, **engine_kwargs(args))
+    try:
+        return LLM(model, **engine_kwargs(args))
+    except ValueError as e:  # a model that is not there, a cache too small for it, ...
+        raise CliError(str(e)) from None
+
+
+def _params(args: argparse.Namespace, text: str, what: str) -> SamplingParams:
+    """chat's and generate's sampling parameters and input, checked before anything loads."""
+    from tinyoss import SamplingParams
+
+    if not text:
+        raise CliError(f"{what} is empty: give some text, e.g. 'Hello'")
+    try:
+        return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                              seed=args.seed)
+    except ValueError as e:
+        flag = str(e).partition("=")[0].replace("_", "-")
+        raise CliError(f"--{flag}: {e}") from None
 
 
 def reply_text(reply: ChatOutput) -> str:
@@ -207,30 +227,28 @@ def reply_text(reply: ChatOutput) -> str:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from tinyoss import SamplingParams
-
+    params = _params(args, args.message, "MESSAGE")
     llm = _load(args)
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
-    reply = llm.chat(
-        [{"role": "user", "content": args.message}],
-        params,
-        reasoning_effort=args.reasoning_effort,
-    )[0]
+    try:
+        reply = llm.chat(
+            [{"role": "user", "content": args.message}],
+            params,
+            reasoning_effort=args.reasoning_effort,
+        )[0]
+    except ValueError as e:  # the input refused (too long for max_model_len, ...)
+        raise CliError(str(e)) from None
     print(reply_text(reply))
     print(f"\n[finish: {reply.finish_reason}]", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from tinyoss import SamplingParams
-
+    params = _params(args, args.prompt, "PROMPT")
     llm = _load(args)
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
-    for out in llm.stream(args.prompt, params):
-        print(out.outputs[0].delta_text, end="", flush=True)
+    try:
+        for out in llm.stream(args.prompt, params):
+            print(out.outputs[0].delta_text, end="", flush=True)
+    except ValueError as e:  # the input refused (too long for max_model_len, ...)
+        raise CliError(str(e)) from None
     print()
 
 
@@ -272,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_p = command(
         "serve",
-        "OpenAI-compatible HTTP server (Chat Completions, Completions)",
+        "OpenAI-compatible HTTP server (Chat Completions, Completions, Responses)",
         "Serve MODEL over the OpenAI API at http://HOST:PORT/v1 (docs/serve.md).",
     )
     serve_p.add_argument("model", nargs="?", default=None, action=_ModelAction,

@@ -350,19 +350,22 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            ("max_num_seqs", self.max_num_seqs >= 1),
-            ("block_size", self.block_size >= 1),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
-            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1),
-            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
-            ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1),
-            ("decode_step_budget_ms", self.decode_step_budget_ms >= 0),
-            ("max_prefill_graph_tokens", self.max_prefill_graph_tokens >= 0),
-            ("tensor_parallel_size", self.tensor_parallel_size >= 1),
+            ("max_num_seqs", self.max_num_seqs >= 1, "an int >= 1"),
+            ("block_size", self.block_size >= 1, "an int >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "an int >= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
+             "a fraction of the GPU's memory, above 0 and at most 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2,
+             "an int >= 2"),
+            ("kv_cache_tokens", self.kv_cache_tokens is None or self.kv_cache_tokens >= 1,
+             "an int >= 1"),
+            ("decode_step_budget_ms", self.decode_step_budget_ms >= 0, ">= 0 (0: off)"),
+            ("max_prefill_graph_tokens", self.max_prefill_graph_tokens >= 0, ">= 0 (0: off)"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, "an int >= 1"),
         ]
-        for name, ok in checks:
+        for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+                raise ValueError(f"invalid {name}: {getattr(self, name)!r} (must be {rule})")
         for f in fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices and value is not None and value not in choices:

@@ -103,8 +103,6 @@ class Rank:
 def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore:
     """The engine core for `config`; `folder`: the checkpoint, when the caller resolved it."""
     device = rank_device(config, 0)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda was asked for, but torch finds no CUDA GPU here")
     if device.type == "cpu":
         configure_cpu_threads()
     folder = folder if folder is not None else checkpoint_folder(config)
@@ -484,6 +482,12 @@ def _max_model_len(
         mid = (lo + hi + 1) // 2
         fits = blocks_needed(layout.windows, config.block_size, mid) <= num_blocks
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    if lo < config.block_size:
+        raise ValueError(
+            f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) holds a sequence "
+            f"of at most {lo} tokens, too few to run anything: give it more room "
+            "(kv_cache_tokens, gpu_memory_utilization)"
+        )
     if lo < limit:
         if config.max_model_len:
             raise ValueError(

@@ -43,6 +43,11 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     base = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if base.type != "cuda":
         return base
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no GPU or driver found"
+        raise ValueError(f"device {config.device!r} was asked for, but PyTorch finds no CUDA GPU "
+                         f"here ({build}): give device='cpu' (the built-in 'tiny' model runs "
+                         "there)")
     index = (base.index or 0) + rank
     if index >= torch.cuda.device_count():
         raise ValueError(

@@ -87,7 +87,10 @@ class ServerState:
             log.info("ready: serving %r (%s)", self.model_name, info.summary)
         except Exception as e:  # the server stays up and /health says why
             self.load_error = e
-            log.exception("loading the model failed")
+            if not isinstance(e, ValueError):  # a bug or a broken machine: the traceback helps
+                log.exception("loading the model failed")
+            elif self.on_fatal is None:  # a model not there, a cache too small: its message
+                log.error("loading the model failed: %s", e)
             if self.on_fatal is not None:
                 self.on_fatal(str(e))
 
