@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,6 +99,18 @@ def commands(grid: str, only: list[str], runs: int, commit: str | None,
     return out
 
 
+def run_one(cmd: list[str], timeout: float) -> int | None:
+    """The run's exit status, or None when it ran past `timeout`; then it is stopped with
+    everything it started (tensor-parallel workers), so no GPU stays taken."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,13 +139,12 @@ def main() -> None:
             record_path = Path(tmp) / "record.json"
             t0 = time.perf_counter()
             print(f"== {label} (run {run}): {' '.join(cmd)}", flush=True)
-            try:
-                proc = subprocess.run(cmd + ["--json", str(record_path)], timeout=args.timeout)
-            except subprocess.TimeoutExpired:
+            code = run_one(cmd + ["--json", str(record_path)], args.timeout)
+            if code is None:
                 print(f"== {label} (run {run}): over {args.timeout:.0f} s, stopped", flush=True)
                 continue
-            if proc.returncode != 0 or not record_path.exists():
-                print(f"== {label} (run {run}): failed (exit {proc.returncode})", flush=True)
+            if code != 0 or not record_path.exists():
+                print(f"== {label} (run {run}): failed (exit {code})", flush=True)
                 continue
             record = json.loads(record_path.read_text())
         record |= {"label": label, "run": run, "wall_s": round(time.perf_counter() - t0, 1)}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -28,18 +30,18 @@ json.dump({"tok_per_s": tok, "ms_per_step_median": 1e3 * bs / tok, "roofline_fra
 def fake_runs(monkeypatch):
     """decode_latency.py replaced by FAKE; returns the list of processes started."""
     started = []
-    real_commands, real_run = decode_grid.commands, decode_grid.subprocess.run
+    real_commands, real_run = decode_grid.commands, decode_grid.run_one
 
     def commands(*a):
         return [(label, run, [sys.executable, "-c", FAKE, *cmd[2:]])
                 for label, run, cmd in real_commands(*a)]
 
-    def run(cmd, **kw):
+    def run(cmd, timeout):
         started.append(cmd)
-        return real_run(cmd, **kw)
+        return real_run(cmd, timeout)
 
     monkeypatch.setattr(decode_grid, "commands", commands)
-    monkeypatch.setattr(decode_grid.subprocess, "run", run)
+    monkeypatch.setattr(decode_grid, "run_one", run)
     return started
 
 
@@ -73,3 +75,16 @@ def test_dry_run_lists_commands(monkeypatch, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1
     assert "--model gpt-oss-120b --gpu-memory-utilization 0.97 --iters 2 --commit abc" in printed[0]
+
+
+def test_a_run_past_its_time_is_stopped_with_its_children(tmp_path):
+    """A run that hangs (a tensor-parallel rank waiting on a dead peer) is killed with the
+    processes it started."""
+    pid_file = tmp_path / "child"
+    hang = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); open(sys.argv[1], 'w').write(str(p.pid)); "
+            "time.sleep(60)")
+    assert decode_grid.run_one([sys.executable, "-c", hang, str(pid_file)], timeout=3) is None
+    child = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text()

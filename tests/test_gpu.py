@@ -199,7 +199,6 @@ def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager, async_schedu
                                            piecewise):
     """32 greedy tokens on the fast path equal the fp32 CPU reference, or part at a near tie:
     CUDA graphs on and off (piecewise prefill graphs on and off), async scheduling on and off."""
-    from tests.test_model_reference import run_paged
     from tinyoss import LLM
 
     rng = random.Random(0)
@@ -210,7 +209,14 @@ def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager, async_schedu
               max_prefill_graph_tokens=piecewise)
     assert (gpu.engine.executor.pieces is not None) == (piecewise > 0 and not enforce_eager)
     assert type(gpu.engine.executor.attention).__name__ == "FlashInferAttention"
-    want, got = _greedy(cpu, prompts), _greedy(gpu, prompts)
+    _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
+
+
+def _same_or_near_tie(cpu, prompts, want, got) -> None:
+    """Greedy tokens `got` equal the CPU reference's `want`, or part where the reference's top
+    two logits are within 0.1 (bf16 or a new summation order may flip such a tie)."""
+    from tests.test_model_reference import run_paged
+
     for prompt, w, g in zip(prompts, want, got):
         m = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if m is None:
@@ -371,19 +377,19 @@ def test_speculative_verify_steps_replay_graphs(tiny_dir):
 
 @two_gpus
 def test_tensor_parallel_on_two_gpus_equals_the_cpu_reference(tiny_dir):
-    """tiny over two GPUs (NCCL), fp32 through the torch kernels: token for token the CPU
-    reference, for prompts on both sides of the 128-token window in one batch."""
+    """tiny over two GPUs (NCCL), fp32 through the torch kernels: the CPU reference's tokens
+    (or part at a near tie: the all-reduce sums in another order), for prompts on both sides
+    of the 128-token window in one batch."""
     from tinyoss import LLM
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 150000) for _ in range(n)] for n in (3, 70, 140, 300)]
-    want = _greedy(LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192),
-                   prompts)
+    cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
     gpu = LLM(str(tiny_dir), device="cuda", dtype="float32", attention_backend="torch",
               mxfp4_backend="torch", enforce_eager=True, max_num_seqs=8, kv_cache_tokens=8192,
               tensor_parallel_size=2)
     try:
-        assert _greedy(gpu, prompts) == want
+        _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
     finally:
         gpu.engine.close()
 
@@ -394,12 +400,14 @@ def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, monkeypatch, a
     """The fast kernels over two GPUs: decode and piecewise CUDA graphs, with the all-reduces
     and logit gathers captured in them, give the tokens of the same engine run eagerly; with
     each all-reduce (symmetric memory where it starts, NCCL, FlashInfer's one-shot fused with
-    the residual add and RMSNorm after the experts)."""
+    the residual add and RMSNorm after the experts); and the fp32 CPU reference's tokens, or
+    part at a near tie."""
     from tinyoss import LLM
 
     monkeypatch.setenv("TINYOSS_ALL_REDUCE", all_reduce)  # the worker inherits it
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 150000) for _ in range(n)] for n in (5, 90, 200)]
+    cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
     got = {}
     for eager in (True, False):
         llm = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, kv_cache_tokens=8192,
@@ -413,3 +421,4 @@ def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, monkeypatch, a
         finally:
             llm.engine.close()
     assert got[True] == got[False]
+    _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), got[False])  # right, not just alike

@@ -4,7 +4,9 @@ speculative steps, sampling on rank 0)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from tests.test_model_reference import run_paged
 from tests.test_speculative import Replay
 from tinyoss import LLM, SamplingParams
 from tinyoss.config import ModelConfig
+from tinyoss.engine import workers
 from tinyoss.kernels import Kernels
 from tinyoss.model.loader import build_model, load_weights
 from tinyoss.model.presets import GENERATION_CONFIG, preset_config
@@ -167,3 +170,26 @@ def test_two_processes_match_one(one_process, tiny_dir, experts):
             assert p.token_id == q.token_id
             assert p.logprob == pytest.approx(q.logprob, abs=1e-4)
             assert [t for t, _ in p.top] == [t for t, _ in q.top]
+
+
+def _workers_of_this_process() -> list[int]:
+    me, found = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat[1]) == me and b"tinyoss.engine.workers" in cmdline and stat[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+def test_a_refusal_after_the_workers_started_ends_them(tiny_dir):
+    """Rank 0 and the worker both refuse a KV cache too small to run: the error reaches the
+    caller (this process is not taken down by the worker's report) and no worker is left."""
+    with pytest.raises(ValueError, match="too few to run anything"):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2,
+            kv_cache_tokens=10)
+    time.sleep(workers._GRACE_S + 0.5)  # past the watcher's grace: this process still runs
+    assert _workers_of_this_process() == []

@@ -109,6 +109,17 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     model_config = load_model_config(folder, config)
     _shard(config, 0).check(model_config)  # before starting any worker
     peers = Peers(config, folder, device) if config.tensor_parallel_size > 1 else None
+    try:
+        return _core(config, folder, device, model_config, peers)
+    except BaseException:  # the workers may wait in a collective that rank 0 never reaches
+        if peers is not None:
+            peers.kill()
+        raise
+
+
+def _core(config: EngineConfig, folder: Path | None, device: torch.device,
+          model_config: ModelConfig, peers: Peers | None) -> EngineCore:
+    """Rank 0's part of `build_engine`, once the workers (if any) are started."""
     rank = build_rank(config, folder, device, _shard(config, 0),
                       None if peers is None else peers.group)
     grammars = GrammarCompiler(

@@ -77,6 +77,8 @@ class Group:
                 raise RuntimeError(f"all-reduce {setting.value} (from {setting.source}) failed: "
                                    f"{e}; TINYOSS_ALL_REDUCE=nccl always works")
             log.warning("symmetric-memory all-reduce unavailable (%s): NCCL for all", e)
+        if setting.value == "auto" and self.min(int(self._fast is not None)) == 0:
+            self._fast = None  # a rank without it: all take NCCL, or their collectives differ
             return "nccl"
         fused = ", fused with the residual add and RMSNorm" if self._fast.fuses_norm else ""
         return f"{self._fast.name} up to {FAST_MAX_BYTES // 1024} KiB{fused}, nccl above"
@@ -125,7 +127,19 @@ class Group:
         return int(t.item())
 
     def close(self) -> None:
+        """Every rank at once (NCCL's teardown waits for the others)."""
+        if self._fast is not None and hasattr(self._fast, "close"):
+            self._fast.close()
         if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Leaves the group without waiting for ranks that are gone."""
+        if not dist.is_initialized():
+            return
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - a backend that cannot abort (gloo): plain teardown
             dist.destroy_process_group()
 
 
@@ -168,30 +182,36 @@ class _SymmMemAllReduce:
 
 class _FlashInferAllReduce:
     """FlashInfer's TensorRT-LLM one-shot all-reduce of [T, hidden] rows, alone or fused with
-    the residual add and RMSNorm (the weight multiplied in float32, as `rms_norm_torch`);
-    checked against NCCL and the torch norm at start."""
+    the residual add and RMSNorm; checked against NCCL and the torch norm at start.
+
+    The kernel reads the norm weight in the activations' dtype: the model's float32 weights
+    (bf16 in the checkpoint, so exact) go in as a cached copy made on first use, which is an
+    eager warm-up step, never inside a graph capture."""
 
     name, fuses_norm = "flashinfer one-shot", True
 
     def __init__(self, group: Group, dtype: torch.dtype, hidden: int) -> None:
-        from flashinfer.comm import AllReduceFusionPattern, trtllm_allreduce_fusion
+        from flashinfer.comm import AllReduceFusionPattern
         from flashinfer.comm import trtllm_create_ipc_workspace_for_all_reduce_fusion as create
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 
         from tinyoss.kernels import rms_norm_torch
 
         self.group, self.dtype, self.hidden = group, dtype, hidden
         self.max_tokens = max(1, FAST_MAX_BYTES // (hidden * dtype.itemsize))
-        self._run, self._patterns = trtllm_allreduce_fusion, AllReduceFusionPattern
+        self._patterns = AllReduceFusionPattern
+        self._kernel = get_trtllm_comm_module().trtllm_allreduce_fusion  # the JIT build
+        self._gammas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # IPC buffers from PyTorch's symmetric memory (use_symm_dev_mem=False), which
         # TORCH_SYMM_MEM_DISABLE_MULTICAST keeps off multicast; the handles must stay alive.
-        self._handles, self._ptrs, self._meta = create(
+        self._handles, self._ptrs, _ = create(
             group.rank, group.size, self.max_tokens, hidden, create_metadata=True,
-            use_symm_dev_mem=False)
+            use_symm_dev_mem=False, use_fp32_lamport=dtype == torch.float32)
         probe = _probe(group, dtype, (3, hidden))
         want = probe.clone()
         dist.all_reduce(want)
         residual = _probe(group, dtype, (3, hidden)).roll(1) / (group.rank + 1)
-        weight = torch.linspace(0.5, 1.5, hidden, device=group.device).to(dtype)
+        weight = torch.linspace(0.5, 1.5, hidden, device=group.device)  # float32, as the model's
         got = self(probe)
         normed, new_residual = self.norm(probe, residual.clone(), weight, 1e-5)
         want_normed, want_residual = rms_norm_torch(want, weight, 1e-5, residual)
@@ -199,16 +219,15 @@ class _FlashInferAllReduce:
         if not torch.equal(got, want) or not torch.equal(new_residual, want_residual):
             raise RuntimeError("its sum differs from NCCL's")
         torch.testing.assert_close(normed, want_normed, rtol=2e-2, atol=2e-2)
+        self._gammas.clear()
 
-    def _call(self, x: torch.Tensor, pattern: int, **outs) -> None:
-        self._run(
-            allreduce_in=x, world_size=self.group.size, world_rank=self.group.rank,
-            token_num=x.shape[0], hidden_dim=self.hidden, workspace_ptrs=self._ptrs,
-            launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
-            pattern_code=pattern, use_oneshot=True, quant_out=None, scale_out=None,
-            scale_factor=None, layout_code=None, metadata=self._meta,
-            **{"allreduce_out": None, "residual_in": None, "residual_out": None,
-               "norm_out": None, "rms_gamma": None, "rms_eps": None} | outs)
+    def _call(self, x: torch.Tensor, pattern: int, out: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, norm_out: torch.Tensor | None = None,
+              gamma: torch.Tensor | None = None, eps: float | None = None) -> None:
+        # the module's own entry: FlashInfer's public wrapper warns (deprecated) every call
+        self._kernel(x, self.group.size, self.group.rank, x.shape[0], self.hidden, self._ptrs,
+                     False, True, True, True, pattern,  # no PDL; one-shot; done at end; fp32
+                     out, residual, residual, norm_out, None, None, gamma, eps, None, None)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.hidden
@@ -216,13 +235,21 @@ class _FlashInferAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        self._call(x, self._patterns.kAllReduce, allreduce_out=out)
+        self._call(x, self._patterns.kAllReduce, out=out)
         return out
 
     def norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(sum + residual), sum + residual); the new residual over `residual`."""
+        key = weight.data_ptr()
+        if key not in self._gammas:  # (the weight, kept so that its address stays its own)
+            self._gammas[key] = (weight, weight.to(self.dtype).contiguous())
         out = torch.empty_like(x)
-        self._call(x, self._patterns.kARResidualRMSNorm, residual_in=residual,
-                   residual_out=residual, norm_out=out, rms_gamma=weight, rms_eps=eps)
+        self._call(x, self._patterns.kARResidualRMSNorm, residual=residual, norm_out=out,
+                   gamma=self._gammas[key][1], eps=eps)
         return out, residual
+
+    def close(self) -> None:
+        from flashinfer.comm import trtllm_destroy_ipc_workspace_for_all_reduce_fusion
+
+        trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self._handles)

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -35,7 +36,8 @@ from tinyoss.engine.step import StepPlan
 
 log = logging.getLogger("tinyoss")
 
-_POLL_S = 0.5  # how often an idle worker checks that rank 0 still lives
+_POLL_S = 0.5  # how often a worker checks that rank 0 still lives
+_GRACE_S = 2.0  # how long rank 0 may take to fail on its own after a worker did
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -94,11 +96,15 @@ class Peers:
 
     def _watch(self) -> None:
         """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why."""
-        sentinels = [os.pidfd_open(p.pid) for p in self.procs]
+        try:
+            sentinels = [os.pidfd_open(p.pid) for p in self.procs]
+        except OSError:  # no pidfds (old kernel, seccomp): a dead worker's socket closes too
+            sentinels = []
         ready = wait(self.conns + sentinels)
         for fd in sentinels:
             os.close(fd)
-        if self.closing:
+        time.sleep(_GRACE_S)  # rank 0 met the same error (a config both ranks refuse)?
+        if self.closing:  # then it raises its own, and has stopped the workers
             return
         why = "it exited"
         for conn in self.conns:
@@ -111,18 +117,29 @@ class Peers:
         os._exit(1)
 
     def close(self) -> None:
+        """Stops the workers; every rank leaves the group together (NCCL's teardown waits for
+        all of them), then the workers exit."""
         self.closing = True
         for conn in self.conns:
             try:
                 conn.send_bytes(b"")  # the stop signal
             except OSError:
                 pass
+        self.group.close()
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        self.group.close()
+
+    def kill(self) -> None:
+        """Rank 0 failed while the workers may wait in a collective: end them, and leave the
+        group without waiting for them."""
+        self.closing = True
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.group.abort()
 
 
 def follow(executor, group: Group, plan: StepPlan) -> None:
@@ -135,11 +152,21 @@ def follow(executor, group: Group, plan: StepPlan) -> None:
     executor.forward(plan, ids)
 
 
+def _exit_with(parent: int) -> None:
+    """Ends this worker when rank 0's process is gone, wherever the worker waits (a
+    collective, a GPU sync, the next plan): a clean shutdown could wait forever."""
+    while os.getppid() == parent:
+        time.sleep(_POLL_S)
+    os._exit(0)
+
+
 def _main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s tinyoss.worker: %(message)s")
     conn = Connection(fd)
     config, folder, rank, init, parent = conn.recv()
+    threading.Thread(target=_exit_with, args=(parent,), name="tinyoss-rank0-watch",
+                     daemon=True).start()
     try:
         from tinyoss.engine.builder import build_worker
 
@@ -147,10 +174,6 @@ def _main(fd: int) -> None:
                                        init)
         with torch.inference_mode():
             while True:
-                if not conn.poll(_POLL_S):
-                    if os.getppid() != parent:  # rank 0 is gone, maybe mid-collective: a
-                        os._exit(0)  # clean shutdown could wait on the GPU forever
-                    continue
                 data = conn.recv_bytes()
                 if not data:
                     break

@@ -82,6 +82,10 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
         methods["flashinfer"] = fi
     except Exception:  # noqa: BLE001
         print(f"rank {rank}: flashinfer unavailable:\n{traceback.format_exc()}", flush=True)
+    for name in ("symm_mem", "flashinfer"):  # only what every rank has, or collectives differ
+        if group.min(int(name in methods)) == 0:
+            methods.pop(name, None)
+    fi = methods.get("flashinfer")
     if rank == 0:
         print(f"{torch.cuda.get_device_name(device)} x {args.gpus}, NCCL "
               f"{'.'.join(map(str, torch.cuda.nccl.version()))}, torch {torch.__version__}; "
@@ -90,7 +94,8 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
               f"{' | flashinfer fused' if fi else ''} |")
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     weight = torch.rand(HIDDEN, device=device, generator=torch.Generator(device=device)
-                        .manual_seed(0)).to(torch.bfloat16) + 0.5
+                        .manual_seed(0)) + 0.5
+    weight = weight.to(torch.bfloat16).float()  # float32 holding bf16 values, as the model's
     for t in tokens:
         x = torch.randn(t, HIDDEN, device=device, generator=gen).to(torch.bfloat16)
         residual = torch.randn(t, HIDDEN, device=device,
