@@ -291,15 +291,16 @@ def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
     cost = PrefillCost(per_token=1.0, per_key=0.0)  # a chunk of n tokens "takes" n seconds
     monkeypatch.setattr(engine.scheduler, "prefill_budget", (cost, 32.0))
     monkeypatch.setattr(engine.executor, "launch", spy)
-    for p in batch[:2]:
-        tiny_llm._submit(p, greedy)
-    tiny_llm._step()  # the short prompts' prefill: both decode from here on
-    tiny_llm._submit(batch[2], greedy)
+    ids = [tiny_llm._submit(p, greedy) for p in batch[:2]]
+    tiny_llm._outputs(ids)  # one step, the short prompts' prefill: both decode from here on
+    ids.append(tiny_llm._submit(batch[2], greedy))
     done: dict[str, list[int]] = {}
     while engine.has_work():
-        for out in tiny_llm._step():
+        for out in tiny_llm._outputs(ids):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+    for request_id in ids:
+        tiny_llm._abort(request_id)  # (done: only forgotten)
     mixed = [p for p in plans if any(s.num_tokens == 1 for s in p.seqs)]
     chunks = [sum(s.num_tokens for s in p.seqs if s.num_tokens > 1) for p in mixed]
     assert max(chunks) == 32 and sum(chunks) >= 300 - 32  # the long prompt, 32 at a time

@@ -2,6 +2,7 @@
 prompt dicts (TextPrompt / TokensPrompt)."""
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -182,4 +183,74 @@ def test_bad_chat_messages(tiny_llm, messages, error, match):
 def test_bad_chat_options(tiny_llm, options, match):
     with pytest.raises(ValueError, match=match):
         tiny_llm.chat(HI, GREEDY, use_tqdm=False, **options)
+    assert not tiny_llm.engine.has_work()
+
+
+def _text(outs) -> list[str]:
+    return [o.outputs[0].text for o in outs]
+
+
+def test_streams_and_calls_may_overlap(tiny_llm):
+    """A stream left open while generate() runs, and two streams read in turns, each get all of
+    their own output: the same text as alone (seeded sampling), nothing lost or hung."""
+    sp = SamplingParams(max_tokens=12, seed=1, ignore_eos=True)
+    alone = {p: "".join(o.outputs[0].delta_text for o in tiny_llm.stream(p, sp))
+             for p in ("alpha", "beta")}
+    other = _text(tiny_llm.generate(["gamma"], SamplingParams(max_tokens=30, seed=2),
+                                    use_tqdm=False))
+    s = tiny_llm.stream("alpha", sp)
+    first = next(s).outputs[0].delta_text
+    assert _text(tiny_llm.generate(["gamma"], SamplingParams(max_tokens=30, seed=2),
+                                   use_tqdm=False)) == other
+    assert first + "".join(o.outputs[0].delta_text for o in s) == alone["alpha"]
+    a, b = tiny_llm.stream("alpha", sp), tiny_llm.stream("beta", sp)
+    got = {"alpha": "", "beta": ""}
+    live = {"alpha": a, "beta": b}
+    while live:  # in turns
+        for p, it in list(live.items()):
+            out = next(it, None)
+            if out is None:
+                del live[p]
+            else:
+                got[p] += out.outputs[0].delta_text
+    assert got == alone
+    assert tiny_llm.engine.scheduler.kv.usage() == 0 and not tiny_llm._inbox
+
+
+def test_calls_from_two_threads(tiny_llm):
+    """generate() from two threads at once on one LLM: both answer as they would alone."""
+    prompts = [f"p{i}" for i in range(2)]
+    sp = [SamplingParams(max_tokens=8, seed=i, ignore_eos=True) for i in range(2)]
+    alone = [_text(tiny_llm.generate([p], s, use_tqdm=False)) for p, s in zip(prompts, sp)]
+    got: list = [None, None]
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = _text(tiny_llm.generate([prompts[i]], sp[i], use_tqdm=False))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and got == alone
+
+
+@pytest.mark.parametrize("spec", [{"regex": "(("}, {"json": {"type": "bogus"}}, {"json": "{nope"},
+                                  {"grammar": "start: ("}])
+def test_a_structured_output_that_cannot_be_enforced_raises_at_the_call(tiny_llm, spec):
+    from tinyoss import StructuredOutputs
+
+    bad = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputs(**spec))
+    where = "sampling_params.structured_outputs: the .* cannot be enforced"
+    with pytest.raises(ValueError, match=where):
+        tiny_llm.generate(["x"], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match=where):
+        tiny_llm.stream("x", bad)
+    if "grammar" not in spec:  # (a Lark grammar has no place in a chat reply at all)
+        with pytest.raises(ValueError, match=where):
+            tiny_llm.chat([{"role": "user", "content": "x"}], bad, use_tqdm=False)
     assert not tiny_llm.engine.has_work()

@@ -186,6 +186,7 @@ def test_completions_take_a_raw_grammar(srv, client):
         ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}},
          "structured_outputs", "either"),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "one of"),
+        ({"structured_outputs": {"regex": "(("}}, "structured_outputs", "regex cannot be"),
         ({"thinking_token_budget": -1}, "thinking_token_budget", ">= 0"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "not": {"required": ["a"]}}}}], "tool_choice": "required"},

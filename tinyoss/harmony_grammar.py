@@ -90,10 +90,12 @@ def chat_constraint(
     tools: list[dict] | None = None,
     tool_choice: str | dict | None = "auto",
     thinking_token_budget: int | None = None,
+    answer_from: str = "response_format",
 ) -> StructuredOutputs | None:
     """The grammar of a chat reply (None when nothing constrains it). `answer`: what the final
     message's text must be (a JSON schema, any JSON object, a regex or a choice; not a Lark
-    grammar of its own). Raises ConstraintError naming the field that cannot be enforced."""
+    grammar of its own), from the request field `answer_from`. Raises ConstraintError naming
+    the field that cannot be enforced."""
     tools = tools or []
     forced = _forced_tools(tools, tool_choice)
     if answer is None and forced is None and thinking_token_budget is None:
@@ -104,7 +106,8 @@ def chat_constraint(
     rules[f"think{budget}"] = _TEXT
     choices = []
     if forced is None:  # the model may answer (and call a tool unless told not to)
-        rules["final"] = f'<|channel|> "final" <|message|> {_body(answer)} <|return|>'
+        rules["final"] = f'<|channel|> "final" <|message|> {_body(answer, answer_from)} '
+        rules["final"] += "<|return|>"
         choices.append("final")
         if tool_choice != "none":
             forced, lenient = tools, True  # calls it chooses to make follow their schemas too
@@ -148,17 +151,17 @@ def _arguments_schema(schema: dict | None, lenient: bool, index: int) -> dict:
     return json_schema_grammar(schema, lenient)
 
 
-def _body(answer: StructuredOutputs | None) -> str:
-    """The final message's text as a Lark expression."""
+def _body(answer: StructuredOutputs | None, param: str) -> str:
+    """The final message's text as a Lark expression; `param` is blamed when it cannot be."""
     if answer is None:
         return _TEXT
     if answer.grammar is not None:
         raise ConstraintError(
-            "structured_outputs",
+            param,
             "a Lark grammar cannot be placed in a chat reply's final message: use json, regex "
             "or choice, or send the grammar to /v1/completions",
         )
-    _check(answer, "response_format")
+    _check(answer, param)
     if answer.regex is not None:
         return "/" + answer.regex.replace("/", "\\/") + "/"
     if answer.choice is not None:

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import reprlib
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -14,6 +15,7 @@ from tinyoss import harmony
 from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
 from tinyoss.engine.core import CoreRequest, EngineCore
+from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams
@@ -63,6 +65,10 @@ class LLM:
     A request the engine fails alone (out of memory on its prompt, NaN/Inf logits) comes back
     with finish_reason "error" and `RequestOutput.error` saying why; the others run on.
 
+    Calls may overlap: streams left open while other calls run, and calls from several
+    threads. All share one engine, stepped by whichever call needs an output (one step at a
+    time), and each output goes to the call whose request it is.
+
     The start-up lines (loading, backends, the summary) go to stderr through the "tinyoss"
     logger, unless the application configured logging itself;
     `logging.getLogger("tinyoss").setLevel(logging.WARNING)` before `LLM(...)` silences them.
@@ -83,6 +89,8 @@ class LLM:
         self.engine = build_engine(config, folder)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._lock = threading.RLock()  # the engine and the processor: one caller at a time
+        self._inbox: dict[str, list[RequestOutput]] = {}  # each live request's outputs, unread
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -92,25 +100,42 @@ class LLM:
     ) -> str:
         """Queues one checked prompt; returns its request id. The engine's own refusals (empty,
         outside the vocabulary, too long) are prefixed with `where`, the prompt's place."""
-        request_id = f"gen-{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        try:
-            self.engine.add(CoreRequest(request_id, ids, params))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from e
-        self.processor.add(request_id, text, ids, params)
+        with self._lock:
+            request_id = f"gen-{next(self._ids)}"
+            try:
+                self.engine.add(CoreRequest(request_id, ids, params))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from e
+            self.processor.add(request_id, text, ids, params)
+            self._inbox[request_id] = []
         return request_id
 
-    def _step(self) -> list[RequestOutput]:
-        outputs, stopped = self.processor.process(self.engine.step())
-        for request_id, index in stopped:
-            self.engine.abort(request_id, index)
-        return outputs
+    def _outputs(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """The unread outputs of `request_ids`, after one engine step if there were none (so a
+        caller that loops also moves the other callers' requests on)."""
+        with self._lock:
+            if not any(self._inbox[r] for r in request_ids):
+                if not self.engine.has_work():
+                    raise RuntimeError(f"requests {list(request_ids)} are no longer in the engine")
+                outputs, stopped = self.processor.process(self.engine.step())
+                for request_id, index in stopped:
+                    self.engine.abort(request_id, index)
+                for out in outputs:
+                    if out.request_id in self._inbox:
+                        self._inbox[out.request_id].append(out)
+            got = [out for r in request_ids for out in self._inbox[r]]
+            for r in request_ids:
+                self._inbox[r] = []
+            return got
 
     def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self.processor.abort(request_id)
+        """Ends a request (done, or given up): nothing more of it is kept."""
+        with self._lock:
+            if self._inbox.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+                self.processor.abort(request_id)
 
     def generate(
         self,
@@ -121,7 +146,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs all prompts as one continuous batch; outputs come back in prompt order."""
         batch = _as_batch(prompts)
-        params = _per_prompt(sampling_params, len(batch))
+        return self._generate(batch, _per_prompt(sampling_params, len(batch)), use_tqdm)
+
+    def _generate(self, batch: list[tuple[str, str | list[int]]], params: list[SamplingParams],
+                  use_tqdm: bool) -> list[RequestOutput]:
         request_ids = []
         try:
             for (where, p), sp in zip(batch, params):
@@ -150,11 +178,10 @@ class LLM:
         request_id = self._submit(prompt, params)
         try:
             while True:
-                for out in self._step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
+                for out in self._outputs([request_id]):
+                    yield out
+                    if out.finished:
+                        return
         finally:
             self._abort(request_id)
 
@@ -193,7 +220,8 @@ class LLM:
                 raise ValueError(f"{where}: missing field {e}") from e
             except (ValueError, TypeError, AttributeError) as e:
                 raise ValueError(f"{where}: {e}") from e
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self._generate([(w, p) for (w, _), p in zip(conversations, prompts)], params,
+                                 use_tqdm)
         decode = self.tokenizer.decode
         replies = []
         for out in outputs:
@@ -208,22 +236,22 @@ class LLM:
         return replies
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(request_ids)
+        pending = list(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
         prefill = _PrefillBar(self.engine, request_ids[0]) if use_tqdm else None
         try:
             while pending:
-                for out in self._step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
+                for out in self._outputs(pending):
+                    if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                pending = [r for r in pending if r not in done]
                 if prefill is not None:
                     prefill.update()
         finally:
-            for request_id in pending:  # interrupted (e.g. Ctrl-C): free what is left
+            for request_id in request_ids:  # done, or interrupted (e.g. Ctrl-C): free it
                 self._abort(request_id)
             for b in (bar, prefill):
                 if b is not None:
@@ -333,9 +361,15 @@ def _checked(params: object, where: str) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise TypeError(f"{where}={_given(params)} is invalid: must be a SamplingParams")
     try:
-        return dataclasses.replace(params)
+        checked = dataclasses.replace(params)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
+    if checked.structured_outputs is not None:  # one that cannot be enforced fails here, not
+        try:  # as an empty answer
+            check_grammar(checked.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"{where}.structured_outputs: {e}") from None
+    return checked
 
 
 def _per_prompt(params: object, n: int) -> list[SamplingParams]:
@@ -387,6 +421,7 @@ def _chat_params(
     grammar = chat_constraint(
         answer or params.structured_outputs, tools=tools, tool_choice=tool_choice,
         thinking_token_budget=thinking_token_budget,
+        answer_from="response_format" if answer else "sampling_params.structured_outputs",
     )
     stops = [] if params.ignore_eos else [t for t in harmony.STOP_TOKENS
                                           if t not in params.stop_token_ids]

@@ -135,6 +135,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
             tools=body.get("tools"),
             tool_choice=body.get("tool_choice") or req.tool_choice,
             thinking_token_budget=req.thinking_token_budget,
+            answer_from="structured_outputs" if "structured_outputs" in body else "response_format",
         )
     except ConstraintError as e:
         raise APIError(400, str(e), param=e.param) from e
