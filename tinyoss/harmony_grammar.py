@@ -71,8 +71,9 @@ def answer_constraint(response_format: Any = None, structured_outputs: Any = Non
         return None
     spec = fmt.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
-    if kind == "json_schema" and not (
-        isinstance(spec, dict) and (schema is None or isinstance(schema, dict))
+    if kind == "json_schema" and not (  # `name` required, as OpenAI and vLLM require it
+        isinstance(spec, dict) and isinstance(spec.get("name"), str)
+        and (schema is None or isinstance(schema, dict))
     ):
         raise ConstraintError(
             "response_format",
