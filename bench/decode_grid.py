@@ -3,7 +3,7 @@ a markdown table: the issue-18 roofline table, the dense GEMVs' batches 1-8 in b
 tensor parallelism's scaling (issue 19).
 
     python bench/decode_grid.py roofline --commit abc1234 --out $OUT/roofline.jsonl --runs 2
-    python bench/decode_grid.py tp --commit abc1234 --out $OUT/tp.jsonl --only 20b
+    python bench/decode_grid.py tp --commit abc1234 --out $OUT/tp.jsonl --only "20b tp1,20b tp2"
     python bench/decode_grid.py tp --dry-run          # the commands, nothing run
 
 Each run is its own process (a fresh engine, as when measured one by one), and its record is
@@ -50,7 +50,7 @@ GRIDS: dict[str, dict[str, list[str]]] = {
     "tp": {
         f"{model} tp{tp} bs{bs}": (BIG if model == "120b" else [])
         + ["--tensor-parallel-size", str(tp), "--batch-size", str(bs)]
-        for model in ("20b", "120b") for tp in (1, 2) for bs in (1, 8)
+        for model in ("20b", "120b") for tp in (1, 2, 4) for bs in (1, 8)
     },
 }
 

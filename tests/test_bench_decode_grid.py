@@ -52,7 +52,7 @@ def _main(monkeypatch, *argv: str) -> None:
 
 def test_grid_appends_skips_and_tabulates(fake_runs, monkeypatch, tmp_path, capsys):
     out = tmp_path / "tp.jsonl"
-    _main(monkeypatch, "tp", "--only", "120b", "--runs", "2", "--out", str(out))
+    _main(monkeypatch, "tp", "--only", "120b tp1,120b tp2", "--runs", "2", "--out", str(out))
     assert len(fake_runs) == 8
     records = [json.loads(line) for line in out.read_text().splitlines()]
     labels = sorted({r["label"] for r in records})
@@ -64,7 +64,7 @@ def test_grid_appends_skips_and_tabulates(fake_runs, monkeypatch, tmp_path, caps
     assert "GPU FAKE; commit abc" in table
 
     fake_runs.clear()
-    _main(monkeypatch, "tp", "--only", "120b", "--runs", "2", "--out", str(out))
+    _main(monkeypatch, "tp", "--only", "120b tp1,120b tp2", "--runs", "2", "--out", str(out))
     lines = out.read_text().splitlines()
     assert len(lines) == 6  # nothing new: the failed runs failed again, the rest were skipped
     assert len(fake_runs) == 2 and all(c[c.index("--batch-size") + 1] == "8" for c in fake_runs)
