@@ -127,10 +127,17 @@ class Group:
         return int(t.item())
 
     def close(self) -> None:
-        """Every rank at once (NCCL's teardown waits for the others)."""
+        """Every rank at once, after its last step and with its CUDA graphs freed. NCCL's
+        communicator is aborted rather than destroyed: its work is done (the device is synced)
+        and abort never waits, where destroy hung on the GPUs with graphs captured."""
         if self._fast is not None and hasattr(self._fast, "close"):
             self._fast.close()
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self._nccl:
+            torch.cuda.synchronize(self.device)
+            self.abort()
+        else:
             dist.destroy_process_group()
 
     def abort(self) -> None:

@@ -232,6 +232,7 @@ class EngineCore:
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (a single-GPU core holds nothing to stop)."""
         if self.executor.peers is not None:
+            self.executor.drop_graphs()
             self.executor.peers.close()
             self.executor.peers = None
 

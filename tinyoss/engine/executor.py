@@ -19,6 +19,7 @@ meanwhile, so the masks cost the host's time, not the GPU's.
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 
@@ -173,6 +174,14 @@ class Executor:
         self._last: LaunchedStep | None = None  # the step a chained plan reads its tokens from
 
     @torch.inference_mode()
+
+    def drop_graphs(self) -> None:
+        """Frees the CUDA graphs once no step will run: a tensor-parallel group's NCCL teardown
+        waited forever while captured graphs still held its communicator (H200, torch 2.11)."""
+        self.graphs = self.pieces = self.verify = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queues the step's forward pass and sampling; nothing here waits for the GPU (prompt
         logprobs excepted)."""

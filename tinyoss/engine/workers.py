@@ -178,6 +178,7 @@ def _main(fd: int) -> None:
                 if not data:
                     break
                 follow(executor, group, pickle.loads(data))
+        executor.drop_graphs()
         group.close()
     except BaseException as e:  # noqa: BLE001 - rank 0 must hear why
         try:
