@@ -172,6 +172,8 @@ def test_bad_chat_messages(tiny_llm, messages, error, match):
         ({"reasoning_effort": "max"}, r"reasoning_effort='max' is invalid: must be one of low"),
         ({"tools": TOOL}, r"tools must be a list of \{\"type\": \"function\""),
         ({"tools": [{"name": "f"}]}, r"tools\[0\] must be \{\"type\": \"function\""),
+        ({"tools": [TOOL, {"function": {"name": "f"}}, TOOL]},
+         r"tools\[2\] is named 'get_weather' like tools\[0\]: give each tool its own name"),
         ({"tools": [TOOL], "tool_choice": "any"}, r"tool_choice='any' is invalid: must be 'auto'"),
         ({"tool_choice": TOOL}, r"tool_choice=.*naming one of the tools"),
         (
@@ -240,12 +242,13 @@ def test_calls_from_two_threads(tiny_llm):
 
 
 @pytest.mark.parametrize("spec", [{"regex": "(("}, {"json": {"type": "bogus"}}, {"json": "{nope"},
-                                  {"grammar": "start: ("}])
+                                  {"grammar": "start: ("}, {"regex": r"a[^\s\S]"},
+                                  {"grammar": 'start: x\nx: x "a"'}])
 def test_a_structured_output_that_cannot_be_enforced_raises_at_the_call(tiny_llm, spec):
     from tinyoss import StructuredOutputs
 
     bad = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputs(**spec))
-    where = "sampling_params.structured_outputs: the .* cannot be enforced"
+    where = "sampling_params.structured_outputs: the .* (cannot be enforced|matches no text)"
     with pytest.raises(ValueError, match=where):
         tiny_llm.generate(["x"], bad, use_tqdm=False)
     with pytest.raises(ValueError, match=where):

@@ -301,6 +301,7 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "x"}},
          "tool_choice", "naming one of the tools"),
         ({"input": "hi", "metadata": {"k": 1}}, "metadata", "metadata"),
+        ({"input": "hi", "tools": [*TOOLS, *TOOLS]}, "tools", "like tools[0]"),
         ({"input": "hi", "stream": "yes"}, "stream", "bool"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": 1}]},
          "tools[0].parameters", "JSON schema"),

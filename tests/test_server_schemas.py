@@ -128,6 +128,7 @@ def events(r: httpx.Response) -> list[dict]:
          "tools[1].function.parameters", "an object"),
         (CHAT, {"messages": HI, "tools": [{"type": "web", "function": {"name": "f"}}]},
          "tools[0].type", "'function'"),
+        (CHAT, {"messages": HI, "tools": [*TOOLS, *TOOLS]}, "tools", "like tools[0]"),
         (CHAT, {"messages": HI, "response_format": "json"}, "response_format", "json_object"),
         (CHAT, {"messages": HI, "logprobs": 1}, "logprobs", "boolean"),
         (CMPL, {"prompt": "a", "logprobs": True}, "logprobs", "an integer"),

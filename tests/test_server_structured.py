@@ -189,6 +189,8 @@ def test_completions_take_a_raw_grammar(srv, client):
          "structured_outputs", "either"),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "one of"),
         ({"structured_outputs": {"regex": "(("}}, "structured_outputs", "regex cannot be"),
+        ({"structured_outputs": {"regex": "[^\\s\\S]+"}}, "structured_outputs",
+         "regex matches no text"),
         ({"thinking_token_budget": -1}, "thinking_token_budget", ">= 0"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "not": {"required": ["a"]}}}}], "tool_choice": "required"},

@@ -119,12 +119,17 @@ def check_tools(tools: Any) -> None:
         isinstance(tools, list),
         'tools must be a list of {"type": "function", "function": {"name": N, ...}}',
     )  # fmt: skip
+    first: dict[str, int] = {}  # name -> the first tool of that name
     for i, tool in enumerate(tools):
         at = f"tools[{i}]"
         _need(
             function_name(tool),
             f'{at} must be {{"type": "function", "function": {{"name": N, ...}}}}',
         )  # fmt: skip
+        name = function_name(tool)
+        j = first.setdefault(name, i)
+        _need(j == i, f"{at} is named {name!r} like tools[{j}]: give each tool its own name "
+                      "(the model calls a tool by its name)")
         fn = tool["function"]
         params, desc = fn.get("parameters"), fn.get("description")
         _need(

@@ -73,6 +73,35 @@ def check(spec: StructuredOutputs) -> None:
     error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
     if error:
         raise ValueError(f"the {spec.kind} cannot be enforced: {messages[0]}")
+    if _matches_nothing(grammar):
+        raise ValueError(f"the {spec.kind} matches no text at all, so no answer can follow it")
+
+
+class _ByteVocabulary:
+    """A vocabulary of the 256 bytes and an end token, for checks that need no real tokenizer."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"<end>"]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_byte_tokenizer = None
+
+
+def _matches_nothing(grammar: str) -> bool:
+    """Whether `grammar` admits no text: at its start it can neither end nor take any byte
+    (llguidance reduces an empty language, e.g. the regex [^\\s\\S], to a dead state). A grammar
+    that names special tokens is not judged here (the byte vocabulary has none)."""
+    global _byte_tokenizer
+    ll = _llguidance()
+    if _byte_tokenizer is None:
+        _byte_tokenizer = ll.LLTokenizer(ll.TokenizerWrapper(_ByteVocabulary()))
+    m = ll.LLMatcher(_byte_tokenizer, grammar)
+    if m.is_error() or m.is_accepting():  # (an empty mask makes the matcher an error too)
+        return False
+    return not any(m.compute_bitmask()[:32])  # bits of tokens 0-255 (the end token: 256)
 
 
 def _schema_text(text: str) -> dict:

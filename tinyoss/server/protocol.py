@@ -162,6 +162,7 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
     choice = body.get("tool_choice") or req.tool_choice  # the JSON's, or the default
     for param, check in (
         ("messages", lambda: harmony.check_messages(messages)),
+        ("tools", lambda: harmony.check_tools(tools)),
         ("tool_choice", lambda: harmony.check_tool_choice(choice, tools)),
     ):
         try:
