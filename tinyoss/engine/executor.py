@@ -173,8 +173,6 @@ class Executor:
         self.states: dict[int, SamplerState] = {}
         self._last: LaunchedStep | None = None  # the step a chained plan reads its tokens from
 
-    @torch.inference_mode()
-
     def drop_graphs(self) -> None:
         """Frees the CUDA graphs once no step will run: a tensor-parallel group's NCCL teardown
         waited forever while captured graphs still held its communicator (H200, torch 2.11)."""
@@ -182,6 +180,8 @@ class Executor:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queues the step's forward pass and sampling; nothing here waits for the GPU (prompt
         logprobs excepted)."""
