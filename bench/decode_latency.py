@@ -245,7 +245,9 @@ def profile(engine, args: argparse.Namespace) -> None:
     while any(s.num_computed < s.num_prompt for r in engine.requests.values() for s in r):
         engine.step()
     graphs = engine.executor.graphs
-    if graphs is not None:
+    if engine.executor.peers is not None:  # a replay on rank 0 alone would wait in its all-reduces
+        print("decode graph alone: not timed under tensor parallelism (every rank must replay)")
+    elif graphs is not None:
         graph = graphs.graphs[graphs.bucket(args.batch_size)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
