@@ -269,9 +269,11 @@ def test_steps_run_in_inference_mode_and_hold_no_memory(tiny_llm, monkeypatch):
         gc.collect()
         return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
-    tiny_llm.generate(prompts(2, seed=21), sp, use_tqdm=False)  # warm: lazily built state
+    # seeds no other test uses: a prompt prefix in the shared engine's cache would change the
+    # prefill plans of tests that count them
+    tiny_llm.generate(prompts(2, seed=71), sp, use_tqdm=False)  # warm: lazily built state
     before = live_tensors()
-    tiny_llm.generate(prompts(2, seed=22), sp, use_tqdm=False)
+    tiny_llm.generate(prompts(2, seed=72), sp, use_tqdm=False)
     assert modes and all(modes)
     assert live_tensors() - before < 50  # 26,910 for a 90-token request when it leaked
 
