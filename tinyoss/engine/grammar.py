@@ -16,6 +16,7 @@ does this while the GPU runs the forward pass; the sampler applies the rows (`sa
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -87,18 +88,17 @@ class _ByteVocabulary:
         return list(text)
 
 
-_byte_tokenizer = None
+@functools.cache
+def _byte_tokenizer():
+    ll = _llguidance()
+    return ll.LLTokenizer(ll.TokenizerWrapper(_ByteVocabulary()))
 
 
 def _matches_nothing(grammar: str) -> bool:
     """Whether `grammar` admits no text: at its start it can neither end nor take any byte
     (llguidance reduces an empty language, e.g. the regex [^\\s\\S], to a dead state). A grammar
     that names special tokens is not judged here (the byte vocabulary has none)."""
-    global _byte_tokenizer
-    ll = _llguidance()
-    if _byte_tokenizer is None:
-        _byte_tokenizer = ll.LLTokenizer(ll.TokenizerWrapper(_ByteVocabulary()))
-    m = ll.LLMatcher(_byte_tokenizer, grammar)
+    m = _llguidance().LLMatcher(_byte_tokenizer(), grammar)
     if m.is_error() or m.is_accepting():  # (an empty mask makes the matcher an error too)
         return False
     return not any(m.compute_bitmask()[:32])  # bits of tokens 0-255 (the end token: 256)
