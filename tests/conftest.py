@@ -51,3 +51,32 @@ def mma():
     lib, why = load(capability())
     assert lib is not None, why
     return lib
+
+
+# The reliability suite's line of counts, printed at the end of the run. Under pytest-xdist the
+# worker that ran it hands the line to the controller, which prints it.
+_RELIABILITY_LINES: list[str] = []
+
+
+def _reliability_lines() -> list[str]:
+    from tests.reliability.helpers import TRACKER
+
+    if not TRACKER.used:
+        return []
+    events = ["reliability events: " + "; ".join(TRACKER.events[:20])] if TRACKER.events else []
+    return [TRACKER.summary(), *events]
+
+
+def pytest_sessionfinish(session) -> None:
+    out = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
+    if out is not None:
+        out["reliability"] = _reliability_lines()
+
+
+def pytest_testnodedown(node, error) -> None:  # pytest-xdist's controller: a worker ended
+    _RELIABILITY_LINES.extend(getattr(node, "workeroutput", {}).get("reliability", []))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in _RELIABILITY_LINES or _reliability_lines():
+        terminalreporter.write_line(line)

@@ -2,8 +2,8 @@
 core in a process of its own), started once for the session with small limits (helpers.py) and
 the fault-hook module tests.reliability.hooks loaded in its core.
 
-At the end the suite prints one line of counts (classes tried, 5xx, hangs, lost, duplicated)
-and fails if any 5xx, hang, lost or duplicated answer was seen.
+At the end the suite prints one line of counts (classes tried, 5xx, hangs, lost, duplicated;
+tests/conftest.py prints it, also from pytest-xdist's workers) and fails if any 5xx, hang, lost or duplicated answer was seen.
 """
 
 from __future__ import annotations
@@ -136,10 +136,3 @@ def reliability_counts():
     assert t.server_errors == t.hangs == t.lost == t.duplicated == 0, (
         f"{TRACKER.summary()}; first events: {TRACKER.events[:20]}"
     )
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    if TRACKER.used:
-        terminalreporter.write_line(TRACKER.summary())
-        if TRACKER.events:
-            terminalreporter.write_line("reliability events: " + "; ".join(TRACKER.events[:20]))
