@@ -96,18 +96,26 @@ def test_supports_gpt_oss_shapes_in_bf16_only():
     wide = _experts(32, 2880, 2880, torch.bfloat16)
     wide.limit = 300.0  # SwiGLU outputs up to (limit + 1) * limit would not fit fp16
     assert not mm.MmaGemv.supports(x, wide)
+    for ranks, blocks in ((2, 45), (4, 23), (8, 12)):  # a tensor-parallel rank's experts
+        shard = _experts(32, 2880, 32 * blocks, torch.bfloat16)
+        assert mm.MmaGemv.supports_gate_up(x, shard), ranks
+        assert not mm.MmaGemv.supports_down(x, shard) and not mm.MmaGemv.supports(x, shard)
 
 
 class _Recorder:
     """Stands in for the built kernels: records its calls, computes what they compute with the
     Triton pair GEMV it replaces."""
 
-    def __init__(self) -> None:
+    def __init__(self, down: bool = True) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.takes_down = down
 
     @staticmethod
-    def supports(x, w) -> bool:
+    def supports_gate_up(x, w) -> bool:
         return True
+
+    def supports_down(self, x, w) -> bool:
+        return self.takes_down
 
     def gate_up(self, x, x_div, ids, blocks, scales, bias, wts, act, alpha, limit):
         assert ids.dtype == torch.int32
@@ -128,8 +136,11 @@ class _Recorder:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in runs Triton's interpreter "
                     "on CPU tensors; on a GPU test_moe_triton.py runs the real dispatch")
+@pytest.mark.parametrize("takes_down", [True, False])
 @pytest.mark.parametrize("t", [1, mm.DOWN_MIN_TOKENS, mt.GEMV_MAX_TOKENS])
-def test_pair_gemv_hands_both_projections_to_the_tensor_cores(t):
+def test_pair_gemv_hands_both_projections_to_the_tensor_cores(t, takes_down):
+    """Each projection goes to the tensor cores where they take it (a tensor-parallel rank's
+    down does not), the other to Gluon's kernel; the sum is the same."""
     gen = torch.Generator().manual_seed(t)
     e, h, i = 8, 64, 64
     gb, gs = mxfp4.quantize(torch.randn(e, 2 * i, h, generator=gen) * 0.4)
@@ -139,10 +150,10 @@ def test_pair_gemv_hands_both_projections_to_the_tensor_cores(t):
     x = torch.randn(t, h, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:4] for _ in range(t)])
     weights = torch.softmax(torch.randn(t, 4, generator=gen), -1)
-    fake = _Recorder()
+    fake = _Recorder(down=takes_down)
     out = mt.moe_triton(x, weights, ids, w, mma=fake)
     want = [("gate_up", 4 * t)] * (t >= mm.GATE_UP_MIN_TOKENS)
-    want += [("down", 4 * t)] * (t >= mm.DOWN_MIN_TOKENS)
+    want += [("down", 4 * t)] * (t >= mm.DOWN_MIN_TOKENS and takes_down)
     assert fake.calls == want
     ref = moe_torch(x, weights, ids, w)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5

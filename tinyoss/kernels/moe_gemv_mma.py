@@ -110,15 +110,25 @@ class MmaGemv:
         return self.error(err) if err else None
 
     @staticmethod
-    def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """bf16 activations and biases, rows in 64s, K 2880 (gpt-oss's hidden and intermediate
-        size: every tile's K steps divide it, and x is staged for at most that), SwiGLU outputs
-        that fit fp16 (|act| <= (limit + 1) * limit)."""
-        ks = (w.gate_up_blocks.shape[2] * 32, w.down_blocks.shape[2] * 32)
-        ns = (w.gate_up_blocks.shape[1], w.down_blocks.shape[1])
+    def supports_gate_up(x: torch.Tensor, w: ExpertWeights) -> bool:
+        """bf16 activations and biases, rows in 64s, K 2880 (gpt-oss's hidden size: every
+        tile's K steps divide it, and x is staged for at most that), SwiGLU outputs that fit
+        fp16 (|act| <= (limit + 1) * limit). A tensor-parallel rank's share of the rows too."""
         return (x.dtype == w.gate_up_bias.dtype == w.down_bias.dtype == torch.bfloat16
-                and all(n % 64 == 0 for n in ns) and ks == (2880, 2880)
+                and w.gate_up_blocks.shape[1] % 64 == 0 and w.gate_up_blocks.shape[2] * 32 == 2880
                 and (w.limit + 1) * w.limit < 6e4)
+
+    @staticmethod
+    def supports_down(x: torch.Tensor, w: ExpertWeights) -> bool:
+        """`supports_gate_up`, and down's K (the intermediate size) 2880 as well: a
+        tensor-parallel rank's share of it is not a K every tile divides."""
+        return (MmaGemv.supports_gate_up(x, w) and w.down_blocks.shape[1] % 64 == 0
+                and w.down_blocks.shape[2] * 32 == 2880)
+
+    @staticmethod
+    def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
+        """Both projections (`supports_down`)."""
+        return MmaGemv.supports_down(x, w)
 
     @staticmethod
     def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:

@@ -623,7 +623,8 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                 mma: MmaGemv | None = None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
     `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
-    from DOWN_MIN_TOKENS tokens on, else Gluon's (the Triton kernel in the interpreter)."""
+    from DOWN_MIN_TOKENS tokens on, each where it takes the shapes (a tensor-parallel rank's
+    down is not among them), else Gluon's (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -637,14 +638,15 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gu = (w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias)
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     act = _empty((pairs, i), torch.float32, x.device)
-    tensor_cores = mma is not None and mma.supports(x, w)
-    ids32 = ids.to(torch.int32) if tensor_cores else ids
-    if tensor_cores and t >= GATE_UP_MIN_TOKENS:
+    gate_up_cores = mma is not None and t >= GATE_UP_MIN_TOKENS and mma.supports_gate_up(x, w)
+    down_cores = mma is not None and t >= DOWN_MIN_TOKENS and mma.supports_down(x, w)
+    ids32 = ids.to(torch.int32) if gate_up_cores or down_cores else ids
+    if gate_up_cores:
         mma.gate_up(x.contiguous(), k, ids32, *gu, wts, act, w.alpha, w.limit)
     else:
         _pair_gemv_cores(x.contiguous(), k, ids, gu, wts, act, 2 * i, h, w, cfg, cfg.block_n1,
                          swiglu=True)
-    if tensor_cores and t >= DOWN_MIN_TOKENS:
+    if down_cores:
         mma.down(act, ids32, *dn, wts, y, w.alpha, w.limit)
     else:
         _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
