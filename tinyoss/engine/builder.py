@@ -113,6 +113,7 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
         return _core(config, folder, device, model_config, peers)
     except BaseException:  # the workers may wait in a collective that rank 0 never reaches
         if peers is not None:
+            log.exception("rank 0 failed while starting; stopping the tensor-parallel workers")
             peers.kill()
         raise
 

@@ -38,6 +38,7 @@ log = logging.getLogger("tinyoss")
 
 _POLL_S = 0.5  # how often a worker checks that rank 0 still lives
 _GRACE_S = 2.0  # how long rank 0 may take to fail on its own after a worker did
+_ABORT_S = 10.0  # how long rank 0 waits to leave the group after its own failure
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -139,7 +140,15 @@ class Peers:
         for proc in self.procs:
             proc.kill()
             proc.wait()
-        self.group.abort()
+        # NCCL's abort has been seen to wait for ever here on the GPUs; rank 0's own error
+        # matters more than a clean exit from the group
+        leaving = threading.Thread(target=self.group.abort, name="tinyoss-group-abort",
+                                   daemon=True)
+        leaving.start()
+        leaving.join(_ABORT_S)
+        if leaving.is_alive():
+            log.warning("leaving the tensor-parallel group did not finish in %.0f s; going on",
+                        _ABORT_S)
 
 
 def follow(executor, group: Group, plan: StepPlan) -> None:
