@@ -193,3 +193,41 @@ def test_a_refusal_after_the_workers_started_ends_them(tiny_dir):
             kv_cache_tokens=10)
     time.sleep(workers._GRACE_S + 0.5)  # past the watcher's grace: this process still runs
     assert _workers_of_this_process() == []
+
+
+def test_the_all_reduce_choice(monkeypatch):
+    """`auto` takes FlashInfer's all-reduce where it is built, else symmetric memory once a
+    process (a second engine there hung in PyTorch's per-process rendezvous count), else NCCL;
+    symm_mem asked for a second time is an error naming what works."""
+    from tinyoss.engine import comm
+
+    class Symm:
+        name, fuses_norm, used = "symm_mem one-shot", False, False
+
+        def __init__(self, group, dtype) -> None:
+            Symm.used = True
+
+    class FlashInfer:
+        name, fuses_norm = "flashinfer one-shot", True
+
+        def __init__(self, group, dtype, hidden) -> None:
+            pass
+
+    monkeypatch.setattr(comm, "_SymmMemAllReduce", Symm)
+    monkeypatch.setattr(comm, "_FlashInferAllReduce", FlashInfer)
+    built = [True]
+    monkeypatch.setattr(comm, "_flashinfer_built", lambda: built[0])
+
+    def choose(setting: str) -> str:
+        monkeypatch.setenv(comm.ALL_REDUCE_ENV, setting)
+        group = comm.Group.__new__(comm.Group)  # as on GPUs, without starting NCCL
+        group._nccl, group._fast, group.min = True, None, lambda v: v
+        return group.use_fast_all_reduce(torch.bfloat16, 2880)
+
+    assert choose("auto").startswith("flashinfer one-shot up to 512 KiB, fused")
+    built[0] = False
+    assert choose("auto").endswith("(minutes, once a machine)") and Symm.used
+    assert choose("auto") == "nccl (symmetric memory served an earlier engine of this process)"
+    with pytest.raises(RuntimeError, match="TINYOSS_ALL_REDUCE=flashinfer or nccl serves any"):
+        choose("symm_mem")
+    assert choose("flashinfer").startswith("flashinfer") and choose("nccl") == "nccl"

@@ -9,12 +9,13 @@ dominates. Small all-reduces (up to `FAST_MAX_BYTES`) can instead go through
 - PyTorch's symmetric memory: each rank copies its part into a buffer every rank can read over
   NVLink and sums the others' in one kernel (`one_shot_all_reduce_copy_out`, peer-to-peer loads);
 - FlashInfer's TensorRT-LLM all-reduce: a one-shot kernel that signals with Lamport flags in the
-  data instead of barriers, on IPC buffers from PyTorch's symmetric memory; it also fuses the
-  residual add and RMSNorm after the experts' all-reduce (`all_reduce_norm`).
+  data instead of barriers, on CUDA IPC buffers; it also fuses the residual add and RMSNorm
+  after the experts' all-reduce (`all_reduce_norm`). About twice as fast as the symmetric-memory
+  one at decode sizes (bench/results/2026-11-26_h200x4_tp.md).
 Neither uses NVLink multicast. Env TINYOSS_ALL_REDUCE picks: `nccl`, `symm_mem`, `flashinfer`,
-or `auto` (symmetric memory where it starts and sums right, NCCL otherwise); each fast path is
-checked against NCCL at start and the choice is logged. `flashinfer` is not yet measured on
-GPUs, so `auto` does not take it.
+or `auto`: FlashInfer's where its kernels are already built (their first build takes minutes,
+so `auto` does not start it), else symmetric memory, else NCCL; each fast path is checked
+against NCCL at start and the choice is logged.
 """
 
 from __future__ import annotations
@@ -67,8 +68,21 @@ class Group:
         setting = resolve("all-reduce", None, ALL_REDUCE_ENV, choices)
         if not self._nccl or setting.value == "nccl":
             return "nccl" if self._nccl else "gloo"
+        want = setting.value
+        if want == "auto":  # every rank must pick the same: rank 0 knows what this process did
+            want = "flashinfer" if self.min(int(_flashinfer_built())) else "symm_mem"
+        if want == "symm_mem" and self.min(int(not _SymmMemAllReduce.used)) == 0:
+            # PyTorch numbers its symmetric-memory rendezvous per process: a second engine in
+            # rank 0's process would count on from the first while its new workers start at 0
+            # and wait for ever (seen on the GPUs)
+            if setting.value == "symm_mem":
+                raise RuntimeError(
+                    f"all-reduce symm_mem (from {setting.source}) serves one tensor-parallel "
+                    "engine a process, and this process started one before; "
+                    "TINYOSS_ALL_REDUCE=flashinfer or nccl serves any number")
+            return "nccl (symmetric memory served an earlier engine of this process)"
         try:
-            if setting.value == "flashinfer":
+            if want == "flashinfer":
                 self._fast = _FlashInferAllReduce(self, dtype, hidden)
             else:
                 self._fast = _SymmMemAllReduce(self, dtype)
@@ -76,12 +90,16 @@ class Group:
             if setting.value != "auto":
                 raise RuntimeError(f"all-reduce {setting.value} (from {setting.source}) failed: "
                                    f"{e}; TINYOSS_ALL_REDUCE=nccl always works")
-            log.warning("symmetric-memory all-reduce unavailable (%s): NCCL for all", e)
+            log.warning("%s all-reduce unavailable (%s): NCCL for all", want, e)
         if setting.value == "auto" and self.min(int(self._fast is not None)) == 0:
             self._fast = None  # a rank without it: all take NCCL, or their collectives differ
             return "nccl"
         fused = ", fused with the residual add and RMSNorm" if self._fast.fuses_norm else ""
-        return f"{self._fast.name} up to {FAST_MAX_BYTES // 1024} KiB{fused}, nccl above"
+        hint = ""
+        if want == "symm_mem" and setting.value == "auto":
+            hint = ("; TINYOSS_ALL_REDUCE=flashinfer is faster, once FlashInfer's all-reduce is "
+                    "built (minutes, once a machine)")
+        return f"{self._fast.name} up to {FAST_MAX_BYTES // 1024} KiB{fused}, nccl above{hint}"
 
     def _fast_for(self, x: torch.Tensor) -> _SymmMemAllReduce | _FlashInferAllReduce | None:
         fast = self._fast
@@ -156,14 +174,28 @@ def _probe(group: Group, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     return (x * (group.rank + 1)).to(dtype).view(shape)
 
 
+def _flashinfer_built() -> bool:
+    """Whether FlashInfer's all-reduce kernels are built or prebuilt here: `auto` takes them
+    then, and does not start their first build (minutes) itself."""
+    try:
+        from flashinfer.jit.comm import gen_trtllm_comm_module
+
+        return gen_trtllm_comm_module().is_compiled
+    except Exception:  # noqa: BLE001 - no FlashInfer, or none for this GPU
+        return False
+
+
 class _SymmMemAllReduce:
-    """One-shot all-reduce through a symmetric-memory buffer; checked against NCCL at start."""
+    """One-shot all-reduce through a symmetric-memory buffer; checked against NCCL at start.
+    One engine a process (`used`): see `Group.use_fast_all_reduce`."""
 
     name, fuses_norm = "symm_mem one-shot", False
+    used = False  # whether this process made one (rank 0's, for later engines)
 
     def __init__(self, group: Group, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        _SymmMemAllReduce.used = True
         self.dtype = dtype
         self.numel = FAST_MAX_BYTES // torch.tensor([], dtype=dtype).element_size()
         self.group_name = dist.group.WORLD.group_name
