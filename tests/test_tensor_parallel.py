@@ -196,38 +196,48 @@ def test_a_refusal_after_the_workers_started_ends_them(tiny_dir):
 
 
 def test_the_all_reduce_choice(monkeypatch):
-    """`auto` takes FlashInfer's all-reduce where it is built, else symmetric memory once a
-    process (a second engine there hung in PyTorch's per-process rendezvous count), else NCCL;
-    symm_mem asked for a second time is an error naming what works."""
+    """`auto` takes FlashInfer's all-reduce where it is built, else symmetric memory, else NCCL;
+    both fast paths serve one engine a process (a second engine there hung in PyTorch's per-
+    process rendezvous count on the GPUs), so a later one takes NCCL, or, asked for a fast path
+    by name, is told which works."""
     from tinyoss.engine import comm
 
     class Symm:
-        name, fuses_norm, used = "symm_mem one-shot", False, False
+        name, fuses_norm = "symm_mem one-shot", False
 
         def __init__(self, group, dtype) -> None:
-            Symm.used = True
+            comm._uses_symmetric_memory()
 
     class FlashInfer:
         name, fuses_norm = "flashinfer one-shot", True
 
         def __init__(self, group, dtype, hidden) -> None:
-            pass
+            comm._uses_symmetric_memory()
 
     monkeypatch.setattr(comm, "_SymmMemAllReduce", Symm)
     monkeypatch.setattr(comm, "_FlashInferAllReduce", FlashInfer)
     built = [True]
     monkeypatch.setattr(comm, "_flashinfer_built", lambda: built[0])
 
-    def choose(setting: str) -> str:
+    def choose(setting: str, earlier_engine: bool = False) -> str:
         monkeypatch.setenv(comm.ALL_REDUCE_ENV, setting)
+        monkeypatch.setattr(comm, "_symmetric_memory_used", earlier_engine)
         group = comm.Group.__new__(comm.Group)  # as on GPUs, without starting NCCL
         group._nccl, group._fast, group.min = True, None, lambda v: v
         return group.use_fast_all_reduce(torch.bfloat16, 2880)
 
     assert choose("auto").startswith("flashinfer one-shot up to 512 KiB, fused")
-    built[0] = False
-    assert choose("auto").endswith("(minutes, once a machine)") and Symm.used
-    assert choose("auto") == "nccl (symmetric memory served an earlier engine of this process)"
-    with pytest.raises(RuntimeError, match="TINYOSS_ALL_REDUCE=flashinfer or nccl serves any"):
-        choose("symm_mem")
     assert choose("flashinfer").startswith("flashinfer") and choose("nccl") == "nccl"
+    built[0] = False
+    assert choose("auto").startswith("symm_mem one-shot")
+    assert choose("auto").endswith("(minutes, once a machine)")
+    assert choose("symm_mem").startswith("symm_mem one-shot")
+    for setting in ("auto", "symm_mem", "flashinfer"):
+        built[0] = setting == "auto"
+        if setting == "auto":
+            assert choose(setting, earlier_engine=True) == (
+                "nccl (symmetric memory served an earlier engine of this process)")
+        else:
+            with pytest.raises(RuntimeError, match="serves one tensor-parallel engine a process"):
+                choose(setting, earlier_engine=True)
+    assert choose("nccl", earlier_engine=True) == "nccl"

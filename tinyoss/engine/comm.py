@@ -9,13 +9,15 @@ dominates. Small all-reduces (up to `FAST_MAX_BYTES`) can instead go through
 - PyTorch's symmetric memory: each rank copies its part into a buffer every rank can read over
   NVLink and sums the others' in one kernel (`one_shot_all_reduce_copy_out`, peer-to-peer loads);
 - FlashInfer's TensorRT-LLM all-reduce: a one-shot kernel that signals with Lamport flags in the
-  data instead of barriers, on CUDA IPC buffers; it also fuses the residual add and RMSNorm
-  after the experts' all-reduce (`all_reduce_norm`). About twice as fast as the symmetric-memory
-  one at decode sizes (bench/results/2026-11-26_h200x4_tp.md).
+  data instead of barriers, on IPC buffers from PyTorch's symmetric memory; it also fuses the
+  residual add and RMSNorm after the experts' all-reduce (`all_reduce_norm`). About twice as
+  fast as the symmetric-memory one at decode sizes (bench/results/2026-11-26_h200x4_tp.md).
 Neither uses NVLink multicast. Env TINYOSS_ALL_REDUCE picks: `nccl`, `symm_mem`, `flashinfer`,
 or `auto`: FlashInfer's where its kernels are already built (their first build takes minutes,
 so `auto` does not start it), else symmetric memory, else NCCL; each fast path is checked
-against NCCL at start and the choice is logged.
+against NCCL at start and the choice is logged. Both fast paths serve one engine a process
+(PyTorch counts symmetric-memory rendezvous per process): a later tensor-parallel engine in the
+same process takes NCCL.
 """
 
 from __future__ import annotations
@@ -71,15 +73,15 @@ class Group:
         want = setting.value
         if want == "auto":  # every rank must pick the same: rank 0 knows what this process did
             want = "flashinfer" if self.min(int(_flashinfer_built())) else "symm_mem"
-        if want == "symm_mem" and self.min(int(not _SymmMemAllReduce.used)) == 0:
-            # PyTorch numbers its symmetric-memory rendezvous per process: a second engine in
-            # rank 0's process would count on from the first while its new workers start at 0
-            # and wait for ever (seen on the GPUs)
-            if setting.value == "symm_mem":
+        if self.min(int(not _symmetric_memory_used)) == 0:
+            # PyTorch numbers its symmetric-memory rendezvous per process (FlashInfer's buffers
+            # come from it too): a second engine in rank 0's process would count on from the
+            # first while its new workers start at 0, and wait for ever (seen on the GPUs)
+            if setting.value != "auto":
                 raise RuntimeError(
-                    f"all-reduce symm_mem (from {setting.source}) serves one tensor-parallel "
-                    "engine a process, and this process started one before; "
-                    "TINYOSS_ALL_REDUCE=flashinfer or nccl serves any number")
+                    f"all-reduce {setting.value} (from {setting.source}) serves one tensor-"
+                    "parallel engine a process, and this process started one before; "
+                    "TINYOSS_ALL_REDUCE=nccl serves any number")
             return "nccl (symmetric memory served an earlier engine of this process)"
         try:
             if want == "flashinfer":
@@ -185,17 +187,25 @@ def _flashinfer_built() -> bool:
         return False
 
 
+# Whether this process made symmetric-memory buffers (either fast path): one engine a process
+# can, see `Group.use_fast_all_reduce`
+_symmetric_memory_used = False
+
+
+def _uses_symmetric_memory() -> None:
+    global _symmetric_memory_used
+    _symmetric_memory_used = True
+
+
 class _SymmMemAllReduce:
-    """One-shot all-reduce through a symmetric-memory buffer; checked against NCCL at start.
-    One engine a process (`used`): see `Group.use_fast_all_reduce`."""
+    """One-shot all-reduce through a symmetric-memory buffer; checked against NCCL at start."""
 
     name, fuses_norm = "symm_mem one-shot", False
-    used = False  # whether this process made one (rank 0's, for later engines)
 
     def __init__(self, group: Group, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        _SymmMemAllReduce.used = True
+        _uses_symmetric_memory()
         self.dtype = dtype
         self.numel = FAST_MAX_BYTES // torch.tensor([], dtype=dtype).element_size()
         self.group_name = dist.group.WORLD.group_name
@@ -243,6 +253,7 @@ class _FlashInferAllReduce:
         self._gammas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # IPC buffers from PyTorch's symmetric memory (use_symm_dev_mem=False), which
         # TORCH_SYMM_MEM_DISABLE_MULTICAST keeps off multicast; the handles must stay alive.
+        _uses_symmetric_memory()
         self._handles, self._ptrs, _ = create(
             group.rank, group.size, self.max_tokens, hidden, create_metadata=True,
             use_symm_dev_mem=False, use_fp32_lamport=dtype == torch.float32)
