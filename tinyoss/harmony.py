@@ -48,6 +48,9 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def function_name(tool: Any) -> str | None:
     """N of {"type": "function", "function": {"name": N}} (the type may be left out), else None."""
     fn = tool.get("function") if isinstance(tool, dict) else None
@@ -127,6 +130,9 @@ def check_tools(tools: Any) -> None:
             f'{at} must be {{"type": "function", "function": {{"name": N, ...}}}}',
         )  # fmt: skip
         name = function_name(tool)
+        _need(_TOOL_NAME.fullmatch(name) is not None,
+              f"{at} is named {short_repr(name)}: a tool's name must be 1 to 64 letters, digits, "
+              "'_' or '-' (as in OpenAI's API; the model writes it in its call)")
         j = first.setdefault(name, i)
         _need(j == i, f"{at} is named {name!r} like tools[{j}]: give each tool its own name "
                       "(the model calls a tool by its name)")
