@@ -174,6 +174,8 @@ def test_bad_chat_messages(tiny_llm, messages, error, match):
         ({"tools": [{"name": "f"}]}, r"tools\[0\] must be \{\"type\": \"function\""),
         ({"tools": [TOOL, {"function": {"name": "f"}}, TOOL]},
          r"tools\[2\] is named 'get_weather' like tools\[0\]: give each tool its own name"),
+        ({"tools": [{"function": {"name": "get weather"}}]},
+         r"tools\[0\] is named 'get weather': a tool's name must be 1 to 64 letters"),
         ({"tools": [TOOL], "tool_choice": "any"}, r"tool_choice='any' is invalid: must be 'auto'"),
         ({"tool_choice": TOOL}, r"tool_choice=.*naming one of the tools"),
         (
@@ -257,3 +259,11 @@ def test_a_structured_output_that_cannot_be_enforced_raises_at_the_call(tiny_llm
         with pytest.raises(ValueError, match=where):
             tiny_llm.chat([{"role": "user", "content": "x"}], bad, use_tqdm=False)
     assert not tiny_llm.engine.has_work()
+
+
+def test_an_output_shows_its_text():
+    from tinyoss.engine.output_processor import CompletionOutput
+
+    out = CompletionOutput(0, [1, 2], pieces=["he", "llo"], finish_reason="length")
+    assert repr(out) == ("CompletionOutput(index=0, text='hello', token_ids=[1, 2], "
+                         "finish_reason='length', stop_reason=None)")

@@ -20,6 +20,7 @@ context: a 10 MB prompt costs neither the loop nor the CPU.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -154,6 +155,16 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops)
 
 
+def _path_in(message: str, field: str) -> str:
+    """The path a check's message starts with (`messages[0].content[1]`), where it names a
+    place inside `field`; else `field`."""
+    path = _PATH.match(message)
+    return path.group(0) if path and path.group(0).startswith(field) else field
+
+
+_PATH = re.compile(r"[a-z_]+(?:\[\d+\]|\.[a-z_]+)*")
+
+
 def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
     """The chat body's messages (with its tools, tool_choice, reasoning_effort) rendered to
     harmony segments: the one path of /v1/chat/completions and /tokenize. `req` has checked
@@ -168,7 +179,7 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
         try:
             check()
         except ValueError as e:
-            raise APIError(400, str(e), param=param) from e
+            raise APIError(400, str(e), param=_path_in(str(e), param)) from e
     options = {"tools": tools, "tool_choice": choice, "reasoning_effort": req.reasoning_effort}
     if isinstance(req.response_format, ResponseFormatJsonSchema):
         options["response_format"] = body["response_format"]["json_schema"]
