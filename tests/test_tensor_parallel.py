@@ -241,3 +241,24 @@ def test_the_all_reduce_choice(monkeypatch):
             with pytest.raises(RuntimeError, match="serves one tensor-parallel engine a process"):
                 choose(setting, earlier_engine=True)
     assert choose("nccl", earlier_engine=True) == "nccl"
+
+
+def test_a_second_tensor_parallel_llm_starts_once_the_first_is_closed(tiny_dir):
+    """One tensor-parallel group a process: a second LLM while the first runs is refused with
+    what to do (it used to fail on a bare torch.distributed error); `with` closes it, and a
+    closed LLM says so."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kwargs = {"device": "cpu", "dtype": "float32", "tensor_parallel_size": 2,
+              "kv_cache_tokens": 4096}
+    with LLM(str(tiny_dir), **kwargs) as first:
+        want = first.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        with pytest.raises(RuntimeError, match=r"close it first \(LLM.close\(\), or"):
+            LLM(str(tiny_dir), **kwargs)
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        first.generate(PROMPTS[:1], greedy, use_tqdm=False)
+    assert _workers_of_this_process() == []
+    second = LLM(str(tiny_dir), **kwargs)
+    try:
+        assert second.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    finally:
+        second.close()

@@ -91,9 +91,24 @@ class LLM:
         self._ids = itertools.count()
         self._lock = threading.RLock()  # the engine and the processor: one caller at a time
         self._inbox: dict[str, list[RequestOutput]] = {}  # each live request's outputs, unread
+        self._closed = False
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel workers and leaves their group (an engine of one
+        process holds nothing to stop); the LLM generates no more. Another tensor-parallel LLM
+        can start in this process only after this (or use `with LLM(...) as llm:`)."""
+        with self._lock:
+            self._closed = True
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, where: str = "prompt"
@@ -103,6 +118,8 @@ class LLM:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this LLM was closed: start a new one to generate")
             request_id = f"gen-{next(self._ids)}"
             try:
                 self.engine.add(CoreRequest(request_id, ids, params))

@@ -66,6 +66,10 @@ class Peers:
 
     def __init__(self, config: EngineConfig, folder: Path | None, device: torch.device) -> None:
         size = config.tensor_parallel_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine already runs in this process: close it first "
+                "(LLM.close(), or start it as `with LLM(...) as llm:`), then start this one")
         for rank in range(1, size):
             rank_device(config, rank)  # every GPU exists, before anything starts
         os.environ.update(NO_MULTICAST)
