@@ -671,3 +671,20 @@ def test_a_signal_stops_the_server_and_its_engine_core(sig):
         assert b"Application shutdown complete" in log and b"Traceback" not in log
     finally:
         server.kill()
+
+
+def test_a_request_fault_answers_its_first_line_and_logs_the_rest(caplog):
+    """A request's own fault (here a grammar parser's dump, as llguidance writes it) is a 500
+    whose message stays one short line; the whole of it goes to the server log."""
+    from tinyoss.engine.core import RequestError
+    from tinyoss.engine.core_client import RequestFailed
+    from tinyoss.server.app import _error
+
+    dump = "the output left its structured-output grammar: Parser Error: " + "x" * 500
+    err = _error(RequestFailed(RequestError("structured_output", dump + "\nstate: ...")))
+    assert err.status == 500 and err.code == "structured_output"
+    assert err.message.startswith("the output left its structured-output grammar: Parser")
+    assert err.message.endswith("(the server log has the rest)") and "\n" not in err.message
+    assert len(err.message) < 260 and "state: ..." in caplog.text
+    short = _error(RequestFailed(RequestError("non_finite_logits", "NaN logits")))
+    assert short.message == "NaN logits"

@@ -281,13 +281,21 @@ def _error_response(err: APIError) -> Response:
     return Response(body, err.status, err.headers, media_type="application/json")
 
 
+_MAX_FAULT_CHARS = 200  # of a request's own fault, in its answer; all of it goes to the log
+
+
 def _error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, (EngineDeadError, EngineUnavailable)):
         return APIError(503, str(e), code="engine_unavailable")
     if isinstance(e, RequestFailed):
-        return APIError(503 if e.code == "out_of_memory" else 500, str(e), code=e.code)
+        message = str(e)
+        if len(message) > _MAX_FAULT_CHARS or "\n" in message:  # e.g. a grammar parser's state
+            log.warning("request failed (%s): %s", e.code, message)
+            message = (message.splitlines()[0][:_MAX_FAULT_CHARS].rstrip()
+                       + " ... (the server log has the rest)")
+        return APIError(503 if e.code == "out_of_memory" else 500, message, code=e.code)
     log.error("request failed", exc_info=e)
     return APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
 
