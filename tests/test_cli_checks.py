@@ -149,6 +149,8 @@ def test_bad_sampling_or_input_stops_before_loading(argv, says, capsys, monkeypa
 @pytest.mark.parametrize("argv, says", [
     (["--model", "no-such-model"], "model 'no-such-model' is neither a checkpoint folder"),
     (["--model", "tiny", "--kv-cache-tokens", "10"], "too few to run anything"),
+    (["--model", "tiny", "--max-model-len", "2"],
+     "max_model_len 2 is shorter than one KV cache block (16 tokens)"),
     (["--model", "tiny", "--kv-cache-tokens", "1024", "--max-model-len", "64"],
      "max_model_len is 64"),  # the prompt refused at submission
 ])

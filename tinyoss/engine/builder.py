@@ -494,6 +494,11 @@ def _max_model_len(
         mid = (lo + hi + 1) // 2
         fits = blocks_needed(layout.windows, config.block_size, mid) <= num_blocks
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    if limit < config.block_size:
+        raise ValueError(
+            f"max_model_len {limit} is shorter than one KV cache block ({config.block_size} "
+            f"tokens), too short to run anything: give at least {config.block_size}"
+        )
     if lo < config.block_size:
         raise ValueError(
             f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) holds a sequence "
