@@ -40,6 +40,11 @@ class CompletionOutput:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    def __repr__(self) -> str:  # the text first, as vLLM's shows it
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
+                f"token_ids={self.token_ids!r}, finish_reason={self.finish_reason!r}, "
+                f"stop_reason={self.stop_reason!r})")
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
