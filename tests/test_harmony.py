@@ -786,6 +786,22 @@ def test_output_that_never_formed_a_message_is_the_reply():
     assert check(toks(CHANNEL, "analysis")) == ParsedCompletion(None, None, [], "length")
 
 
+def test_text_that_never_forms_a_header_streams():
+    """tiny's random output (no harmony at all) streams once it is longer than any header,
+    instead of arriving whole at the end; the parse is the same either way."""
+    words = "".join(f" word{i}" for i in range(120))
+    tokens = toks(words)
+    parser = HarmonyStreamParser(decode)
+    early = [d for t in tokens for d in parser.add(t)]
+    assert early and all(d.kind == "content" for d in early)
+    assert "".join(d.text for d in early + parser.finish()) == words.strip()
+    assert check(tokens) == ParsedCompletion(None, words.strip(), [], "length")
+    # a long tool-call header still waits for its <|message|>
+    call = toks(CHANNEL, "commentary to=functions." + "x" * 200, CONSTRAIN, "json", MESSAGE,
+                '{"a": 1}', CALL)
+    assert [c.arguments for c in check(call).tool_calls] == ['{"a": 1}']
+
+
 def test_lenient_headers():
     # No <|message|>: harmony's non-strict parser keeps the header's leftover text.
     assert check(toks(CHANNEL, "final Hello there", RETURN)) == ParsedCompletion(

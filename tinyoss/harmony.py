@@ -499,6 +499,9 @@ _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]*)")
 _RECIPIENT_RE = re.compile(r"to=([^\s<]+)")
 _CONSTRAIN_RE = re.compile(r"<\|constrain\|>\s*[^\s<]*")
 _NOT_RECIPIENTS = ("all", "assistant", "user")
+# A header is a few tokens (a tool's name at most 64 characters): ordinary text past this many
+# without <|message|> is not one
+_MAX_HEADER_TOKENS = 48
 _ID_CHARS = string.ascii_letters + string.digits
 
 
@@ -548,6 +551,8 @@ class HarmonyStreamParser:
                 self._open(out)
             elif token < FIRST_SPECIAL or token in (CHANNEL, CONSTRAIN):
                 self._header.append(token)
+                if len(self._header) > _MAX_HEADER_TOKENS and token < FIRST_SPECIAL:
+                    self._text_without_header(out)
             elif token == START:
                 self._begin(token)
             elif token in (END, RETURN, CALL, ENDOFTEXT):
@@ -620,6 +625,20 @@ class HarmonyStreamParser:
         elif mine:
             self._kind = self._kind_of(channel)
         self._state, self._detok, self._started = "content", self._new_detok(), False
+
+    def _text_without_header(self, out: list[Delta]) -> None:
+        """Ordinary text far longer than any header and still no <|message|>: a model that
+        does not write harmony (`tiny`'s random weights). It is the message, streamed from
+        here on rather than held to the end; a header addressing a tool keeps waiting."""
+        mine, channel, recipient, text = self._parse_header()
+        if not mine or recipient:
+            return
+        special = [i for i, t in enumerate(self._header) if t >= FIRST_SPECIAL]
+        last = self._decode_run(self._header[special[-1] + 1 if special else 0:])
+        text += last[len(last.rstrip()):]  # the header's parse strips it; more text follows
+        self._kind = self._kind_of(channel)
+        self._state, self._detok, self._started = "content", self._new_detok(), False
+        self._emit(text, out)
 
     def _salvage(self, out: list[Delta]) -> None:
         """A header ended without <|message|>: its leftover text is the message (as harmony's
