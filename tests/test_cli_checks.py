@@ -217,3 +217,24 @@ def test_chat_on_tiny_shows_its_raw_output(capsys):
     raw = out.strip().removeprefix("[raw output, no harmony message: ").removesuffix("]")
     assert raw.strip(), out
     assert "[finish: " in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["-tp", "3"], "tensor_parallel_size 3 must divide the model's 2 KV heads"),
+    (["--max-model-len", "10000000"], "exceeds the model's max_position_embeddings"),
+    (["--max-model-len", "2"], "shorter than one KV cache block"),
+])
+def test_serve_refuses_a_config_the_engine_would_before_it_listens(flags, says, capsys,
+                                                                   monkeypatch):
+    """Found by a new-user trial: these started the server, then exited 1 once the engine
+    core refused them. Now exit 2 at once, the app never made."""
+    import tinyoss.server.app as app
+
+    monkeypatch.setattr(app, "create_app", lambda *a, **k: pytest.fail("the app was made"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "tiny", "--device", "cpu", "--port", port, *flags])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err

@@ -60,6 +60,40 @@ def checkpoint_folder(config: EngineConfig) -> Path | None:
     return resolve_model(config.model, config.revision)
 
 
+def check_config(config: EngineConfig) -> None:
+    """Raises ValueError for what the engine would refuse from its config and the model's
+    config.json alone, so that `tinyoss serve` refuses it before it listens. A hub id is left
+    to the engine core (its first use downloads, while the server answers "loading")."""
+    name = config.model.removeprefix("openai/")
+    if name in PRESETS and (name == "tiny" or config.load_format == "dummy"):
+        model_config = ModelConfig.from_dict(preset_config(name), GENERATION_CONFIG)
+    elif Path(config.model).expanduser().is_dir():
+        model_config = ModelConfig.from_folder(Path(config.model).expanduser())
+    else:
+        return
+    _shard(config, 0).check(model_config)
+    for rank in range(config.tensor_parallel_size):
+        rank_device(config, rank)
+    _check_max_model_len(config, model_config)
+
+
+def _check_max_model_len(config: EngineConfig, m: ModelConfig) -> int:
+    """The longest sequence asked for (max_model_len, else the model's own), if the model and
+    a KV block can take it."""
+    limit = config.max_model_len or m.max_position_embeddings
+    if limit > m.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {limit} exceeds the model's max_position_embeddings "
+            f"({m.max_position_embeddings})"
+        )
+    if limit < config.block_size:
+        raise ValueError(
+            f"max_model_len {limit} is shorter than one KV cache block ({config.block_size} "
+            f"tokens), too short to run anything: give at least {config.block_size}"
+        )
+    return limit
+
+
 def load_model_config(folder: Path | None, config: EngineConfig) -> ModelConfig:
     if folder is not None:
         return ModelConfig.from_folder(folder)
@@ -483,22 +517,12 @@ def _num_kv_blocks(config: EngineConfig, device: torch.device, per_block: int) -
 def _max_model_len(
     config: EngineConfig, m: ModelConfig, layout: CacheLayout, num_blocks: int
 ) -> int:
-    limit = config.max_model_len or m.max_position_embeddings
-    if limit > m.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {limit} exceeds the model's max_position_embeddings "
-            f"({m.max_position_embeddings})"
-        )
+    limit = _check_max_model_len(config, m)
     lo, hi = 1, limit
     while lo < hi:  # the longest sequence the cache can hold on its own
         mid = (lo + hi + 1) // 2
         fits = blocks_needed(layout.windows, config.block_size, mid) <= num_blocks
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
-    if limit < config.block_size:
-        raise ValueError(
-            f"max_model_len {limit} is shorter than one KV cache block ({config.block_size} "
-            f"tokens), too short to run anything: give at least {config.block_size}"
-        )
     if lo < config.block_size:
         raise ValueError(
             f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) holds a sequence "

@@ -176,6 +176,7 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 def serve(args: argparse.Namespace) -> None:
     from tinyoss.cli import CliError, check_device, default_model, engine_kwargs
     from tinyoss.config import EngineConfig
+    from tinyoss.engine.builder import check_config
     from tinyoss.server.limits import ServerLimits, limited_http
 
     # what can be checked without loading anything, before the model (or uvicorn) loads
@@ -194,6 +195,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         config = EngineConfig(model=model, **engine_kwargs(args))
         limits = ServerLimits(**engine_kwargs(args, ServerLimits))
+        check_config(config)  # before the server listens: a supervisor sees exit 2 at once
     except ValueError as e:
         raise CliError(str(e)) from None
 
