@@ -251,6 +251,7 @@ def test_a_second_tensor_parallel_llm_starts_once_the_first_is_closed(tiny_dir):
     kwargs = {"device": "cpu", "dtype": "float32", "tensor_parallel_size": 2,
               "kv_cache_tokens": 4096}
     with LLM(str(tiny_dir), **kwargs) as first:
+        assert " x 2 ranks (all-reduce: gloo)" in first.engine.info.summary  # bench records it
         want = first.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
         with pytest.raises(RuntimeError, match=r"close it first \(LLM.close\(\), or"):
             LLM(str(tiny_dir), **kwargs)

@@ -165,7 +165,8 @@ def _core(config: EngineConfig, folder: Path | None, device: torch.device,
     scheduler = Scheduler(_kv_manager(rank, config), config.max_num_seqs,
                           config.max_num_batched_tokens, rank.max_model_len)
     num_blocks, dtype = rank.num_blocks, rank.dtype
-    tp = f" x {config.tensor_parallel_size} ranks" if peers else ""
+    tp = (f" x {config.tensor_parallel_size} ranks (all-reduce: "
+          f"{peers.group.all_reduce_choice})" if peers else "")
     summary = (
         f"model {config.model} on {device}{tp}, {str(dtype).removeprefix('torch.')}; backends: "
         f"{rank.backends.describe()}; CUDA graphs: {_graphs_summary(rank.graphs, rank.pieces)}; "

@@ -61,11 +61,17 @@ class Group:
                                 **kwargs)
         self._nccl = backend == "nccl"
         self._fast: _SymmMemAllReduce | _FlashInferAllReduce | None = None
+        self.all_reduce_choice = "nccl" if self._nccl else "gloo"  # use_fast_all_reduce's
         self.all_reduce(torch.zeros(1, device=device))  # the communicator, before any capture
 
     def use_fast_all_reduce(self, dtype: torch.dtype, hidden: int) -> str:
         """Chooses how small all-reduces of `dtype` rows of `hidden` run (before any CUDA graph
-        is captured; every rank calls this at the same point). Returns the choice, for the log."""
+        is captured; every rank calls this at the same point); the choice, in words, is kept in
+        `all_reduce_choice` and returned."""
+        self.all_reduce_choice = self._choose_all_reduce(dtype, hidden)
+        return self.all_reduce_choice
+
+    def _choose_all_reduce(self, dtype: torch.dtype, hidden: int) -> str:
         choices = ("auto", "nccl", "symm_mem", "flashinfer")
         setting = resolve("all-reduce", None, ALL_REDUCE_ENV, choices)
         if not self._nccl or setting.value == "nccl":
