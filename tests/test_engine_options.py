@@ -112,3 +112,12 @@ def test_device_cuda_without_a_gpu_says_so_before_loading(tiny_dir):
     with pytest.raises(ValueError, match="device 'cuda' was asked for, but PyTorch finds no CUDA "
                        "GPU here .*: give device='cpu'"):
         LLM(str(tiny_dir), device="cuda")
+
+
+def test_options_that_change_nothing_here_are_said(tiny_dir, caplog):
+    """Found by a new-user trial: these were dropped in silence."""
+    caplog.set_level("WARNING", logger="tinyoss")
+    LLM(str(tiny_dir), device="cpu", gpu_memory_utilization=0.5, enable_expert_parallel=True,
+        kv_cache_tokens=2048)
+    assert "gpu_memory_utilization 0.5 has no effect on the CPU" in caplog.text
+    assert "enable_expert_parallel has no effect without tensor_parallel_size > 1" in caplog.text

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -139,6 +139,8 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     device = rank_device(config, 0)
     if device.type == "cpu":
         configure_cpu_threads()
+    for note in _idle_options(config, device):
+        log.warning("%s", note)
     folder = folder if folder is not None else checkpoint_folder(config)
     model_config = load_model_config(folder, config)
     _shard(config, 0).check(model_config)  # before starting any worker
@@ -150,6 +152,18 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
             log.exception("rank 0 failed while starting; stopping the tensor-parallel workers")
             peers.kill()
         raise
+
+
+def _idle_options(config: EngineConfig, device: torch.device) -> list[str]:
+    """Options given that change nothing here: said, rather than dropped in silence."""
+    default = {f.name: f.default for f in fields(EngineConfig)}
+    notes = []
+    if device.type == "cpu" and config.gpu_memory_utilization != default["gpu_memory_utilization"]:
+        notes.append(f"gpu_memory_utilization {config.gpu_memory_utilization} has no effect on "
+                     "the CPU: kv_cache_tokens sizes the KV cache there (default 65536)")
+    if config.enable_expert_parallel and config.tensor_parallel_size == 1:
+        notes.append("enable_expert_parallel has no effect without tensor_parallel_size > 1")
+    return notes
 
 
 def _core(config: EngineConfig, folder: Path | None, device: torch.device,
