@@ -219,11 +219,14 @@ def test_the_all_reduce_choice(monkeypatch):
     built = [True]
     monkeypatch.setattr(comm, "_flashinfer_built", lambda: built[0])
 
+    no_peers: list[str | None] = [None]
+
     def choose(setting: str, earlier_engine: bool = False) -> str:
         monkeypatch.setenv(comm.ALL_REDUCE_ENV, setting)
         monkeypatch.setattr(comm, "_symmetric_memory_used", earlier_engine)
         group = comm.Group.__new__(comm.Group)  # as on GPUs, without starting NCCL
         group._nccl, group._fast, group.min = True, None, lambda v: v
+        group._without_peer_access = lambda: no_peers[0]
         return group.use_fast_all_reduce(torch.bfloat16, 2880)
 
     assert choose("auto").startswith("flashinfer one-shot up to 512 KiB, fused")
@@ -241,6 +244,24 @@ def test_the_all_reduce_choice(monkeypatch):
             with pytest.raises(RuntimeError, match="serves one tensor-parallel engine a process"):
                 choose(setting, earlier_engine=True)
     assert choose("nccl", earlier_engine=True) == "nccl"
+    # GPUs that cannot read each other's memory (no NVLink or PCIe peer-to-peer path)
+    built[0], no_peers[0] = True, "GPU 0 cannot access GPU 1 peer to peer"
+    assert choose("auto") == "nccl (GPU 0 cannot access GPU 1 peer to peer)"
+    for setting in ("symm_mem", "flashinfer"):
+        with pytest.raises(RuntimeError, match=r"reads the other GPUs' memory, but GPU 0 cannot "
+                                               r"access GPU 1 peer to peer; TINYOSS_ALL_RED"):
+            choose(setting)
+    assert choose("nccl") == "nccl"
+
+
+def test_the_first_gpu_a_rank_cannot_read_peer_to_peer(monkeypatch):
+    from tinyoss.engine import comm
+
+    links = {(0, 1), (1, 0), (0, 2), (2, 0)}  # GPUs 1 and 2 share no peer-to-peer path
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) in links)
+    assert comm._unreachable_peer(0, [0, 1, 2]) is None
+    assert comm._unreachable_peer(1, [0, 1, 2]) == 2 and comm._unreachable_peer(2, [0, 1, 2]) == 1
+    assert comm._unreachable_peer(1, [1]) is None  # itself is no peer
 
 
 def test_a_second_tensor_parallel_llm_starts_once_the_first_is_closed(tiny_dir):

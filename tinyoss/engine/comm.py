@@ -15,7 +15,9 @@ dominates. Small all-reduces (up to `FAST_MAX_BYTES`) can instead go through
 Neither uses NVLink multicast. Env TINYOSS_ALL_REDUCE picks: `nccl`, `symm_mem`, `flashinfer`,
 or `auto`: FlashInfer's where its kernels are already built (their first build takes minutes,
 so `auto` does not start it), else symmetric memory, else NCCL; each fast path is checked
-against NCCL at start and the choice is logged. Both fast paths serve one engine a process
+against NCCL at start and the choice is logged. Both read the other GPUs' memory: where a pair
+of the group's GPUs has no peer-to-peer path, `auto` takes NCCL (only NVLink hosts were measured;
+PCIe peer-to-peer is allowed, untested). Both fast paths serve one engine a process
 (PyTorch counts symmetric-memory rendezvous per process): a later tensor-parallel engine in the
 same process takes NCCL.
 """
@@ -77,6 +79,12 @@ class Group:
         if not self._nccl or setting.value == "nccl":
             return "nccl" if self._nccl else "gloo"
         want = setting.value
+        if (no_peers := self._without_peer_access()) is not None:
+            if setting.value != "auto":
+                raise RuntimeError(f"all-reduce {setting.value} (from {setting.source}) reads "
+                                   f"the other GPUs' memory, but {no_peers}; "
+                                   "TINYOSS_ALL_REDUCE=nccl works without")
+            return f"nccl ({no_peers})"
         if want == "auto":  # every rank must pick the same: rank 0 knows what this process did
             want = "flashinfer" if self.min(int(_flashinfer_built())) else "symm_mem"
         if self.min(int(not _symmetric_memory_used)) == 0:
@@ -108,6 +116,19 @@ class Group:
             hint = ("; TINYOSS_ALL_REDUCE=flashinfer is faster, once FlashInfer's all-reduce is "
                     "built (minutes, once a machine)")
         return f"{self._fast.name} up to {FAST_MAX_BYTES // 1024} KiB{fused}, nccl above{hint}"
+
+    def _without_peer_access(self) -> str | None:
+        """Which GPUs of the group cannot read each other's memory (no NVLink or PCIe
+        peer-to-peer path), in words, or None when all can: both fast paths load from the other
+        ranks' buffers. The same answer on every rank."""
+        own = torch.tensor([self.device.index], dtype=torch.long, device=self.device)
+        devices = torch.empty(self.size, dtype=torch.long, device=self.device)
+        dist.all_gather_into_tensor(devices, own)
+        cut = _unreachable_peer(self.device.index, devices.tolist())
+        if self.min(int(cut is None)):
+            return None
+        return (f"GPU {self.device.index} cannot access GPU {cut} peer to peer" if cut is not None
+                else "a pair of the group's GPUs cannot access each other peer to peer")
 
     def _fast_for(self, x: torch.Tensor) -> _SymmMemAllReduce | _FlashInferAllReduce | None:
         fast = self._fast
@@ -180,6 +201,12 @@ def _probe(group: Group, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     """Small integers times (rank + 1): every sum exact in `dtype`, so any path must match."""
     x = torch.arange(math.prod(shape), device=group.device, dtype=torch.float32) % 7
     return (x * (group.rank + 1)).to(dtype).view(shape)
+
+
+def _unreachable_peer(own: int, devices: list[int]) -> int | None:
+    """The first of `devices` (the group's GPUs) that GPU `own` cannot read peer to peer."""
+    return next((d for d in devices
+                 if d != own and not torch.cuda.can_device_access_peer(own, d)), None)
 
 
 def _flashinfer_built() -> bool:
