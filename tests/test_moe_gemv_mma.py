@@ -86,20 +86,23 @@ def _experts(e: int, h: int, i: int, bias: torch.dtype) -> ExpertWeights:
 
 def test_supports_gpt_oss_shapes_in_bf16_only():
     x = torch.empty(4, 2880, dtype=torch.bfloat16, device="meta")
-    assert mm.MmaGemv.supports(x, _experts(32, 2880, 2880, torch.bfloat16))
-    assert not mm.MmaGemv.supports(x.float(), _experts(32, 2880, 2880, torch.bfloat16))
-    assert not mm.MmaGemv.supports(x, _experts(32, 2880, 2880, torch.float32))
+    assert mm.MmaGemv.supports_down(x, _experts(32, 2880, 2880, torch.bfloat16))
+    assert not mm.MmaGemv.supports_down(x.float(), _experts(32, 2880, 2880, torch.bfloat16))
+    assert not mm.MmaGemv.supports_down(x, _experts(32, 2880, 2880, torch.float32))
     small = torch.empty(4, 96, dtype=torch.bfloat16, device="meta")
-    assert not mm.MmaGemv.supports(small, _experts(8, 96, 64, torch.bfloat16))
+    assert not mm.MmaGemv.supports_down(small, _experts(8, 96, 64, torch.bfloat16))
     big = torch.empty(4, 5760, dtype=torch.bfloat16, device="meta")  # x is staged for K <= 2880
-    assert not mm.MmaGemv.supports(big, _experts(8, 5760, 2880, torch.bfloat16))
+    assert not mm.MmaGemv.supports_down(big, _experts(8, 5760, 2880, torch.bfloat16))
+    assert not mm.MmaGemv.supports_down(x, _experts(8, 2880, 5760, torch.bfloat16))  # down's K
     wide = _experts(32, 2880, 2880, torch.bfloat16)
     wide.limit = 300.0  # SwiGLU outputs up to (limit + 1) * limit would not fit fp16
-    assert not mm.MmaGemv.supports(x, wide)
+    assert not mm.MmaGemv.supports_down(x, wide)
+    assert mm.MmaGemv.supports_grouped(x, _experts(32, 2880, 2880, torch.bfloat16))
     for ranks, blocks in ((2, 45), (4, 23), (8, 12)):  # a tensor-parallel rank's experts
         shard = _experts(32, 2880, 32 * blocks, torch.bfloat16)
         assert mm.MmaGemv.supports_gate_up(x, shard), ranks
-        assert not mm.MmaGemv.supports_down(x, shard) and not mm.MmaGemv.supports(x, shard)
+        assert mm.MmaGemv.supports_down(x, shard), ranks  # the pair kernel cuts its last group
+        assert not mm.MmaGemv.supports_grouped(x, shard), ranks  # no grouped tile divides K
 
 
 class _Recorder:

@@ -177,11 +177,13 @@ def test_rejects_bad_tiles():
 # GPU only: gpt-oss-20b shapes (H = I = 2880, E = 32, top-4), bf16 activations
 
 
-def big_case(seed: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights]:
+def big_case(seed: int, t: int, i: int = 2880
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights]:
     """20b-shaped random experts made on the GPU: uniform E2M1 codes, scales giving weights of
-    ~0.1 (gate_up: pre-activations of std ~5, past the clamp) and ~0.03 (down)."""
+    ~0.1 (gate_up: pre-activations of std ~5, past the clamp) and ~0.03 (down); `i` the
+    intermediate size (a tensor-parallel rank's share)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    e, h, i = 32, 2880, 2880
+    e, h = 32, 2880
 
     def codes(shape: tuple[int, ...], exponent: int) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = torch.randint(0, 256, shape, generator=gen, device=DEVICE, dtype=torch.uint8)
@@ -267,6 +269,23 @@ def test_mma_gemv_matches_gluon(t, scale, mma):
     got = mt._gemv_pairs(x, weights, ids, w, None, mma)
     want = mt._gemv_pairs(x, weights, ids, w, None)
     assert rel_err(got, want) < (1e-5 if scale <= 1 else 1e-4)
+    assert not torch.equal(got, want)  # the tensor cores ran: their sums round differently
+    assert rel_err(mt.moe_triton(x, weights, ids, w, mma=mma), moe_torch(x, weights, ids, w)) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("t", [2, 3, 8])
+@pytest.mark.parametrize("blocks", [45, 23, 12])
+def test_mma_gemv_matches_gluon_on_a_rank_share(t, blocks, mma):
+    """A tensor-parallel rank's experts (intermediate 32 * blocks: TP 2, 4, 8) on the tensor
+    cores for both projections: down's K is no multiple of its tiles' load groups, so the pair
+    kernel cuts the last one (t = 2: the few-pairs tile, K split in two; 3 and 8: the wide
+    tile). Each pair's output equals the Gluon kernel's within 1e-5, as at full size."""
+    x, weights, ids, w = big_case(800 + 10 * t + blocks, t, i=32 * blocks)
+    assert mma.supports_down(x, w) and not mma.supports_grouped(x, w)
+    got = mt._gemv_pairs(x, weights, ids, w, None, mma)
+    want = mt._gemv_pairs(x, weights, ids, w, None)
+    assert rel_err(got, want) < 1e-5
     assert not torch.equal(got, want)  # the tensor cores ran: their sums round differently
     assert rel_err(mt.moe_triton(x, weights, ids, w, mma=mma), moe_torch(x, weights, ids, w)) < TOL
 

@@ -171,8 +171,9 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
 // out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
 // expert 0, no bias, weight 1). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
-// TILES: 16-row tiles a program.
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
+// TILES: 16-row tiles a program; TAIL: K's blocks need not divide into KSPLIT parts of whole
+// load groups (a tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, bool TAIL = false>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -184,13 +185,14 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
   extern __shared__ uint4 smem[];
   __shared__ float xmax[TILES * KSPLIT];
-  const int nblk = K / 32, per = nblk / KSPLIT;
+  const int nblk = K / 32, per = TAIL ? (nblk + KSPLIT - 1) / KSPLIT : nblk / KSPLIT;
   uint4* xs = smem;                                           // [K / 8] fp16 pairs (hi)
   uint4* xl = smem + K / 8;                                   // [K / 8] (lo)
   uint8_t* ss = (uint8_t*)(smem + (SPLIT ? 2 : 1) * (K / 8));  // [ROWS][nblk] scales
   const int pair = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % TILES;
   const int part = (threadIdx.x >> 5) / TILES, first = part * per;
+  const int cnt = TAIL ? max(0, min(per, nblk - first)) : per;  // this part's blocks
   const int g = lane >> 2, t = lane & 3;
   const long e = ids ? ids[pair] : 0;
   const int row0 = blockIdx.y * ROWS;
@@ -205,8 +207,10 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   uint32_t wa[U], wb[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
-    wa[u] = __ldg(qa + 4 * u);
-    wb[u] = __ldg(qb + 4 * u);
+    if (!TAIL || u < cnt) {
+      wa[u] = __ldg(qa + 4 * u);
+      wb[u] = __ldg(qb + 4 * u);
+    }
   }
   const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
@@ -216,20 +220,23 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                                                             xl, xmax);
   __syncthreads();
   float acc_a = 0.f, acc_b = 0.f;
-  for (int b0 = 0; b0 < per; b0 += U) {
+  for (int b0 = 0; b0 < cnt; b0 += U) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      if (TAIL && b0 + u >= cnt) break;
       const int b = first + b0 + u;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
       block_mma<SPLIT>(d, wa[u], wb[u], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
       acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
       acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
     }
-    if (b0 + U < per) {
+    if (b0 + U < cnt) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        wa[u] = __ldg(qa + 4 * (b0 + U + u));
-        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+        if (!TAIL || b0 + U + u < cnt) {
+          wa[u] = __ldg(qa + 4 * (b0 + U + u));
+          wb[u] = __ldg(qb + 4 * (b0 + U + u));
+        }
       }
     }
   }
@@ -260,10 +267,12 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
            cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
-  if (N % ROWS || K % (32 * U * KSPLIT) || K > KMAX) return (int)cudaErrorInvalidValue;
+  if (N % ROWS || K % 32 || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (std::is_same<XT, float>::value ? 2 : 1) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
-  pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT><<<grid, TILES * KSPLIT * 32, smem, stream>>>(
+  auto kernel = K % (32 * U * KSPLIT) ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true>
+                                      : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false>;
+  kernel<<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
@@ -920,6 +929,8 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
+                           (const void*)pair_gemv_mma<TINYOSS_DOWN, true>,
+                           (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW, true>,
                            (const void*)pair_gemv_mma<TINYOSS_DENSE>,
                            (const void*)pair_gemv_mma<TINYOSS_DENSE_WIDE>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,

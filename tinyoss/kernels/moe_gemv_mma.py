@@ -120,20 +120,19 @@ class MmaGemv:
 
     @staticmethod
     def supports_down(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """`supports_gate_up`, and down's K (the intermediate size) 2880 as well: a
-        tensor-parallel rank's share of it is not a K every tile divides."""
+        """`supports_gate_up`, and down's K (the intermediate size) in whole scale blocks up to
+        2880: a tensor-parallel rank's share too (45, 23 or 12 blocks at TP 2, 4, 8, where the
+        pair kernel cuts its last load group)."""
         return (MmaGemv.supports_gate_up(x, w) and w.down_blocks.shape[1] % 64 == 0
-                and w.down_blocks.shape[2] * 32 == 2880)
-
-    @staticmethod
-    def supports(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """Both projections (`supports_down`)."""
-        return MmaGemv.supports_down(x, w)
+                and 0 < w.down_blocks.shape[2] * 32 <= 2880)
 
     @staticmethod
     def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """`supports`, rows in GROUPED_ROWS, and x's rows 16-byte aligned (read 8 values a load)."""
-        return (MmaGemv.supports(x, w) and x.data_ptr() % 16 == 0
+        """Both projections (`supports_down`) of the whole experts (K 2880 for both: the grouped
+        tiles divide no rank's share), rows in GROUPED_ROWS, and x's rows 16-byte aligned (read
+        8 values a load)."""
+        return (MmaGemv.supports_down(x, w) and w.down_blocks.shape[2] * 32 == 2880
+                and x.data_ptr() % 16 == 0
                 and w.gate_up_blocks.shape[1] % GROUPED_ROWS[0] == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS[1] == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS[2] == 0)

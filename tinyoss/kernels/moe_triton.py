@@ -624,7 +624,7 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
     `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
     from DOWN_MIN_TOKENS tokens on, each where it takes the shapes (a tensor-parallel rank's
-    down is not among them), else Gluon's (the Triton kernel in the interpreter)."""
+    share too), else Gluon's (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
