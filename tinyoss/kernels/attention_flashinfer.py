@@ -3,12 +3,13 @@
 gpt-oss needs a sink logit per head in the softmax. FlashInfer's plain prefill and decode
 wrappers silently ignore `sinks` on Hopper, so prefill and mixed steps go through
 `BatchAttentionWithAttentionSinkWrapper`, one per cache group (its sliding window is compiled
-into the kernel), planned once per step. Pure decode steps (one query per sequence, the steps
-CUDA graphs replay) use `DecodeAttention`, which needs no host-side plan at all: planning only
-copies block tables and key ranges into fixed buffers, and it also applies the rotary embedding
-and stores the new K/V rows (no separate launches for them). Verify steps under CUDA graphs
-(`rows=True`: a few query rows per sequence) run it too, one row each with its own key range,
-after a rope and a K/V-store launch.
+into the kernel), planned once per step from a ring of pinned buffers (`PlanRing`: FlashInfer's
+own single buffer raced with the host running ahead of the GPU). Pure decode steps (one query
+per sequence, the steps CUDA graphs replay) use `DecodeAttention`, which needs no host-side plan
+at all: planning only copies block tables and key ranges into fixed buffers, and it also applies
+the rotary embedding and stores the new K/V rows (no separate launches for them). Verify steps
+under CUDA graphs (`rows=True`: a few query rows per sequence) run it too, one row each with its
+own key range, after a rope and a K/V-store launch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,47 @@ from tinyoss.kernels.attention_decode_triton import DecodeAttention
 from tinyoss.kernels.layer_ops_triton import rope_triton, store_kv_triton
 
 WORKSPACE_BYTES = 256 * 2**20
+PLAN_BUFFERS = 3  # pinned schedule buffers a wrapper plans from in turn
+
+
+class PlanRing:
+    """A FlashInfer wrapper planned from a ring of pinned host buffers.
+
+    `plan` writes the step's schedule into the wrapper's one pinned host buffer and queues its
+    copy to the GPU (cudaMemcpyAsync) without waiting for it. The host runs ahead of the GPU
+    (async scheduling; a tensor-parallel worker runs ahead up to its collectives), so the next
+    plan could rewrite that buffer before the GPU copied it, and a step would run another step's
+    schedule: an illegal memory access (seen on two GPUs; the race mini-sglang and vLLM met
+    too). Here each plan writes the next buffer of a ring, and a buffer is written again only
+    once the copy that read it is done (an event recorded after the plan)."""
+
+    def __init__(self, wrapper: object, size: int = PLAN_BUFFERS) -> None:
+        first = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+        if not isinstance(first, torch.Tensor):
+            raise RuntimeError(
+                f"{type(wrapper).__name__} has no pinned schedule buffer where FlashInfer "
+                "0.7 keeps it (_pin_memory_int_workspace_buffer): this FlashInfer plans "
+                "differently; pin the version in README.md")
+        self.wrapper = wrapper
+        self.buffers = [first] + [_pinned_like(first) for _ in range(size - 1)]
+        self.copied: list[torch.cuda.Event | None] = [None] * size
+        self.turn = 0
+
+    def plan(self, *args, **kwargs) -> None:
+        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # the GPU has read what this buffer last held
+        self.wrapper._pin_memory_int_workspace_buffer = self.buffers[i]
+        self.wrapper.plan(*args, **kwargs)
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()  # after the plan's copy, on the same (current) stream
+
+    def run(self, *args, **kwargs) -> torch.Tensor:
+        return self.wrapper.run(*args, **kwargs)
+
+
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 class FlashInferAttention:
@@ -40,10 +82,10 @@ class FlashInferAttention:
         self.device, self.dtype = k0.device, k0.dtype
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = [
-            flashinfer.BatchAttentionWithAttentionSinkWrapper(
+            PlanRing(flashinfer.BatchAttentionWithAttentionSinkWrapper(
                 workspace, kv_layout="NHD", backend=backend, q_data_type=self.dtype,
                 kv_data_type=self.dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
-                window_left=w - 1 if w else -1)
+                window_left=w - 1 if w else -1))
             for w in group_windows
         ]
         self.slots = [torch.full((max_num_tokens,), dummy_block * block_size, dtype=torch.long,
