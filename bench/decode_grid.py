@@ -86,11 +86,17 @@ def table(records: list[dict]) -> str:
                       *lines])
 
 
+def _names(part: str, label: str) -> bool:
+    """Whether `part` names `label` by whole words: "20b bs1" names "20b bs1 8k" but not
+    "120b bs1" or "20b bs16"."""
+    return f" {part.strip()} " in f" {label} "
+
+
 def commands(grid: str, only: list[str], runs: int, commit: str | None,
              extra: list[str]) -> list[tuple[str, int, list[str]]]:
     out = []
     for label, args in GRIDS[grid].items():
-        if only and not any(o in label for o in only):
+        if only and not any(_names(o, label) for o in only):
             continue
         cmd = [sys.executable, str(HERE / "decode_latency.py"), *args, "--iters", "2", *extra]
         if commit:
@@ -117,7 +123,8 @@ def main() -> None:
     p.add_argument("grid", choices=tuple(GRIDS))
     p.add_argument("--out", type=Path, default=None, help="JSON-lines file of the records")
     p.add_argument("--runs", type=int, default=1, help="runs of each configuration")
-    p.add_argument("--only", default="", help="comma list: run labels containing any of these")
+    p.add_argument("--only", default="",
+                   help="comma list: run labels containing any of these as whole words")
     p.add_argument("--commit", default=None, help="passed to decode_latency.py --commit")
     p.add_argument("--timeout", type=float, default=600, help="seconds for one run")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -88,3 +88,13 @@ def test_a_run_past_its_time_is_stopped_with_its_children(tmp_path):
     child = int(pid_file.read_text())
     time.sleep(0.5)
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text()
+
+
+def test_only_names_labels_by_whole_words(monkeypatch, capsys):
+    """"20b bs1" picks 20b's batch-1 rows, not 120b's (a substring match ran all five)."""
+    _main(monkeypatch, "roofline", "--dry-run", "--only", "20b bs1")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 5 and not any("gpt-oss-120b" in line for line in printed)
+    _main(monkeypatch, "tp", "--dry-run", "--only", "20b tp4")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 2 and all("--tensor-parallel-size 4" in line for line in printed)
