@@ -492,8 +492,8 @@ def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, all_reduce):
 def test_a_second_tensor_parallel_engine_in_one_process_takes_nccl(tiny_dir):
     """PyTorch counts symmetric-memory rendezvous per process: a second engine in rank 0's
     process hung on the GPUs in its own. It now takes NCCL (under `auto`) and runs. In fp32,
-    so that both engines' tokens must be the reference's (in bf16 a TP engine's extra rounding
-    of each all-reduce parted from it at a 0.21 margin once)."""
+    so that both engines' tokens must be the reference's (in bf16 one of them parted from it
+    once at a 0.21 margin: a TP rank rounds its partial sums to bf16 before the all-reduce)."""
     from tinyoss import LLM
 
     rng = random.Random(2)
