@@ -158,3 +158,22 @@ def test_engine_config_and_cli_take_the_option(monkeypatch):
     assert kwargs["mxfp4_backend"] == "cutlass"
     with pytest.raises(SystemExit):
         p.parse_args(["--mxfp4-backend", "fast"])
+
+
+def test_attention_on_a_gpu_in_float32_is_torch(monkeypatch, caplog):
+    """FlashInfer's sink attention takes bfloat16 only: a float32 engine on a GPU gets the torch
+    attention with a warning (it crashed on a KeyError inside FlashInfer), and asking for
+    FlashInfer then says what to change."""
+    from tinyoss.kernels import backends
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FAKE")
+    monkeypatch.setattr(backends, "_has_flashinfer", lambda: True)
+    cuda, fp32 = torch.device("cuda"), gpu((9, 0), dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger="tinyoss"):
+        choice = select_backends(cuda, "auto", "torch", dtype=torch.float32, platform=fp32)
+    assert choice.attention == "torch"
+    assert "FlashInfer's sink attention takes bfloat16, not float32" in caplog.text
+    assert select_backends(cuda, "auto", "torch", platform=H100).attention == "flashinfer"
+    with pytest.raises(ValueError, match="'flashinfer' takes bfloat16, not float32: give dtype"):
+        select_backends(cuda, "flashinfer", "torch", dtype=torch.float32, platform=fp32)

@@ -293,7 +293,11 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
     )
     if device.type == "cuda":  # nothing to tune or compile on the CPU
         warm_up_moe(model, backends, local, max_step_tokens, dtype, device)
-    use_graphs = device.type == "cuda" and not config.enforce_eager
+    # the torch attention plans on the host (not capturable): such an engine runs eagerly
+    use_graphs = (device.type == "cuda" and not config.enforce_eager
+                  and backends.attention != "torch")
+    if device.type == "cuda" and not config.enforce_eager and not use_graphs:
+        log.info("CUDA graphs off: the torch attention cannot be captured")
     sizes = graph_sizes(config.max_num_seqs) if use_graphs else []
     tokens = []  # the verify graphs' query-token counts
     if use_graphs and speculative is not None:

@@ -75,13 +75,21 @@ def select_backends(
                              mxfp4_linear="triton", fp8_linear="triton")
     _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
-    if attention == "auto":
+    if attention == "auto" and on_gpu and dtype != torch.bfloat16:
+        attention = "torch"
+        log.warning("attention runs on the slow torch path (no CUDA graphs): FlashInfer's sink "
+                    "attention takes bfloat16, not %s", str(dtype).removeprefix("torch."))
+    elif attention == "auto":
         attention = "flashinfer" if on_gpu and _has_flashinfer() else "torch"
         if on_gpu and attention == "torch":
             log.warning(
                 "flashinfer is not installed: attention runs on the slow torch path "
                 "(pip install 'tinyoss[cuda]')"
             )
+    elif attention == "flashinfer" and dtype != torch.bfloat16:
+        raise ValueError(f"attention backend 'flashinfer' takes bfloat16, not "
+                         f"{str(dtype).removeprefix('torch.')}: give dtype='bfloat16', or "
+                         "attention_backend='torch' (slow)")
     elif attention == "flashinfer" and not _has_flashinfer():
         raise ValueError(
             "attention backend 'flashinfer' was asked for, but the flashinfer "
