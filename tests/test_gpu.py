@@ -114,7 +114,18 @@ def test_a_plan_made_while_the_gpu_is_behind_keeps_its_schedule(attention_setup)
     prefill steps planned while the GPU is still busy (as under async scheduling, or on a
     tensor-parallel worker) must each run their own schedule (`PlanRing`), giving exactly the
     outputs of the same steps run one at a time."""
-    fi, ref, (hq, hk, d, bs, blocks) = attention_setup
+    fi, _, shape = attention_setup
+    want, got = two_prefills_behind_a_busy_stream(fi, shape)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def two_prefills_behind_a_busy_stream(fi, shape, sleep_cycles: int = 20_000_000
+                                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two prefill steps' attention outputs run one at a time, then the same two planned and
+    launched behind a ~10 ms sleep on the stream (both plans made before the GPU copies
+    either). Also bench/experiments/flashinfer_plan_race/race.py's."""
+    hq, hk, d, bs, blocks = shape
     rng = random.Random(5)
     steps = []
     for query_lens, seq_lens in (([300, 17, 129], [300, 17, 129]), ([64, 1, 200], [500, 90, 999])):
@@ -138,10 +149,8 @@ def test_a_plan_made_while_the_gpu_is_behind_keeps_its_schedule(attention_setup)
 
     run_all(True)  # both steps' K/V stored: the cache then reads the same in every pass
     want = run_all(True)
-    torch.cuda._sleep(20_000_000)  # ~10 ms: both plans are made before the GPU copies either
-    got = run_all(False)
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
+    torch.cuda._sleep(sleep_cycles)
+    return want, run_all(False)
 
 
 def test_graph_mode_plan_pads_and_matches_unpadded(attention_setup):
