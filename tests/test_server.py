@@ -328,6 +328,34 @@ def test_completions_stop_string(client):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.find(stop)]
 
 
+def test_completions_take_vllms_stop_fields(srv, client):
+    """stop_token_ids, include_stop_str_in_output and skip_special_tokens reach the engine (they
+    were dropped without a word)."""
+    base = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2)
+    text = base.choices[0].text
+    ids = srv.tokenizer.encode(text)
+    extra = {"stop_token_ids": [ids[2]]}
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2,
+                                  extra_body=extra)
+    # the same seeded tokens up to the stop id (re-encoding the text need not give the ids the
+    # model sampled, so the text is checked as a prefix)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 8
+    assert text.startswith(r.choices[0].text) and len(r.choices[0].text) < len(text)
+    stop = text[3:6]
+    kept = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2, stop=stop,
+                                      extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[: text.find(stop)] + stop
+    special = [200005]  # <|channel|>: its text shows only without skip_special_tokens
+    shown = ok_json(post(srv, "/v1/completions", {"prompt": special, "max_tokens": 1, "seed": 2,
+                                                  "echo": True, "skip_special_tokens": False}))
+    assert shown["choices"][0]["text"].startswith("<|channel|>")
+
+
+def ok_json(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 # ---------------------------------------------------------------- errors
 
 

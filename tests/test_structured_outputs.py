@@ -83,6 +83,26 @@ def test_the_mask_leaves_only_allowed_tokens_to_sample():
         assert tokens[2] == 3
 
 
+def test_a_grammar_that_allows_only_its_end_outranks_min_tokens(llm):
+    """min_tokens bans the end tokens; where the grammar allows nothing else, the grammar wins:
+    the answer ends inside it, finished by its end token, no filler (it came back "yes!!" from
+    a sample out of an empty row, or as a 500 in chat)."""
+    choice = StructuredOutputs(choice=["yes", "no", "maybe"])
+    outs = llm.generate(["Answer:", "Answer:"],
+                        [SamplingParams(max_tokens=12, min_tokens=10, temperature=0,
+                                        structured_outputs=choice),
+                         SamplingParams(max_tokens=12, temperature=0, structured_outputs=choice)],
+                        use_tqdm=False)
+    held, free = (o.outputs[0] for o in outs)
+    assert held.text == free.text and held.text in ("yes", "no", "maybe")
+    assert held.token_ids == free.token_ids and held.finish_reason == "stop"
+    # while the grammar allows more than its end, min_tokens still holds the end back
+    longer = llm.generate(["Code:"], SamplingParams(
+        max_tokens=12, min_tokens=5, temperature=0,
+        structured_outputs=StructuredOutputs(regex=r"[a-z]{1,8}")), use_tqdm=False)[0]
+    assert len(longer.outputs[0].text) >= 5
+
+
 def test_json_schemas_on_raw_prompts_with_and_without_async_scheduling(llm):
     params = [
         SamplingParams(max_tokens=80, seed=i, temperature=0 if i == 0 else 1,

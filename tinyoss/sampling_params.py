@@ -87,7 +87,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None = up to the context limit (the engine resolves it)
-    min_tokens: int = 0
+    min_tokens: int = 0  # end and stop tokens held back until then, unless a grammar has ended
     logprobs: int | None = None  # top logprobs per sampled token; 0 = only the sampled token's
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True

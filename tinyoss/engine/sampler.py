@@ -175,7 +175,14 @@ def _processed(logits: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.allowed is not None:
         _apply_allowed(x, *batch.allowed)
     if batch.banned is not None:
+        rows, ids = batch.banned
+        kept = x[rows, ids]
         x.index_put_(batch.banned, x.new_full((), _NEG_INF))  # a Python scalar would sync
+        if batch.allowed is not None:
+            # a grammar that allows only an end outranks min_tokens: such a row keeps its ends
+            # (banning them too would leave no token, and the sample would leave the grammar)
+            empty = torch.isneginf(x.amax(-1))
+            x.index_put_(batch.banned, torch.where(empty[rows], kept, x.new_full((), _NEG_INF)))
     if batch.penalties is not None:
         x = _apply_penalties(x, batch.penalties)
     return x

@@ -74,7 +74,10 @@ class Sequence:
         """Add a sampled token, then decide whether the sequence is done."""
         self.token_ids.append(token_id)
         self.num_pending -= 1
-        if self.num_output > self.params.min_tokens and token_id in self.stop_ids:
+        # before min_tokens the sampler bans stop tokens unless a structured output's grammar
+        # allows nothing else: then the grammar's end wins
+        early = self.params.structured_outputs is not None
+        if token_id in self.stop_ids and (self.num_output > self.params.min_tokens or early):
             stop = token_id if token_id in (self.params.stop_token_ids or ()) else None
             self.finish("stop", stop)
         elif self.num_output >= self.max_tokens or len(self.token_ids) >= max_model_len:

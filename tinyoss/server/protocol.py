@@ -44,7 +44,8 @@ from tinyoss.tokenizer import Tokenizer
 
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed")  # passed on as they are
 _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
-_SAMPLING += ("ignore_eos", "min_tokens")  # vLLM's extensions
+_SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+_SAMPLING += ("skip_special_tokens",)  # the last five: vLLM's extensions
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
 _PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a few ms)
 
@@ -59,7 +60,19 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "modalities": ((["text"],), "only the text modality is supported"),
     "prediction": (((),), "predicted outputs are not supported"),
     "web_search_options": (((),), "web search is not supported"),
+    "prompt_logprobs": ((), "prompt logprobs are not served over HTTP (the Python API returns "
+                            "them: SamplingParams(prompt_logprobs=k))"),
+    **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
+                              "regex, choice, grammar) or response_format")
+       for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
+    # chat only: its text is the harmony parser's
+    "include_stop_str_in_output": ((False,), "chat leaves stop strings out of the content; "
+                                             "/v1/completions keeps them on request"),
+    "skip_special_tokens": ((True,), "chat parses the special tokens into reasoning, content "
+                                     "and tool calls; /v1/completions returns them as text"),
 }  # fmt: skip
+_COMPLETION_UNSUPPORTED = ("logit_bias", "prompt_logprobs",
+                           *(name for name in _UNSUPPORTED if name.startswith("guided_")))
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {
     "either": "{expected}",
@@ -195,7 +208,7 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
 def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     """A completions body: one engine request per prompt (read as parse_chat reads its body)."""
     req = validate(CompletionRequest, body)
-    _refuse_unsupported(body, ("logit_bias",))
+    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
     _require(not req.suffix, "suffix", "suffix is not supported: gpt-oss has no FIM mode")
     _require(
         not req.echo or req.logprobs is None, "echo", "echo with logprobs is not supported"
@@ -332,6 +345,8 @@ def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
 
 def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
     stream = bool(req.stream)
+    _require(stream or req.stream_options is None, "stream_options",
+             "stream_options is only allowed with stream: true")
     return stream, stream and req.stream_options is not None and req.stream_options.include_usage
 
 

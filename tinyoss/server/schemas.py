@@ -256,6 +256,20 @@ class _Sampling(_Request):
         _DEFAULT.min_tokens, description="vLLM: end and stop tokens are held back until this many."
     )
     stop: Stop | None = Field(None, description="Up to which text to generate (not included).")
+    stop_token_ids: TokenIds | None = Field(
+        None, description="vLLM: token ids that end the answer too (not included in the text)."
+    )
+    include_stop_str_in_output: StrictBool | None = Field(
+        _DEFAULT.include_stop_str_in_output,
+        description="vLLM: keep the stop string at the end of the text (/v1/completions only).",
+    )
+    skip_special_tokens: StrictBool | None = Field(
+        _DEFAULT.skip_special_tokens,
+        description="vLLM: leave special tokens out of the text (/v1/completions only).",
+    )
+    prompt_logprobs: StrictInt | None = Field(
+        None, description="vLLM: not served over HTTP (the Python API returns them)."
+    )
     stream: StrictBool | None = Field(
         False, description="Send the answer as server-sent events, as it is generated."
     )
@@ -287,6 +301,9 @@ class ChatInput(_Request):
     )
     response_format: ResponseFormat = Field(
         None, description="OpenAI: the answer is JSON (following a schema, when one is given)."
+    )
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="Accepted; the model decides how many calls a turn holds."
     )
 
 
