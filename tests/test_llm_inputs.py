@@ -132,6 +132,26 @@ def test_chat_accepts_one_conversation_or_a_batch(tiny_llm):
     )
 
 
+def test_chat_takes_every_choice_apart(tiny_llm):
+    """With n > 1 each choice is parsed (only the first was), the first also as the reply's
+    own fields."""
+    from tinyoss import SamplingParams
+
+    reply = tiny_llm.chat(HI, SamplingParams(n=3, max_tokens=6, seed=4), use_tqdm=False)[0]
+    assert len(reply.choices) == 3 == len(reply.output.outputs)
+    from tinyoss import harmony
+
+    for choice, raw in zip(reply.choices, reply.output.outputs):
+        parsed = harmony.parse_completion(raw.token_ids, tiny_llm.tokenizer.decode)
+        assert (choice.reasoning, choice.content, choice.tool_calls) == (
+            parsed.reasoning, parsed.content, parsed.tool_calls)
+        assert choice.finish_reason == raw.finish_reason
+    first = reply.choices[0]
+    assert (reply.reasoning, reply.content, reply.tool_calls, reply.finish_reason) == (
+        first.reasoning, first.content, first.tool_calls, first.finish_reason)
+    assert len({tuple(o.token_ids) for o in reply.output.outputs}) > 1  # seeded apart
+
+
 @pytest.mark.parametrize(
     "messages, error, match",
     [

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "tinyoss.llm",
     "ChatOutput": "tinyoss.llm",
+    "ChatChoice": "tinyoss.llm",
     "EngineConfig": "tinyoss.config",
     "RequestOutput": "tinyoss.engine.output_processor",
     "SamplingParams": "tinyoss.sampling_params",

@@ -44,14 +44,23 @@ EFFORTS = ("low", "medium", "high")
 
 
 @dataclass
-class ChatOutput:
-    """A chat reply taken apart: harmony's analysis channel is `reasoning`, final is `content`."""
+class ChatChoice:
+    """One choice of a chat reply taken apart: harmony's analysis channel is `reasoning`,
+    final is `content`."""
 
     reasoning: str | None
     content: str | None
     tool_calls: list[harmony.ToolCall]
     finish_reason: str | None  # "stop", "length", "tool_calls" or "abort"
+
+
+@dataclass
+class ChatOutput(ChatChoice):
+    """A chat reply: its own fields are the first choice's; `choices` holds each of the n
+    choices (SamplingParams.n) taken apart, `output` the raw tokens and text."""
+
     output: RequestOutput
+    choices: list[ChatChoice]
 
 
 class LLM:
@@ -242,14 +251,17 @@ class LLM:
         decode = self.tokenizer.decode
         replies = []
         for out in outputs:
-            completion = out.outputs[0]
-            parsed = harmony.parse_completion(completion.token_ids, decode)
-            finish = completion.finish_reason
-            if parsed.tool_calls and finish == "stop":
-                finish = "tool_calls"
-            replies.append(
-                ChatOutput(parsed.reasoning, parsed.content, parsed.tool_calls, finish, out)
-            )
+            choices = []
+            for completion in out.outputs:
+                parsed = harmony.parse_completion(completion.token_ids, decode)
+                finish = completion.finish_reason
+                if parsed.tool_calls and finish == "stop":
+                    finish = "tool_calls"
+                choices.append(ChatChoice(parsed.reasoning, parsed.content, parsed.tool_calls,
+                                          finish))
+            first = choices[0]
+            replies.append(ChatOutput(first.reasoning, first.content, first.tool_calls,
+                                      first.finish_reason, out, choices))
         return replies
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
