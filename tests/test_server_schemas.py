@@ -267,7 +267,12 @@ def test_other_responses_match_the_models(srv):
     exact(schemas.TokenizeResponse, ok(post(srv, "/tokenize", {"messages": HI})))
     exact(schemas.DetokenizeResponse, ok(post(srv, "/detokenize", {"tokens": tokens["tokens"]})))
     headers = {"Authorization": f"Bearer {KEY}"}
-    exact(schemas.ModelList, ok(httpx.get(srv.url + "/v1/models", headers=headers)))
+    listed = exact(schemas.ModelList, ok(httpx.get(srv.url + "/v1/models", headers=headers)))
+    one = exact(schemas.ModelCard, ok(httpx.get(srv.url + "/v1/models/tiny", headers=headers)))
+    assert one == listed.data[0]  # the openai client's models.retrieve
+    missing = error(httpx.get(srv.url + "/v1/models/gpt-5", headers=headers), 404)
+    assert missing["code"] == "model_not_found" and "`gpt-5` does not exist" in missing["message"]
+    error(httpx.get(srv.url + "/v1/models/tiny"), 401)
     exact(schemas.Health, ok(httpx.get(srv.url + "/health")))
     exact(schemas.Version, ok(httpx.get(srv.url + "/version")))
     error(post(srv, CHAT, {"messages": HI}, key=None), 401)
@@ -287,8 +292,8 @@ def test_a_drift_is_caught():
 
 ROUTES = {
     "/v1/chat/completions": "post", "/v1/completions": "post", "/tokenize": "post",
-    "/detokenize": "post", "/v1/models": "get", "/health": "get", "/version": "get",
-    "/metrics": "get",
+    "/detokenize": "post", "/v1/models": "get", "/v1/models/{id}": "get", "/health": "get",
+    "/version": "get", "/metrics": "get",
 }  # fmt: skip
 
 

@@ -601,12 +601,23 @@ def create_app(
         text = await asyncio.to_thread(decode, ids) if len(ids) > 1 << 16 else decode(ids)
         return JSONResponse({"prompt": text})
 
-    async def models(request: Request) -> Response:
+    def model_card() -> dict:
         card = {"id": state.model_name, "object": "model", "created": state.created}
         card["owned_by"] = "tinyoss"
         if state.client is not None and state.client.info is not None:
             card["max_model_len"] = state.client.info.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        """GET /v1/models/{id} (the openai client's models.retrieve)."""
+        name = request.path_params["id"]
+        if name != state.model_name:
+            raise APIError(404, f"The model `{_clip(name)}` does not exist (this server serves "
+                           f"`{state.model_name}`).", param="model", code="model_not_found")
+        return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
         client, error = state.client, state.load_error
@@ -652,6 +663,7 @@ def create_app(
         Route("/v1/responses/{id}", endpoint(response_delete), methods=["DELETE"]),
         Route("/v1/responses/{id}/cancel", endpoint(response_cancel), methods=["POST"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/models/{id:path}", endpoint(model), methods=["GET"]),
         Route("/tokenize", endpoint(tokenize_), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),

@@ -1028,6 +1028,12 @@ def build_openapi(
         "/tokenize": _post("A text's or a chat's tokens", tokenize, "TokenizeResponse"),
         "/detokenize": _post("Token ids' text", _ref("DetokenizeRequest"), "DetokenizeResponse"),
         "/v1/models": _get("The served model", _json(_ref("ModelList"))),
+        "/v1/models/{id}": {
+            "parameters": [{"name": "id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            **_get("The served model, by its name", _json(_ref("ModelCard")),
+                   **{"404": _json(_ref("ErrorResponse"), "No model of that name")}),
+        },
         "/health": _get(
             "Whether the engine is ready", _json(_ref("Health")), public=True,
             **{"503": _json(_ref("Health"), "Loading, restarting or failed")},
