@@ -180,6 +180,8 @@ def test_serve_model_given_twice_differently(argv, first, second, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"the model is given twice, as {first} and as {second}" in err
+    # an unknown flag's value lands in MODEL: the message says that may be the cause
+    assert "is the value of the flag before it, that flag is not one tinyoss knows" in err
 
 
 def test_subcommand_help_describes_the_command(capsys):

@@ -44,6 +44,8 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         ["--quantization", "mxfp4"],
         ["--kv-cache-dtype", "auto"],
         ["--swap-space", "4"],
+        ["--task", "generate"],
+        ["--runner", "auto"],
     ],
 )
 def test_harmless_vllm_flags_are_accepted_and_noted(argv):
@@ -75,6 +77,7 @@ def test_the_parser_flags_say_harmony():
         (["--chat-template", "t.jinja"], ["--chat-template t.jinja", "harmony"]),
         (["--download-dir", "/data"], ["--download-dir /data", "HF_HUB_CACHE"]),
         (["--max-logprobs", "50"], ["--max-logprobs 50", "at most 20"]),
+        (["--task", "embed"], ["--task embed", "only auto or generate", "text generation"]),
     ],
 )
 def test_vllm_flags_that_would_change_results_are_refused(argv, names, capsys):

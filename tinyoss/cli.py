@@ -170,7 +170,8 @@ class _ModelAction(argparse.Action):
         if given is not None and given != values:
             parser.error(
                 f"the model is given twice, as {where} {given!r} and as {this} {values!r}: "
-                "give MODEL or --model, once"
+                f"give MODEL or --model, once (or, if {values!r} is the value of the flag "
+                "before it, that flag is not one tinyoss knows: see --help)"
             )
         setattr(namespace, self.dest, values)
         setattr(namespace, "model_from", this)

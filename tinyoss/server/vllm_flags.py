@@ -49,6 +49,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--generation-config",), True, ("auto", "vllm"),
              "gpt-oss's generation_config.json sets no sampling defaults; tinyoss's are "
              "OpenAI's (temperature 1, top_p 1): give sampling parameters in each request"),
+    VllmFlag(("--task",), True, ("auto", "generate"),
+             "tinyoss serves gpt-oss's text generation only (no pooling or embedding tasks)"),
+    VllmFlag(("--runner",), True, ("auto", "generate"),
+             "tinyoss serves gpt-oss's text generation only (no pooling runner)"),
     VllmFlag(("--pipeline-parallel-size", "-pp"), True, ("1",), ONE_GPU),
     VllmFlag(("--data-parallel-size", "-dp"), True, ("1",),
              "run one tinyoss serve per GPU (CUDA_VISIBLE_DEVICES=i) behind a load balancer"),
