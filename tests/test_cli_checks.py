@@ -238,3 +238,16 @@ def test_serve_refuses_a_config_the_engine_would_before_it_listens(flags, says, 
         cli.main(["serve", "tiny", "--device", "cpu", "--port", port, *flags])
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "hi"]])
+def test_generate_and_chat_check_the_config_before_loading(command, capsys, monkeypatch):
+    """`tinyoss generate --max-model-len 2` loaded the model before refusing it (trial)."""
+    import tinyoss
+
+    monkeypatch.setattr(tinyoss, "LLM", lambda *a, **k: pytest.fail("the model was loaded"),
+                        raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--device", "cpu", "--max-model-len", "2"])
+    assert e.value.code == 2
+    assert "shorter than one KV cache block" in capsys.readouterr().err

@@ -181,8 +181,10 @@ def _load(args: argparse.Namespace) -> LLM:
     """The LLM for chat and generate, after the checks that need no loading."""
     check_device(args.device)
     model = args.model or default_model()
-    try:
-        EngineConfig(model=model, **engine_kwargs(args))  # its refusals, before any loading
+    from tinyoss.engine.builder import check_config
+
+    try:  # its refusals, and the model's config against it, before any loading
+        check_config(EngineConfig(model=model, **engine_kwargs(args)))
     except ValueError as e:
         raise CliError(str(e)) from None
     if model == "tiny":
