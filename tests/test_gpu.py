@@ -420,10 +420,12 @@ def test_speculative_verify_steps_replay_graphs(tiny_dir):
 
 
 @two_gpus
-def test_tensor_parallel_on_two_gpus_equals_the_cpu_reference(tiny_dir):
-    """tiny over two GPUs (NCCL), fp32 through the torch kernels: the CPU reference's tokens
-    (or part at a near tie: the all-reduce sums in another order), for prompts on both sides
-    of the 128-token window in one batch."""
+@pytest.mark.parametrize("experts", [False, True], ids=["tensor", "expert"])
+def test_tensor_parallel_on_two_gpus_equals_the_cpu_reference(tiny_dir, experts):
+    """tiny over two GPUs (NCCL), fp32 through the torch kernels, the experts split by their
+    intermediate dimension or dealt out whole (`enable_expert_parallel`): the CPU reference's
+    tokens (or part at a near tie: the all-reduce sums in another order), for prompts on both
+    sides of the 128-token window in one batch."""
     from tinyoss import LLM
 
     rng = random.Random(0)
@@ -431,7 +433,7 @@ def test_tensor_parallel_on_two_gpus_equals_the_cpu_reference(tiny_dir):
     cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
     gpu = LLM(str(tiny_dir), device="cuda", dtype="float32", attention_backend="torch",
               mxfp4_backend="torch", enforce_eager=True, max_num_seqs=8, kv_cache_tokens=8192,
-              tensor_parallel_size=2)
+              tensor_parallel_size=2, enable_expert_parallel=experts)
     try:
         _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
     finally:
