@@ -166,6 +166,8 @@ def stream_chat(client, **kw) -> tuple[dict, list]:
 
 def test_health_version_models(srv, client):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(srv.url + "/ping").json() == httpx.post(srv.url + "/ping").json() == {
+        "status": "ok"}  # vLLM's alias
     assert httpx.get(srv.url + "/version").json()["version"]
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]

@@ -667,6 +667,7 @@ def create_app(
         Route("/tokenize", endpoint(tokenize_), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/ping", endpoint(health, auth=False), methods=["GET", "POST"]),  # vLLM's alias
         Route("/version", endpoint(version, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),

@@ -1038,6 +1038,8 @@ def build_openapi(
             "Whether the engine is ready", _json(_ref("Health")), public=True,
             **{"503": _json(_ref("Health"), "Loading, restarting or failed")},
         ),  # fmt: skip
+        "/ping": _get("/health's answer, under vLLM's (SageMaker's) name", _json(_ref("Health")),
+                      public=True, **{"503": _json(_ref("Health"), "Not ready")}),
         "/version": _get("The server's version", _json(_ref("Version")), public=True),
         "/metrics": _get(
             "Prometheus metrics, under vLLM's names",
