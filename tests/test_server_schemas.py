@@ -161,6 +161,8 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "skip_special_tokens": False}, "skip_special_tokens",
          "/v1/completions returns them as text"),
         (CMPL, {"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids", "token ids"),
+        (CHAT, {"messages": HI, "stop_token_ids": [10**9]}, "stop_token_ids",
+         "stop_token_ids [1000000000] is outside the vocabulary"),
         (CHAT, {"messages": HI, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
         (CHAT, {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options",
          "only allowed with stream: true"),

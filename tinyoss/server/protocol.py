@@ -156,6 +156,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     max_tokens = req.max_completion_tokens
     params = _sampling(
         body,
+        info.vocab_size,
         max_tokens=req.max_tokens if max_tokens is None else max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         stop=req.stop,
@@ -224,6 +225,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
         raise APIError(400, f"{param}: {e}", param=param) from e
     params = _sampling(
         body,
+        info.vocab_size,
         max_tokens=req.max_tokens,
         logprobs=req.logprobs,
         stop=req.stop,
@@ -350,8 +352,12 @@ def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bo
     return stream, stream and req.stream_options is not None and req.stream_options.include_usage
 
 
-def _sampling(body: dict, **fields: Any) -> SamplingParams:
+def _sampling(body: dict, vocab_size: int, **fields: Any) -> SamplingParams:
     kwargs = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    bad = [t for t in kwargs.get("stop_token_ids", ()) if not 0 <= t < vocab_size]
+    _require(not bad, "stop_token_ids",
+             f"stop_token_ids [{bad[0] if bad else ''}] is outside the vocabulary (0 to "
+             f"{vocab_size - 1})")
     try:
         return SamplingParams(**kwargs, **fields)
     except ValueError as e:
