@@ -41,7 +41,8 @@ class PlanRing:
             raise RuntimeError(
                 f"{type(wrapper).__name__} has no pinned schedule buffer where FlashInfer "
                 "0.7 keeps it (_pin_memory_int_workspace_buffer): this FlashInfer plans "
-                "differently; pin the version in README.md")
+                "differently from the one tinyoss was verified with; install "
+                "flashinfer-python 0.7.2")
         self.wrapper = wrapper
         self.buffers = [first] + [_pinned_like(first) for _ in range(size - 1)]
         self.copied: list[torch.cuda.Event | None] = [None] * size
