@@ -114,3 +114,26 @@ def test_random_weights(monkeypatch, caplog):
         " GB) from random weights (load_format dummy)"
     )
     assert "random weights: 100%" in terminal.getvalue()
+
+
+def test_processes_tinyoss_starts_make_no_semaphore(monkeypatch):
+    """tqdm's default lock is a multiprocessing RLock, a named semaphore that the resource
+    tracker reported leaked when `tinyoss serve` stopped its engine core; the core and the
+    workers call `thread_lock_only` first, and then a bar makes none."""
+    import multiprocessing.synchronize
+
+    from tqdm import tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    from tinyoss import progress
+
+    def no_semaphore(*args, **kwargs):
+        raise AssertionError("a multiprocessing semaphore was made")
+
+    monkeypatch.setattr(tqdm, "_lock", None, raising=False)
+    monkeypatch.delattr(tqdm, "_lock")  # tqdm makes its lock at the first bar
+    monkeypatch.delattr(TqdmDefaultWriteLock, "mp_lock", raising=False)  # ... and this one once
+    monkeypatch.setattr(multiprocessing.synchronize.SemLock, "__init__", no_semaphore)
+    progress.thread_lock_only()
+    with tqdm(total=1, disable=False) as bar:
+        bar.update(1)

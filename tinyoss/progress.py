@@ -6,6 +6,7 @@ Face's downloads do; the callers log a line at the start and the end either way.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -25,3 +26,11 @@ def tensor_progress(
         for spec, tensor in stream:
             bar.update(spec.nbytes)
             yield spec, tensor
+
+
+def thread_lock_only() -> None:
+    """For the processes tinyoss starts (the engine core, tensor-parallel workers): tqdm's bars
+    there take a thread lock instead of tqdm's default multiprocessing one, whose named
+    semaphore was reported leaked ("resource_tracker: ... leaked semaphore") when the server
+    stopped such a process."""
+    tqdm.set_lock(threading.RLock())

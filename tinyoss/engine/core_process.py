@@ -28,6 +28,7 @@ import zmq
 
 from tinyoss.config import EngineConfig
 from tinyoss.engine.core import EngineCore
+from tinyoss.progress import thread_lock_only
 
 log = logging.getLogger("tinyoss.core")
 
@@ -43,6 +44,7 @@ def run_core(
     logging.basicConfig(  # decides, and stops us in order
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    thread_lock_only()
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(inbox)

@@ -33,6 +33,7 @@ import torch
 from tinyoss.config import EngineConfig
 from tinyoss.engine.comm import NO_MULTICAST, Group
 from tinyoss.engine.step import StepPlan
+from tinyoss.progress import thread_lock_only
 
 log = logging.getLogger("tinyoss")
 
@@ -177,6 +178,7 @@ def _main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s tinyoss.worker: %(message)s")
     conn = Connection(fd)
+    thread_lock_only()
     config, folder, rank, init, parent = conn.recv()
     threading.Thread(target=_exit_with, args=(parent,), name="tinyoss-rank0-watch",
                      daemon=True).start()
