@@ -195,6 +195,39 @@ def test_a_refusal_after_the_workers_started_ends_them(tiny_dir):
     assert _workers_of_this_process() == []
 
 
+_WORKER_DIES = """
+import os, signal, sys, time
+from tinyoss import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2,
+          kv_cache_tokens=4096)
+greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+llm.generate(["hi"], greedy, use_tqdm=False)
+os.kill(llm.engine.executor.peers.procs[0].pid, signal.SIGKILL)
+time.sleep(0.5)
+try:
+    llm.generate(["hi"], greedy, use_tqdm=False)
+except RuntimeError as e:
+    print("raised:", e, flush=True)
+time.sleep(30)  # the watcher ends the process before this
+print("still running", flush=True)
+"""
+
+
+def test_a_worker_that_dies_ends_the_engine_with_why(tiny_dir):
+    """A worker killed between calls: the next call raises naming the worker (not a bare
+    BrokenPipeError), and rank 0's watcher logs why and ends the process (exit 1): the engine
+    cannot step without it (`tinyoss serve` then starts a new engine core)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _WORKER_DIES, str(tiny_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "raised: tensor-parallel worker 1 is gone" in run.stdout
+    assert "still running" not in run.stdout
+    assert "a tensor-parallel worker failed, so the engine cannot go on: it exited" in run.stderr
+
+
 def test_the_all_reduce_choice(monkeypatch):
     """`auto` takes FlashInfer's all-reduce where it is built, else symmetric memory, else NCCL;
     both fast paths serve one engine a process (a second engine there hung in PyTorch's per-

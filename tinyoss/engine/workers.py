@@ -97,8 +97,12 @@ class Peers:
 
     def send(self, plan: StepPlan) -> None:
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        for conn in self.conns:
-            conn.send_bytes(data)
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:  # the watcher logs why and ends this process
+                raise RuntimeError(f"tensor-parallel worker {rank} is gone ({e}): the engine "
+                                   "cannot go on") from e
 
     def _watch(self) -> None:
         """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why."""
