@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from tinyoss.config import EngineConfig
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineInfo, RequestError, check_prompt
-from tinyoss.engine.core_process import run_core
+from tinyoss.engine.core_process import run_core, unbounded
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.sampling_params import SamplingParams
 from tinyoss.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ class _Core:
     def __init__(self, ctx: zmq.asyncio.Context, config: EngineConfig, folder: Path | None):
         base = Path(tempfile.gettempdir()) / f"tinyoss-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         inbox, outbox = f"ipc://{base}-in", f"ipc://{base}-out"
-        self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.push, self.pull = unbounded(ctx.socket(zmq.PUSH)), unbounded(ctx.socket(zmq.PULL))
         self.push.bind(inbox)
         self.pull.bind(outbox)
         self.paths = [Path(f"{base}-in"), Path(f"{base}-out")]
@@ -71,7 +71,9 @@ class _Core:
         self.process.start()
 
     def send(self, *msg: object) -> None:
-        self.push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+        sent = self.push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:  # never lose a message in silence
+            raise sent.exception()
 
     async def stop(self, timeout: float) -> None:
         """Asks the process to stop, kills it after `timeout` s, and closes the sockets."""

@@ -36,6 +36,15 @@ HOOK_ENV = "TINYOSS_CORE_HOOK"  # tests only: "module:function", called with the
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent still lives
 
 
+def unbounded(sock: zmq.Socket) -> zmq.Socket:
+    """No high-water mark. At ZeroMQ's default (1000 messages queued) a non-blocking send failed
+    while the core was busy in a long step, and its add or abort was lost: a request that never
+    answered, an abort that left a request running. The server's limits bound the queue."""
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
+
+
 def run_core(
     config: EngineConfig, folder: str | None, inbox: str, outbox: str, parent: int
 ) -> None:
@@ -46,7 +55,7 @@ def run_core(
     )
     thread_lock_only()
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull, push = unbounded(ctx.socket(zmq.PULL)), unbounded(ctx.socket(zmq.PUSH))
     pull.connect(inbox)
     push.connect(outbox)
     push.setsockopt(zmq.LINGER, 2000)
