@@ -328,18 +328,34 @@ def test_the_store_evicts_the_least_recently_used():
     runs = [
         SimpleNamespace(id=f"resp_{i}", status="completed", conversation=list) for i in range(3)
     ]
-    store.put(runs[0]), store.put(runs[1])
+    store.put(runs[0], 10), store.put(runs[1], 10)
     store.get("resp_0")  # now the most recently used
-    store.put(runs[2])
+    store.put(runs[2], 10)
     assert store.get("resp_0") is runs[0] and store.get("resp_2") is runs[2] and len(store) == 2
     with pytest.raises(APIError, match="not found") as e:
         store.get("resp_1")
     assert e.value.status == 404
     off = ResponseStore(0)
-    off.put(runs[0])
+    off.put(runs[0], 10)
     with pytest.raises(APIError, match="storing is off") as e:
         off.conversation("resp_0")
     assert e.value.param == "previous_response_id"
+
+
+def test_the_store_holds_a_bounded_number_of_bytes():
+    """1000 responses of 16 MiB bodies each were 16 GB (a hostile-traffic trial): the store
+    also keeps at most max_bytes of request bodies, the newest response always."""
+    store = ResponseStore(1000, max_bytes=100)
+    runs = [SimpleNamespace(id=f"resp_{i}", status="completed") for i in range(5)]
+    for run in runs[:3]:
+        store.put(run, 40)
+    assert len(store) == 2 and store.bytes == 80  # resp_0 went to keep 100 bytes at most
+    store.put(runs[3], 500)  # larger than the bound alone: kept, the others go
+    assert len(store) == 1 and store.get("resp_3") is runs[3]
+    store.put(runs[4], 30)
+    assert len(store) == 1 and store.bytes == 30
+    store.delete("resp_4")
+    assert store.bytes == 0 and len(store) == 0
 
 
 def test_items_become_chat_messages():

@@ -478,8 +478,10 @@ def create_app(
         return b"".join(chunks)
 
     async def body_of(request: Request) -> dict:
+        data = await read_body(request)
+        request.state.body_bytes = len(data)  # what a stored response is counted as
         try:
-            raw = (await read_body(request)).decode()
+            raw = data.decode()
         except UnicodeDecodeError as e:
             raise APIError(400, f"the request body is not valid UTF-8: {e}") from e
         try:
@@ -556,7 +558,7 @@ def create_app(
         run = Run(state, prep, "response", [output])
         resp = ResponseRun(req, state.model_name, run, output, _error)
         if req.store:
-            store.put(resp)
+            store.put(resp, request.state.body_bytes)
         if req.stream:
             events = (_sse(e, e["type"]) async for e in resp.events())
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -352,8 +352,17 @@ def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bo
     return stream, stream and req.stream_options is not None and req.stream_options.include_usage
 
 
+MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # each stop string is searched for at every token
+
+
 def _sampling(body: dict, vocab_size: int, **fields: Any) -> SamplingParams:
     kwargs = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    stop = fields.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    _require(len(stops) <= MAX_STOPS, "stop",
+             f"stop holds {len(stops)} strings: at most {MAX_STOPS} are served")
+    _require(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
+             f"a stop string is longer than {MAX_STOP_CHARS} characters")
     bad = [t for t in kwargs.get("stop_token_ids", ()) if not 0 <= t < vocab_size]
     _require(not bad, "stop_token_ids",
              f"stop_token_ids [{bad[0] if bad else ''}] is outside the vocabulary (0 to "

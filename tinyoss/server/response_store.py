@@ -1,7 +1,9 @@
 """The responses kept for GET /v1/responses/{id} and `previous_response_id`: in memory, the
-newest `size` of them, the least recently used evicted first. A response keeps its input and
-output items (continuations share the item objects of the responses they continue), not its
-engine run, so memory is bounded by `size` responses of at most --max-request-bytes each."""
+newest `size` of them and at most MAX_BYTES of their request bodies, the least recently used
+evicted first. A response keeps its input and output items (continuations share the item
+objects of the responses they continue), not its engine run. The byte bound is what holds
+memory: `size` alone allowed 1000 bodies of up to --max-request-bytes (16 MiB) each, and a
+client reached gigabytes in minutes (a hostile-traffic trial)."""
 
 from __future__ import annotations
 
@@ -11,27 +13,35 @@ from tinyoss.server.protocol import APIError
 from tinyoss.server.responses_api import ResponseRun
 
 
+MAX_BYTES = 256 * 2**20  # request bodies kept at most, summed over the stored responses
+
+
 class ResponseStore:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_bytes: int = MAX_BYTES) -> None:
         if size < 0:
             raise ValueError(f"--max-stored-responses={size} is invalid: must be >= 0")
-        self.size = size
-        self._runs: OrderedDict[str, ResponseRun] = OrderedDict()
+        self.size, self.max_bytes = size, max_bytes
+        self._runs: OrderedDict[str, tuple[ResponseRun, int]] = OrderedDict()
+        self.bytes = 0  # the stored responses' request bodies
 
     def __len__(self) -> int:
         return len(self._runs)
 
-    def put(self, run: ResponseRun) -> None:
+    def put(self, run: ResponseRun, nbytes: int) -> None:
+        """Keeps `run`, whose request body was `nbytes` long; the oldest go while more than
+        `size` responses or `max_bytes` of bodies are kept (the newest always stays)."""
         if not self.size:
             return
-        self._runs[run.id] = run
-        while len(self._runs) > self.size:
-            self._runs.popitem(last=False)
+        self._runs[run.id] = (run, nbytes)
+        self.bytes += nbytes
+        while len(self._runs) > 1 and (len(self._runs) > self.size
+                                       or self.bytes > self.max_bytes):
+            self.bytes -= self._runs.popitem(last=False)[1][1]
 
     def get(self, response_id: str, param: str | None = None) -> ResponseRun:
         """The response (now the most recently used), or a 404 naming it."""
-        run = self._runs.get(response_id)
-        if run is None:
+        kept = self._runs.get(response_id)
+        if kept is None:
             why = "" if self.size else " (storing is off: --max-stored-responses 0)"
             what = "Previous response" if param == "previous_response_id" else "Response"
             raise APIError(
@@ -42,11 +52,11 @@ class ResponseStore:
                 code="previous_response_not_found" if param else "not_found",
             )
         self._runs.move_to_end(response_id)
-        return run
+        return kept[0]
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._runs[response_id]
+        self.bytes -= self._runs.pop(response_id)[1]
 
     def conversation(self, response_id: str) -> list[dict]:
         """The items a request continuing `response_id` comes after (400 while it runs)."""
