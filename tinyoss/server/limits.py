@@ -32,6 +32,9 @@ class ServerLimits:
     header_timeout: float = option(
         "seconds a connection may take to send its request headers", default=10.0
     )
+    max_header_bytes: int = option(
+        "largest request line and headers in bytes (431 beyond)", default=64 << 10
+    )
     body_timeout: float = option("seconds a request may take to send its body", default=30.0)
     timeout_keep_alive: float = option(
         "seconds an idle keep-alive connection stays open", default=5.0
@@ -45,15 +48,29 @@ class ServerLimits:
 
 def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing connections whose headers are not complete within
-    --header-timeout seconds of connecting (or of the previous response), and answering 503
-    beyond --max-connections (open connections, or requests in progress)."""
+    --header-timeout seconds of connecting (or of the previous response), answering 431 to
+    headers beyond --max-header-bytes (httptools takes any size, and joins a long header in
+    quadratic time: one 100 MB header held the event loop for seconds), and 503 beyond
+    --max-connections (open connections, or requests in progress)."""
 
     class LimitedHttp(HttpToolsProtocol):
         _header_timer = None
+        _header_bytes = 0
 
         def _arm(self) -> None:
             self._disarm()
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(limits.header_timeout, self._too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is not None:  # headers still arriving
+                if self._header_bytes > limits.max_header_bytes:
+                    self._disarm()
+                    self.transport.write(_HEADERS_TOO_LARGE)
+                    self.transport.close()
+                    return
+                self._header_bytes += len(data)  # checked at the next read: a read may hold
+            super().data_received(data)  # the body too
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -90,6 +107,19 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
     return LimitedHttp
+
+
+def _error_response(status: str, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": code}}).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+_HEADERS_TOO_LARGE = _error_response(
+    "431 Request Header Fields Too Large",
+    "the request line and headers are larger than the server takes (--max-header-bytes)",
+    "headers_too_large")
 
 
 async def _too_many_connections(scope, receive, send) -> None:  # an ASGI app
