@@ -335,6 +335,9 @@ def test_the_store_evicts_the_least_recently_used():
     with pytest.raises(APIError, match="not found") as e:
         store.get("resp_1")
     assert e.value.status == 404
+    with pytest.raises(APIError) as e:
+        store.get("resp_" + "x" * 5_000_000)
+    assert len(str(e.value)) < 400  # the id clipped: a 5 MB id came back whole
     off = ResponseStore(0)
     off.put(runs[0], 10)
     with pytest.raises(APIError, match="storing is off") as e:

@@ -177,6 +177,14 @@ def test_connections_beyond_max_connections_get_503(api: Api, server) -> None:
     api.ok_completion("--max-connections")
 
 
+def test_more_prompts_than_the_server_ever_holds_is_a_400(api: Api) -> None:
+    """A 429 says retry, which could never help here."""
+    prompts = [f"p{i}" for i in range(MAX_NUM_SEQS + MAX_QUEUED + 1)]
+    r = api.post(COMPLETIONS, {"model": MODEL, "prompt": prompts, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    check_error(400, r.text, param="prompt", contains="more than the server ever holds")
+
+
 def test_headers_beyond_max_header_bytes_get_431(api: Api) -> None:
     """A 1 MB header is refused with a JSON 431 and the connection closed (httptools took a
     100 MB one and held the event loop seconds joining it); headers just under the limit and

@@ -137,8 +137,15 @@ class Run:
         self.cached = [0] * len(prep.prompts)
         self.start = time.monotonic()
         client = state.ready()
-        room = state.config.max_num_seqs + state.limits.max_queued_requests - client.num_requests
-        if len(prep.prompts) > room:
+        capacity = state.config.max_num_seqs + state.limits.max_queued_requests
+        if len(prep.prompts) > capacity:  # no retry can help: a 400, not a 429
+            raise APIError(
+                400,
+                f"prompt holds {len(prep.prompts)} prompts, more than the server ever holds at "
+                f"once ({capacity}: --max-num-seqs + --max-queued-requests); send fewer a request",
+                param="prompt",
+            )
+        if len(prep.prompts) > capacity - client.num_requests:
             raise APIError(
                 429,
                 f"the server is at capacity ({client.num_requests} requests running or queued); "

@@ -16,6 +16,11 @@ from tinyoss.server.responses_api import ResponseRun
 MAX_BYTES = 256 * 2**20  # request bodies kept at most, summed over the stored responses
 
 
+def _clip(response_id: str) -> str:
+    """An id as a message quotes it: a client's 5 MB id came back whole in the 404."""
+    return response_id if len(response_id) <= 100 else response_id[:97] + "..."
+
+
 class ResponseStore:
     def __init__(self, size: int, max_bytes: int = MAX_BYTES) -> None:
         if size < 0:
@@ -46,7 +51,8 @@ class ResponseStore:
             what = "Previous response" if param == "previous_response_id" else "Response"
             raise APIError(
                 404,
-                f"{what} with id {response_id!r} not found{why}. Responses are kept in memory, "
+                f"{what} with id {_clip(response_id)!r} not found{why}. Responses are kept in "
+                "memory, "
                 f"the newest {self.size}, and only those created with store: true.",
                 param=param,
                 code="previous_response_not_found" if param else "not_found",
@@ -64,7 +70,8 @@ class ResponseStore:
         if run.status == "in_progress":
             raise APIError(
                 400,
-                f"previous response {response_id!r} is still in progress: wait for it to end",
+                f"previous response {_clip(response_id)!r} is still in progress: wait for it to "
+                "end",
                 param="previous_response_id",
             )
         return run.conversation()
