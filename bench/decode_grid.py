@@ -1,6 +1,7 @@
 """A named set of decode_latency.py runs in one command, their records in one JSON-lines file and
-a markdown table: the issue-18 roofline table, the dense GEMVs' batches 1-8 in bf16 and FP8, or
-tensor parallelism's scaling (issue 19).
+a markdown table: the issue-18 roofline table, the same engine sized as `tinyoss serve` sizes it
+(`served`), the dense GEMVs' batches 1-8 in bf16 and FP8, or tensor parallelism's scaling
+(issue 19).
 
     python bench/decode_grid.py roofline --commit abc1234 --out $OUT/roofline.jsonl --runs 2
     python bench/decode_grid.py tp --commit abc1234 --out $OUT/tp.jsonl --only "20b tp1,20b tp2"
@@ -41,6 +42,12 @@ GRIDS: dict[str, dict[str, list[str]]] = {
         "120b bs1": BIG,
         "20b bs1 mxfp4-all": ["--mxfp4-layers", "all"],
         "20b bs1 fp8-all": ["--fp8-layers", "all"],
+    },
+    "served": {  # the engine sized as `tinyoss serve` sizes it: 128k context, 256 sequences
+        f"20b bs{bs}{f' {ctx // 1024}k' * (ctx > 1024)} served": [
+            "--batch-size", str(bs), "--input-len", str(ctx), "--max-model-len", "131072",
+            "--max-num-seqs", "256"]
+        for bs, ctx in ((1, 1024), (1, 8192), (8, 1024))
     },
     "gemv": {  # the dense GEMV's routing (bf16, FP8) at the batches where it changes
         f"20b bs{bs}{' fp8-all' * fp8}": ["--batch-size", str(bs)]

@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     llm = LLM(
         args.model,
         load_format=args.load_format,
-        max_num_seqs=args.batch_size,
-        max_model_len=args.input_len + args.output_len + 32,
+        max_num_seqs=args.max_num_seqs or args.batch_size,
+        max_model_len=args.max_model_len or args.input_len + args.output_len + 32,
         max_num_batched_tokens=max(8192, args.input_len),
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
@@ -292,6 +292,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: input + output + 32; `tinyoss serve` takes the model's 131072")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: the batch size; `tinyoss serve` takes 256 (more CUDA graphs)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs the model is split over; bytes and roofline are per GPU")

@@ -16,14 +16,20 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = 2e-2 if DEVICE == "cuda" else 1e-5  # ||out - ref|| / ||ref||
 
 
-@pytest.mark.parametrize("window,min_split",
-                         [(0, 64), (128, 64), (128, 128), (100, 128), (0, 512), (128, 512)])
-def test_decode_attention_matches_reference(window, min_split, monkeypatch):
+@pytest.mark.parametrize("window,min_split,max_len,max_splits",
+                         [(0, 64, 400, 64), (128, 64, 400, 64), (128, 128, 400, 64),
+                          (100, 128, 400, 64), (0, 512, 400, 64), (128, 512, 400, 64),
+                          (0, 64, 131072, 64), (0, 64, 131072, 4)])
+def test_decode_attention_matches_reference(window, min_split, max_len, max_splits,
+                                            monkeypatch):
     """Several splits at these short lengths (min_split 64); a window within one split takes
-    the one-split path; min_split 512: one split of several steps (as real lengths give). q and
-    the new k arrive unrotated (views into one q/k/v row, as the model passes them) at
-    positions that are not the key indices; run twice, so the merge tickets must reset."""
+    the one-split path; min_split 512: one split of several steps. Each sequence's splits come
+    from its own length: as many in a workspace for 128k tokens as in one for 400, and longer
+    ones where MAX_SPLITS caps their number. q and the new k arrive unrotated (views into one
+    q/k/v row, as the model passes them) at positions that are not the key indices; run twice,
+    so the merge tickets must reset."""
     monkeypatch.setattr(adt, "MIN_SPLIT", min_split)
+    monkeypatch.setattr(adt, "MAX_SPLITS", max_splits)
     rng = random.Random(window)
     hq, hk, d, page, blocks = 16, 2, 64, 16, 64
     kv_lens = [1, 70, 200, 333]
@@ -48,12 +54,19 @@ def test_decode_attention_matches_reference(window, min_split, monkeypatch):
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = apply_rope(q.float(), k.float(), positions, rope_cache)
     write_kv(ref_k_cache, ref_v_cache, ref_k, v, slots)
-    attention = adt.DecodeAttention(8, 400, hq, hk, d, torch.device(DEVICE))
-    assert attention.split == min_split and (attention.max_splits > 1 or min_split > 400)
+    attention = adt.DecodeAttention(8, max_len, hq, hk, d, torch.device(DEVICE))
+    assert attention.max_splits == min(adt.MAX_SPLITS, -(-max_len // min_split))
     for _ in range(2):
+        attention.m.fill_(float("nan"))
         out = attention(q, k, v, k_cache, v_cache, slots, positions, rope_cache, table_t, ranges,
                         sinks, d ** -0.5, window)
         assert not attention.tickets.any()
+        if not 0 < window <= min_split:  # the splits the 333-key sequence wrote partials for
+            keys = int(ranges[3, 1] - ranges[3, 0])
+            per_split = -(-keys // attention.max_splits)
+            split = max(min_split, -(-per_split // adt.BLOCK_KV) * adt.BLOCK_KV)
+            written = attention.m[3, 0, :, 0].isfinite().sum().item()
+            assert written == -(-keys // split) and (max_splits > 4 or split == 128)
         for i, n in enumerate(kv_lens):
             blocks_i = torch.tensor(tables[i], device=DEVICE)
             keys = ref_k_cache[blocks_i].flatten(0, 1)[:n]

@@ -5,12 +5,16 @@ of host time per cache group and step, more than the attention itself at batch 1
 needs no plan: each step only copies the block tables and key ranges into fixed buffers, so it
 replays inside CUDA graphs as is.
 
-Flash-decoding in one launch: programs (sequence, KV head, split) each take up to SPLIT keys of
-the sequence's range for the KV head's group of query heads and write a partial softmax (max,
-sum, weighted values); the last program of a (sequence, KV head) to finish (a ticket, reset by
-it) merges the splits and adds the head's sink to the denominator: out = sum_s e^(m_s - M) acc_s
-/ (sum_s e^(m_s - M) l_s + e^(sink - M)). A sliding window no longer than a split is one split,
-which writes the output itself.
+Flash-decoding in one launch: programs (sequence, KV head, split) each take one split of the
+sequence's range for the KV head's group of query heads and write a partial softmax (max, sum,
+weighted values); the last program of a (sequence, KV head) to finish (a ticket, reset by it)
+merges the splits and adds the head's sink to the denominator: out = sum_s e^(m_s - M) acc_s
+/ (sum_s e^(m_s - M) l_s + e^(sink - M)). A sliding window of at most MIN_SPLIT keys is one
+split, which writes the output itself.
+
+Each program sizes its sequence's splits from the sequence's own length (at least MIN_SPLIT
+keys, at most MAX_SPLITS splits), so a 1k-token context gets the same parallelism in an engine
+sized for 128k tokens as in one sized for 2k, and a graph replays for any lengths.
 
 Each program also applies the rotary embedding to its queries, and the program holding the
 newest key rotates it and stores it and its value in the cache before reading the cache: the
@@ -54,7 +58,7 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     ranges_ptr, m_ptr, l_ptr, acc_ptr, tickets_ptr, sinks_ptr, out_ptr, scale,
                     max_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                    PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
+                    PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
                     FINAL: tl.constexpr, STORED: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
     (every range fits one split): the attention output itself, sink included, into out.
@@ -64,10 +68,12 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     s = tl.program_id(2)
     lo = tl.load(ranges_ptr + 2 * b)
     hi = tl.load(ranges_ptr + 2 * b + 1)
-    start = lo + s * SPLIT
+    # this sequence's split: max_splits of them at most, whole BLOCK_KV steps, MIN_SPLIT keys
+    split = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(hi - lo, max_splits), BLOCK_KV) * BLOCK_KV)
+    start = lo + s * split
     if start >= hi:
         return
-    end = tl.minimum(hi, start + SPLIT)
+    end = tl.minimum(hi, start + split)
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     cos = tl.load(rope_ptr + pos * D + d % (D // 2))
@@ -122,7 +128,7 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         tl.store(l_ptr + idx, l_sum)
         tl.store(acc_ptr + idx[:, None] * D + d[None, :], acc)
         tl.debug_barrier()  # every thread's partials are stored before the ticket releases them
-        n = tl.cdiv(hi - lo, SPLIT)
+        n = tl.cdiv(hi - lo, split)
         ticket = tickets_ptr + b * HK + h
         if tl.atomic_add(ticket, 1, sem="acq_rel") == n - 1:
             _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD, D)
@@ -153,8 +159,7 @@ class DecodeAttention:
                  head_dim: int, device: torch.device) -> None:
         self.hk, self.group, self.d = num_kv_heads, num_qo_heads // num_kv_heads, head_dim
         self.group_pad = max(16, triton.next_power_of_2(self.group))  # tl.dot needs M >= 16
-        self.split = max(MIN_SPLIT, triton.next_power_of_2(triton.cdiv(max_len, MAX_SPLITS)))
-        self.max_splits = triton.cdiv(max_len, self.split)
+        self.max_splits = min(MAX_SPLITS, triton.cdiv(max_len, MIN_SPLIT))
         shape = (max_batch, num_kv_heads, self.max_splits, self.group_pad)
         self.m = torch.empty(shape, dtype=torch.float32, device=device)
         self.l_sum = torch.empty(shape, dtype=torch.float32, device=device)
@@ -180,10 +185,10 @@ class DecodeAttention:
         assert q.stride(1) == k.stride(1) == v.stride(1) == self.d
         common = dict(HK=self.hk, GROUP=self.group, GROUP_PAD=self.group_pad, D=self.d)
         out = torch.empty(b, self.hk * self.group * self.d, dtype=q.dtype, device=q.device)
-        final = 0 < window <= self.split
+        final = 0 < window <= MIN_SPLIT
         _partial_kernel[(b, self.hk, 1 if final else self.max_splits)](
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits,
-            tables.stride(0), q.stride(0), k.stride(0), PAGE=page, SPLIT=self.split,
+            tables.stride(0), q.stride(0), k.stride(0), PAGE=page, MIN_SPLIT=MIN_SPLIT,
             BLOCK_KV=BLOCK_KV, FINAL=final, STORED=stored, **common)
         return out
