@@ -3,11 +3,12 @@ runs it: 24 layers of gpt-oss shapes (64 query and 8 KV heads of 64), sliding-wi
 full layers alternating, in one CUDA graph, on one GPU. Prints microseconds a layer and the
 KV bytes a layer reads over that time.
 
-    python bench/attention_decode.py --batch 1,8 --context 1024,8192,32768 --min-split 64,128,2048
+    python bench/attention_decode.py --batch 1,8 --context 1024,8192,32768 \
+        --configs 128/64/512,128/16/512,2048/64/99999
 
-`--min-split` and `--max-splits` override the module's MIN_SPLIT and MAX_SPLITS (keys a program
-at least, splits a sequence at most); a min-split of 2048 with max-splits 64 is how a workspace
-for 131,072 tokens split every sequence before each sequence's splits came from its own length.
+Each config is MIN_SPLIT/MAX_SPLITS/TARGET_PROGRAMS of the module (keys a program at least,
+splits a sequence at most, programs a launch aimed at); 2048/64/99999 is how a workspace for
+131,072 tokens split every sequence before each sequence's splits came from its own length.
 """
 
 from __future__ import annotations
@@ -65,18 +66,17 @@ def main() -> None:
     p.add_argument("--batch", default="1,8")
     p.add_argument("--context", default="1024,8192,32768")
     p.add_argument("--max-len", type=int, default=131072, help="the workspace's max_len")
-    p.add_argument("--min-split", default=str(adt.MIN_SPLIT))
-    p.add_argument("--max-splits", default=str(adt.MAX_SPLITS))
+    p.add_argument("--configs", default=f"{adt.MIN_SPLIT}/{adt.MAX_SPLITS}/{adt.TARGET_PROGRAMS}",
+                   help="min_split/max_splits/target_programs, comma-separated")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; max_len {args.max_len}; us a layer (KV GB/s)")
     for batch in map(int, args.batch.split(",")):
         for context in map(int, args.context.split(",")):
             row = [f"batch {batch:3d} context {context:6d}"]
-            for min_split in map(int, args.min_split.split(",")):
-                for max_splits in map(int, args.max_splits.split(",")):
-                    adt.MIN_SPLIT, adt.MAX_SPLITS = min_split, max_splits
-                    us, gbs = layer_us(batch, context, args.max_len)
-                    row.append(f"split>={min_split} n<={max_splits}: {us:6.2f} us ({gbs:5.0f})")
+            for config in args.configs.split(","):
+                adt.MIN_SPLIT, adt.MAX_SPLITS, adt.TARGET_PROGRAMS = map(int, config.split("/"))
+                us, gbs = layer_us(batch, context, args.max_len)
+                row.append(f"{config}: {us:6.2f} us ({gbs:5.0f})")
             print(" | ".join(row), flush=True)
 
 

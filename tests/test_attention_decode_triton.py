@@ -16,20 +16,24 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = 2e-2 if DEVICE == "cuda" else 1e-5  # ||out - ref|| / ||ref||
 
 
-@pytest.mark.parametrize("window,min_split,max_len,max_splits",
-                         [(0, 64, 400, 64), (128, 64, 400, 64), (128, 128, 400, 64),
-                          (100, 128, 400, 64), (0, 512, 400, 64), (128, 512, 400, 64),
-                          (0, 64, 131072, 64), (0, 64, 131072, 4)])
-def test_decode_attention_matches_reference(window, min_split, max_len, max_splits,
+@pytest.mark.parametrize("window,min_split,max_len,max_splits,target",
+                         [(0, 64, 400, 64, 512), (128, 64, 400, 64, 512),
+                          (128, 128, 400, 64, 512), (100, 128, 400, 64, 512),
+                          (0, 512, 400, 64, 512), (128, 512, 400, 64, 512),
+                          (0, 64, 131072, 64, 512), (0, 64, 131072, 4, 512),
+                          (0, 64, 131072, 64, 24)])
+def test_decode_attention_matches_reference(window, min_split, max_len, max_splits, target,
                                             monkeypatch):
     """Several splits at these short lengths (min_split 64); a window within one split takes
     the one-split path; min_split 512: one split of several steps. Each sequence's splits come
     from its own length: as many in a workspace for 128k tokens as in one for 400, and longer
-    ones where MAX_SPLITS caps their number. q and the new k arrive unrotated (views into one
-    q/k/v row, as the model passes them) at positions that are not the key indices; run twice,
-    so the merge tickets must reset."""
+    ones where MAX_SPLITS, or the batch against TARGET_PROGRAMS (24 // (4 sequences x 2 heads)
+    = 3), caps their number. q and the new k arrive unrotated (views into one q/k/v row, as
+    the model passes them) at positions that are not the key indices; run twice, so the merge
+    tickets must reset."""
     monkeypatch.setattr(adt, "MIN_SPLIT", min_split)
     monkeypatch.setattr(adt, "MAX_SPLITS", max_splits)
+    monkeypatch.setattr(adt, "TARGET_PROGRAMS", target)
     rng = random.Random(window)
     hq, hk, d, page, blocks = 16, 2, 64, 16, 64
     kv_lens = [1, 70, 200, 333]
@@ -63,10 +67,12 @@ def test_decode_attention_matches_reference(window, min_split, max_len, max_spli
         assert not attention.tickets.any()
         if not 0 < window <= min_split:  # the splits the 333-key sequence wrote partials for
             keys = int(ranges[3, 1] - ranges[3, 0])
-            per_split = -(-keys // attention.max_splits)
+            cap = min(attention.max_splits, target // (len(kv_lens) * hk))
+            per_split = -(-keys // cap)
             split = max(min_split, -(-per_split // adt.BLOCK_KV) * adt.BLOCK_KV)
             written = attention.m[3, 0, :, 0].isfinite().sum().item()
-            assert written == -(-keys // split) and (max_splits > 4 or split == 128)
+            assert written == -(-keys // split)
+            assert split == {4: 128, 24: 128}.get(min(max_splits, target), split)
         for i, n in enumerate(kv_lens):
             blocks_i = torch.tensor(tables[i], device=DEVICE)
             keys = ref_k_cache[blocks_i].flatten(0, 1)[:n]

@@ -13,8 +13,11 @@ merges the splits and adds the head's sink to the denominator: out = sum_s e^(m_
 split, which writes the output itself.
 
 Each program sizes its sequence's splits from the sequence's own length (at least MIN_SPLIT
-keys, at most MAX_SPLITS splits), so a 1k-token context gets the same parallelism in an engine
-sized for 128k tokens as in one sized for 2k, and a graph replays for any lengths.
+keys), so a 1k-token context gets the same parallelism in an engine sized for 128k tokens as in
+one sized for 2k, and a graph replays for any lengths. The number of splits a sequence may take
+falls with the batch (about TARGET_PROGRAMS programs a launch, at most MAX_SPLITS a sequence):
+one program merges its sequence's splits alone, and many short splits cost more in merging and
+launching than they gain in parallel reads.
 
 Each program also applies the rotary embedding to its queries, and the program holding the
 newest key rotates it and stores it and its value in the cache before reading the cache: the
@@ -36,6 +39,7 @@ import triton.language as tl
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
 MAX_SPLITS = 64  # splits per sequence at most, so the grid stays small for long contexts
+TARGET_PROGRAMS = 512  # (sequence, KV head, split) programs a launch the splits aim at
 # Keys per inner step. 128 (a whole minimal split in one step) made the tiny end-to-end test
 # part from the CPU reference on the H100 (Triton 3.6) while the kernel's own GPU tests passed,
 # and splits of several 128-key steps match in the interpreter; not understood, so 64 stays.
@@ -56,7 +60,7 @@ def _rotated(ptr, rows, ok, d, cos, sin, HALF: tl.constexpr):
 @triton.jit
 def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rope_ptr, tables_ptr,
                     ranges_ptr, m_ptr, l_ptr, acc_ptr, tickets_ptr, sinks_ptr, out_ptr, scale,
-                    max_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
+                    max_splits, num_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
                     FINAL: tl.constexpr, STORED: tl.constexpr):
@@ -68,8 +72,8 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     s = tl.program_id(2)
     lo = tl.load(ranges_ptr + 2 * b)
     hi = tl.load(ranges_ptr + 2 * b + 1)
-    # this sequence's split: max_splits of them at most, whole BLOCK_KV steps, MIN_SPLIT keys
-    split = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(hi - lo, max_splits), BLOCK_KV) * BLOCK_KV)
+    # this sequence's split: num_splits of them at most, whole BLOCK_KV steps, MIN_SPLIT keys
+    split = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_KV) * BLOCK_KV)
     start = lo + s * split
     if start >= hi:
         return
@@ -186,9 +190,10 @@ class DecodeAttention:
         common = dict(HK=self.hk, GROUP=self.group, GROUP_PAD=self.group_pad, D=self.d)
         out = torch.empty(b, self.hk * self.group * self.d, dtype=q.dtype, device=q.device)
         final = 0 < window <= MIN_SPLIT
-        _partial_kernel[(b, self.hk, 1 if final else self.max_splits)](
+        splits = 1 if final else min(self.max_splits, max(1, TARGET_PROGRAMS // (b * self.hk)))
+        _partial_kernel[(b, self.hk, splits)](
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
-            self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits,
+            self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits, splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, MIN_SPLIT=MIN_SPLIT,
             BLOCK_KV=BLOCK_KV, FINAL=final, STORED=stored, **common)
         return out
