@@ -113,9 +113,17 @@ def test_a_plan_made_while_the_gpu_is_behind_keeps_its_schedule(attention_setup)
     """FlashInfer's plan copies the schedule from a pinned host buffer without waiting: two
     prefill steps planned while the GPU is still busy (as under async scheduling, or on a
     tensor-parallel worker) must each run their own schedule (`PlanRing`), giving exactly the
-    outputs of the same steps run one at a time."""
+    outputs of the same steps run one at a time. Its steps store K/V in the shared engine's
+    caches only (not the reference's): they are put back after, or later tests that draw the
+    same blocks would compare different keys."""
     fi, _, shape = attention_setup
-    want, got = two_prefills_behind_a_busy_stream(fi, shape)
+    saved = [(k.clone(), v.clone()) for k, v in fi.kv_caches]
+    try:
+        want, got = two_prefills_behind_a_busy_stream(fi, shape)
+    finally:
+        for (k, v), (k0, v0) in zip(fi.kv_caches, saved):
+            k.copy_(k0)
+            v.copy_(v0)
     for w, g in zip(want, got):
         assert torch.equal(w, g)
 
