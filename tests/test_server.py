@@ -718,3 +718,5 @@ def test_a_request_fault_answers_its_first_line_and_logs_the_rest(caplog):
     assert len(err.message) < 260 and "state: ..." in caplog.text
     short = _error(RequestFailed(RequestError("non_finite_logits", "NaN logits")))
     assert short.message == "NaN logits"
+    grammar = _error(RequestFailed(RequestError("invalid_grammar", "the grammar is too big")))
+    assert grammar.status == 400 and grammar.code == "invalid_grammar"  # the request's fault

@@ -203,3 +203,18 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(srv, extra, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+def test_a_grammar_beyond_the_parsers_limits_is_a_400(srv):
+    """3,000 choices pass every check before admission (the byte vocabulary's parser takes
+    them) and fail at the first sampled token: a 400 naming the limit, not a 500, and the
+    server answers the next request."""
+    many = {"structured_outputs": {"choice": [f"w{i}" for i in range(3000)]}}
+    r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 5, **many})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_grammar" and "max is 2000" in err["message"], err
+    assert err["type"] == "invalid_request_error"
+    r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 5,
+                                      "structured_outputs": {"choice": ["left", "right"]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("left", "right")

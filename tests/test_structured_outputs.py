@@ -103,6 +103,43 @@ def test_a_grammar_that_allows_only_its_end_outranks_min_tokens(llm):
     assert len(longer.outputs[0].text) >= 5
 
 
+def test_a_grammar_beyond_the_parsers_limits_is_the_requests_fault():
+    """A token its mask allowed that the parser still refuses (3,000 choices sharing a first
+    byte: a parser row past llguidance's 2,000 items, found only once text is sampled) is the
+    grammar's fault, "invalid_grammar" (the server's 400, with the first line of llguidance's
+    words); a token outside the mask is the engine's, "structured_output" (a 500)."""
+    from tinyoss.engine.grammar import GrammarCompiler, _byte_tokenizer
+
+    compiler = GrammarCompiler(lambda: "", 257, [256])
+    compiler._tokenizer = _byte_tokenizer()  # 256 bytes and an end token
+    many = StructuredOutputs(choice=[f"w{i}" for i in range(3000)])
+    for token, code in ((ord("w"), "invalid_grammar"), (ord("x"), "structured_output")):
+        matcher = compiler.matcher(many)
+        bits = compiler.fill([matcher])
+        assert [t for t in range(257) if (int(bits[0, t >> 5]) >> (t & 31)) & 1] == [ord("w")]
+        got, message = matcher.consume(token)
+        assert got == code
+        if code == "invalid_grammar":  # one line: llguidance's dump of the grammar is left out
+            assert "max is 2000" in message and "\n" not in message
+    small = compiler.matcher(StructuredOutputs(choice=["yes", "no"]))
+    compiler.fill([small])
+    assert small.consume(ord("y")) is None
+
+
+def test_the_engine_fails_only_the_request_whose_grammar_is_beyond_limits(llm):
+    """Through the engine: the request with 3,000 choices ends with finish_reason "error" and
+    code "invalid_grammar"; the request beside it finishes."""
+    many = StructuredOutputs(choice=[f"w{i}" for i in range(3000)])
+    bad, good = llm.generate(["Pick:", "Pick:"], [
+        SamplingParams(max_tokens=8, temperature=0, structured_outputs=many),
+        SamplingParams(max_tokens=8, temperature=0,
+                       structured_outputs=StructuredOutputs(choice=["yes", "no"]))],
+        use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and bad.error.code == "invalid_grammar"
+    assert "max is 2000" in bad.error.message
+    assert good.outputs[0].finish_reason == "stop" and good.outputs[0].text in ("yes", "no")
+
+
 def test_json_schemas_on_raw_prompts_with_and_without_async_scheduling(llm):
     params = [
         SamplingParams(max_tokens=80, seed=i, temperature=0 if i == 0 else 1,

@@ -71,8 +71,9 @@ class SeqDelta:
 
 @dataclass(frozen=True)
 class RequestError:
-    """A fault of one request: `code` is "out_of_memory", "non_finite_logits" or
-    "structured_output" (a grammar the engine could not build or that the output left)."""
+    """A fault of one request: `code` is "out_of_memory", "non_finite_logits",
+    "invalid_grammar" (the request's grammar cannot be built or followed: its fault) or
+    "structured_output" (the output left its grammar: the engine's)."""
 
     code: str
     message: str
@@ -258,7 +259,7 @@ class EngineCore:
             if seq is None or seq.finished:  # stopped or aborted meanwhile: its token is dropped
                 continue
             if item.seq_id in result.errors:
-                error = RequestError("structured_output", result.errors[item.seq_id])
+                error = RequestError(*result.errors[item.seq_id])
                 deltas += self._fail(seq.request_id, error)
                 continue
             if item.seq_id in result.failed:

@@ -59,7 +59,7 @@ class SamplerState:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(new.params.seed + new.index * 1_000_003)
         self.grammar: Matcher | None = None
-        self.error: str | None = None  # why this sequence cannot go on
+        self.error: tuple[str, str] | None = None  # why this sequence cannot go on: code, text
         spec = new.params.structured_outputs
         if spec is not None:
             try:
@@ -67,7 +67,7 @@ class SamplerState:
                     raise ValueError("this engine was built without a tokenizer for grammars")
                 self.grammar = grammars.matcher(spec)
             except ValueError as e:
-                self.error = str(e)
+                self.error = ("invalid_grammar", str(e))
 
 
 @dataclass
@@ -349,8 +349,8 @@ class Executor:
         )
         for row, (seq_id, (state, at)) in enumerate(zip(launched.seq_ids, launched.placeholders)):
             state.output_token_ids[at] = tokens[row]
-            if state.grammar is not None and (why := state.grammar.consume(tokens[row])):
-                state.error = f"the output left its structured-output grammar: {why}"
+            if state.grammar is not None and (refused := state.grammar.consume(tokens[row])):
+                state.error = refused
             if state.error is not None:
                 out.errors[seq_id] = state.error
                 continue

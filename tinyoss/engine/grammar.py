@@ -119,12 +119,23 @@ class Matcher:
 
     def __init__(self, matcher) -> None:
         self._m = matcher
+        self.allowed: torch.Tensor | None = None  # the last mask `fill` gave it (bit row)
 
-    def consume(self, token: int) -> str | None:
-        """Advances past `token`; the reason when the grammar does not allow it."""
+    def consume(self, token: int) -> tuple[str, str] | None:
+        """Advances past `token`; else (error code, reason). A token its last mask allowed
+        that the parser still cannot take means the grammar is beyond llguidance's limits (a
+        row of 50,000 alternatives; a regex of a million states), which only the sampled text
+        reveals: the request's fault, "invalid_grammar". A token outside the mask is the
+        engine's: "structured_output"."""
         if self._m.is_stopped() or self._m.consume_token(token):
             return None
-        return self._m.get_error() or f"token {token} is not allowed by the grammar"
+        why = self._m.get_error() or f"token {token} is not allowed by the grammar"
+        word = int(self.allowed[token >> 5]) if self.allowed is not None else 0
+        if (word >> (token & 31)) & 1:  # (the first line: the rest dumps the whole grammar)
+            return ("invalid_grammar", "the structured-output grammar is beyond what the "
+                    f"grammar engine can follow ({why.splitlines()[0]}): make it smaller or "
+                    "simpler")
+        return ("structured_output", f"the output left its structured-output grammar: {why}")
 
 
 class GrammarCompiler:
@@ -163,4 +174,5 @@ class GrammarCompiler:
         bits = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for row, m in enumerate(matchers):
             fill(m._m, bits, row)
+            m.allowed = bits[row]
         return bits

@@ -84,5 +84,5 @@ class StepResult:
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
-    errors: dict[int, str] = field(default_factory=dict)  # sequences that failed, and why
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)  # failed: (code, why)
     drafts: dict[int, list[int]] = field(default_factory=dict)  # a draft model's proposals

@@ -302,7 +302,8 @@ def _error(e: Exception) -> APIError:
             log.warning("request failed (%s): %s", e.code, message)
             message = (message.splitlines()[0][:_MAX_FAULT_CHARS].rstrip()
                        + " ... (the server log has the rest)")
-        return APIError(503 if e.code == "out_of_memory" else 500, message, code=e.code)
+        status = {"out_of_memory": 503, "invalid_grammar": 400}.get(e.code, 500)
+        return APIError(status, message, code=e.code)
     log.error("request failed", exc_info=e)
     return APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
 
