@@ -720,3 +720,18 @@ def test_a_request_fault_answers_its_first_line_and_logs_the_rest(caplog):
     assert short.message == "NaN logits"
     grammar = _error(RequestFailed(RequestError("invalid_grammar", "the grammar is too big")))
     assert grammar.status == 400 and grammar.code == "invalid_grammar"  # the request's fault
+
+
+def test_a_body_that_can_carry_a_grammar_is_parsed_off_the_event_loop():
+    """llguidance checks a grammar for seconds at its largest (it releases the GIL): bodies
+    with a grammar field parse in a worker thread, so the event loop serves others meanwhile;
+    plain bodies parse inline."""
+    from tinyoss.server.app import _parse
+
+    def parse(body, info):
+        return threading.current_thread() is threading.main_thread()
+
+    for body, inline in (({"prompt": "x"}, True), ({"structured_outputs": {}}, False),
+                         ({"response_format": {}}, False), ({"tools": []}, False),
+                         ({"text": {}}, False), ([1, 2], True)):
+        assert asyncio.run(_parse(parse, body, None)) is inline, body

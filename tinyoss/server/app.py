@@ -383,6 +383,19 @@ def _too_large(most: int) -> APIError:
     )  # fmt: skip
 
 
+# body fields that can carry a grammar (chat, completions, and Responses' own `text`)
+_GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools", "text")
+
+
+async def _parse(parse: Callable[[Any, Any], Prepared], body: Any, info: Any) -> Prepared:
+    """parse(body, info), in a worker thread when the body can carry a grammar: llguidance
+    checks a large one for seconds (50,000 choices: ~2 s) with the GIL released, so the event
+    loop goes on serving the others meanwhile; other bodies parse inline (no thread hop)."""
+    if isinstance(body, dict) and any(k in body for k in _GRAMMAR_FIELDS):
+        return await asyncio.to_thread(parse, body, info)
+    return parse(body, info)
+
+
 def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> None:
     n = prep.params.n
     if n > limits.max_n:
@@ -515,7 +528,7 @@ def create_app(
 
     async def prepare(request: Request, parse: Callable) -> tuple[CoreClient, Prepared]:
         client = state.ready()
-        prep = parse(await body_of(request), client.info)
+        prep = await _parse(parse, await body_of(request), client.info)
         await tokenize(prep, client.tokenizer, client.info)
         _check_limits(prep, limits, client.info.max_model_len)
         return client, prep
@@ -556,7 +569,7 @@ def create_app(
         client = state.ready()
         req = translate(await body_of(request), store.conversation)
         try:  # every check of chat, its errors naming the Responses fields
-            prep = parse_chat(req.chat, client.info)
+            prep = await _parse(parse_chat, req.chat, client.info)
             prep.what = "input"
             await tokenize(prep, client.tokenizer, client.info)
             _check_limits(prep, limits, client.info.max_model_len)
