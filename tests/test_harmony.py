@@ -471,8 +471,30 @@ def test_tool_results_find_their_call_and_content_parts():
         "<|start|>functions.f to=assistant<|channel|>commentary<|message|>from f<|end|>"
         "<|start|>functions.h to=assistant<|channel|>commentary<|message|>named<|end|>"
     ) in text
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"messages\[0\] is a tool result without"):
         render_text([{"role": "tool", "content": "orphan"}])
+
+
+def test_a_reused_call_id_names_its_nearest_call_and_an_unknown_id_is_refused():
+    """Ids repeat across a history (clients, or a seeded id generator, reuse them): a result
+    belongs to the nearest earlier call with its id, not to the last call anywhere with it. An
+    id that no earlier call has is refused by index (it had taken the last call's name)."""
+    def call(name):
+        return {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}]}
+
+    msgs = [{"role": "user", "content": "weather?"}, call("get_weather"),
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "user", "content": "time?"}, call("get_time"),
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    text = render_text(msgs, current_date="")
+    assert "functions.get_weather to=assistant<|channel|>commentary<|message|>sunny" in text
+    assert "functions.get_time to=assistant<|channel|>commentary<|message|>noon" in text
+    unknown = msgs[:3] + [{"role": "tool", "tool_call_id": "nope", "content": "?"}]
+    with pytest.raises(ValueError, match=r"messages\[3\] .* tool_call_id 'nope'"):
+        render_text(unknown)
+    with pytest.raises(ValueError, match=r"messages\[4\] "):  # counted past a system message
+        render_text([{"role": "system", "content": "s"}] + unknown)
 
 
 def test_user_text_cannot_inject_special_tokens():

@@ -217,7 +217,7 @@ def render_segments(
         sections.append(_response_format(response_format))
     if sections:
         _message(out, ["developer"], "\n\n".join(sections))
-    _render_turns(out, messages[lead:])
+    _render_turns(out, messages[lead:], lead)
     out += [START, "assistant"]
     return out
 
@@ -276,14 +276,10 @@ def _text(content: Any) -> str:
     )
 
 
-def _render_turns(out: list[Segment], messages: list[Message]) -> None:
+def _render_turns(out: list[Segment], messages: list[Message], first: int = 0) -> None:
     """User, assistant and tool turns; reasoning is kept only before tool calls of the turn in
     progress (no assistant answer after it), as harmony and the HF template prescribe."""
-    names = {
-        c.get("id"): c.get("function", c).get("name")
-        for m in messages
-        for c in m.get("tool_calls") or []
-    }
+    names: dict = {}  # call id -> function, of the calls so far: a result names its nearest
     last_answer = max(
         (
             i
@@ -308,6 +304,7 @@ def _render_turns(out: list[Segment], messages: list[Message]) -> None:
             for call in m["tool_calls"]:
                 fn = call.get("function", call)
                 last_call, args = fn["name"], fn.get("arguments", "")
+                names[call.get("id")] = last_call
                 _message(
                     out,
                     [
@@ -323,9 +320,15 @@ def _render_turns(out: list[Segment], messages: list[Message]) -> None:
         elif role == "assistant":
             _message(out, ["assistant", CHANNEL, "final"], text)
         elif role == "tool":
-            name = names.get(m.get("tool_call_id")) or m.get("name") or last_call
+            call_id = m.get("tool_call_id")
+            if call_id is not None and call_id not in names:
+                raise ValueError(f"messages[{first + i}] (a tool result) has tool_call_id "
+                                 f"{repr(call_id)[:80]}, which no earlier assistant tool call "
+                                 "has")
+            name = names.get(call_id) or m.get("name") or last_call
             if not name:
-                raise ValueError("tool message without a matching tool call")
+                raise ValueError(f"messages[{first + i}] is a tool result without a tool call "
+                                 "before it")
             _message(out, [f"functions.{name} to=assistant", CHANNEL, "commentary"], text)
         else:
             raise ValueError(f"unknown message role {role!r}")

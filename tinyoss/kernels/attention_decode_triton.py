@@ -43,6 +43,8 @@ TARGET_PROGRAMS = 512  # (sequence, KV head, split) programs a launch the splits
 # Keys per inner step. 128 (a whole minimal split in one step) made the tiny end-to-end test
 # part from the CPU reference on the H100 (Triton 3.6) while the kernel's own GPU tests passed,
 # and splits of several 128-key steps match in the interpreter; not understood, so 64 stays.
+# Still so after FlashInfer's plan race was fixed, though 128 was faster (bench/results/
+# 2026-11-26_h100_decode_attention_splits.md).
 BLOCK_KV = 64
 
 

@@ -546,11 +546,9 @@ def create_app(
 
     async def chat(request: Request) -> Response:
         client, prep = await prepare(request, parse_chat)
-        tok, seed, lp = client.tokenizer, prep.params.seed, prep.params.logprobs
-        choices: list[Choice] = [
-            ChatChoice(
-                i, tok, prep.content_stop, seed if seed is None else seed + i, lp is not None
-            )
+        tok, lp = client.tokenizer, prep.params.logprobs
+        choices: list[Choice] = [  # tool call ids are random even under a seed: ids a client
+            ChatChoice(i, tok, prep.content_stop, lp is not None)  # keys history by are unique
             for i in range(prep.params.n)
         ]
         return await respond(request, Run(state, prep, "chat.completion", choices))

@@ -39,12 +39,11 @@ class ChatChoice:
         index: int,
         tokenizer: Tokenizer,
         stops: list[str],
-        seed: int | None,
         logprobs: bool,
     ) -> None:
         self.index, self.tokenizer = index, tokenizer
         self.parser = harmony.HarmonyStreamParser(
-            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer), seed=seed
+            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
         )
         self.stop = StopStrings(stops) if stops else None
         self.num_tokens = 0
