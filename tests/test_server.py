@@ -240,9 +240,10 @@ def test_tool_call_and_tool_result(srv, client):
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Paris"}')
     joined, chunks = stream_chat(client, **kw)
     assert joined["finish"] == "tool_calls" and joined["reasoning"] == "think"
-    assert joined["calls"] == [
-        {"id": call.id, "name": "get_weather", "arguments": '{"city":"Paris"}'}
-    ]
+    (streamed,) = joined["calls"]  # the same call under a new id: ids are unique, seed or not
+    assert streamed["id"].startswith("call_") and streamed["id"] != call.id
+    assert {k: streamed[k] for k in ("name", "arguments")} == {
+        "name": "get_weather", "arguments": '{"city":"Paris"}'}
     first = next(tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or [])
     assert first.type == "function" and first.index == 0
     history = [
@@ -722,7 +723,7 @@ def test_a_request_fault_answers_its_first_line_and_logs_the_rest(caplog):
     assert grammar.status == 400 and grammar.code == "invalid_grammar"  # the request's fault
 
 
-def test_a_body_that_can_carry_a_grammar_is_parsed_off_the_event_loop():
+def test_a_body_that_can_carry_a_grammar_or_is_large_is_parsed_off_the_event_loop():
     """llguidance checks a grammar for seconds at its largest (it releases the GIL): bodies
     with a grammar field parse in a worker thread, so the event loop serves others meanwhile;
     plain bodies parse inline."""
@@ -735,3 +736,65 @@ def test_a_body_that_can_carry_a_grammar_is_parsed_off_the_event_loop():
                          ({"response_format": {}}, False), ({"tools": []}, False),
                          ({"text": {}}, False), ([1, 2], True)):
         assert asyncio.run(_parse(parse, body, None)) is inline, body
+    # a large body (400,000 messages took 2.7 s to validate and render) goes off the loop too
+    assert asyncio.run(_parse(parse, {"messages": []}, None, nbytes=2 << 20)) is False
+
+
+def test_non_finite_numbers_and_a_huge_thinking_budget_are_400s(srv):
+    """NaN, Infinity and 1e999 are not JSON: refused at parse, by name (a Responses tool
+    carrying NaN was a 500, its stream cut before any event; a schema with it failed in the
+    engine). A thinking budget past max_model_len is refused up front (2^64 failed inside the
+    grammar engine)."""
+    chat, resp = "/v1/chat/completions", "/v1/responses"
+    for raw in ('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+                '{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": '
+                '{"type": "object", "default": -Infinity}}]}',
+                '{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+                '"json_schema", "json_schema": {"name": "n", "schema": {"minimum": 1e999}}}}'):
+        path = resp if raw.startswith('{"input"') else chat
+        err = error(post(srv, path, raw), 400)
+        assert "malformed JSON body" in err["message"] and (
+            "not a JSON number" in err["message"] or "out of range" in err["message"]), err
+    err = error(post(srv, chat, {"messages": user("x"), "thinking_token_budget": 2**64}), 400)
+    assert err["param"] == "thinking_token_budget" and "max_model_len" in err["message"]
+
+
+def test_an_engine_failure_counts_as_error_not_abort(srv):
+    """A request the engine fails (here a grammar beyond the parser's limits) ends with
+    finished_reason "error" in vLLM's counter; it had counted as an abort."""
+    def count(reason: str) -> float:
+        text = httpx.get(srv.url + "/metrics").text
+        head = f'vllm:request_success_total{{finished_reason="{reason}",model_name="tiny"}} '
+        return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(head)))
+
+    before = count("error"), count("abort")
+    many = {"structured_outputs": {"choice": [f"w{i}" for i in range(3000)]}}
+    r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 3, **many})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar"
+    assert (count("error"), count("abort")) == (before[0] + 1, before[1])
+
+
+def test_text_without_cut_points_is_tokenized_off_the_event_loop():
+    """A prompt with no place to cut (digits and spaces, CJK, minified code) is encoded in one
+    call of seconds for megabytes: in a worker thread, so the event loop serves others (one
+    8 MB /tokenize body held /health for 18 s); short pieces stay inline."""
+    import threading
+
+    from tinyoss.engine.core import EngineInfo
+    from tinyoss.server.protocol import _PIECE_CHARS, parse_completion, tokenize
+
+    class Recorder:
+        def __init__(self):
+            self.threads = []
+
+        pieces = staticmethod(lambda text, size: iter([text]))
+
+        def encode(self, text):
+            self.threads.append((len(text), threading.current_thread() is threading.main_thread()))
+            return [1] * (len(text) // 100)
+
+    info = EngineInfo("tiny", 1 << 20, 201088, (199999,), 100, 16, "")
+    for text, inline in (("1 " * _PIECE_CHARS * 2, False), ("short", True)):
+        tok = Recorder()
+        asyncio.run(tokenize(parse_completion({"prompt": text}, info), tok, info))
+        assert tok.threads == [(len(text), inline)]

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -170,6 +171,7 @@ class Run:
         """The changed chunk choices after each engine output."""
         metrics, n = self.state.metrics, self.prep.params.n
         start, last, ended = self.start, {}, {}  # ended: choice index -> when it finished
+        cut = None  # how unfinished choices ended: "error" (the engine's), else "abort"
         try:
             async with contextlib.aclosing(_merge(self.streams)) as outputs:
                 async for i, out in outputs:
@@ -186,10 +188,14 @@ class Run:
                         yield changed
                     if self.done:
                         break
+        except Exception:  # a request the engine failed (not a client that left)
+            cut = "error"
+            raise
         finally:
             now = time.monotonic()
             for j, ch in enumerate(self.choices):
-                metrics.request_ended(ch.finish_reason, ended.get(j, now) - start, ch.num_tokens)
+                metrics.request_ended(ch.finish_reason or cut, ended.get(j, now) - start,
+                                      ch.num_tokens)
             for prompt in self.prep.prompts:
                 metrics.prompt_tokens.observe(len(prompt))
             (metrics.finished if self.done else metrics.aborted).inc()
@@ -385,15 +391,36 @@ def _too_large(most: int) -> APIError:
 
 # body fields that can carry a grammar (chat, completions, and Responses' own `text`)
 _GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools", "text")
+_THREAD_BYTES = 1 << 20  # bodies past this are read and checked off the event loop
 
 
-async def _parse(parse: Callable[[Any, Any], Prepared], body: Any, info: Any) -> Prepared:
-    """parse(body, info), in a worker thread when the body can carry a grammar: llguidance
-    checks a large one for seconds (50,000 choices: ~2 s) with the GIL released, so the event
-    loop goes on serving the others meanwhile; other bodies parse inline (no thread hop)."""
-    if isinstance(body, dict) and any(k in body for k in _GRAMMAR_FIELDS):
+async def _parse(parse: Callable[[Any, Any], Any], body: Any, info: Any,
+                 nbytes: int = 0) -> Any:
+    """parse(body, info), in a worker thread when the body can carry a grammar or is large:
+    llguidance checks a large grammar for seconds (50,000 choices: ~2 s, with the GIL
+    released), and 400,000 messages took 2.7 s to validate and render; other bodies parse
+    inline (no thread hop)."""
+    if nbytes > _THREAD_BYTES or (isinstance(body, dict)
+                                  and any(k in body for k in _GRAMMAR_FIELDS)):
         return await asyncio.to_thread(parse, body, info)
     return parse(body, info)
+
+
+def _not_a_number(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range for a JSON number (a 64-bit float)")
+    return value
+
+
+def _loads(raw: str) -> Any:
+    """JSON as the standard defines it: NaN, Infinity and numbers beyond a double refused (a
+    schema or tool carrying them could not be written back out)."""
+    return json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
 
 
 def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> None:
@@ -506,7 +533,10 @@ def create_app(
         except UnicodeDecodeError as e:
             raise APIError(400, f"the request body is not valid UTF-8: {e}") from e
         try:
-            body = json.loads(raw)
+            if len(data) > _THREAD_BYTES:  # ~0.1 s a 13 MB body: off the event loop
+                body = await asyncio.to_thread(_loads, raw)
+            else:
+                body = _loads(raw)
         except RecursionError as e:
             raise APIError(400, "the JSON body is nested too deeply") from e
         except ValueError as e:
@@ -528,7 +558,8 @@ def create_app(
 
     async def prepare(request: Request, parse: Callable) -> tuple[CoreClient, Prepared]:
         client = state.ready()
-        prep = await _parse(parse, await body_of(request), client.info)
+        body = await body_of(request)
+        prep = await _parse(parse, body, client.info, request.state.body_bytes)
         await tokenize(prep, client.tokenizer, client.info)
         _check_limits(prep, limits, client.info.max_model_len)
         return client, prep
@@ -567,7 +598,7 @@ def create_app(
         client = state.ready()
         req = translate(await body_of(request), store.conversation)
         try:  # every check of chat, its errors naming the Responses fields
-            prep = await _parse(parse_chat, req.chat, client.info)
+            prep = await _parse(parse_chat, req.chat, client.info, request.state.body_bytes)
             prep.what = "input"
             await tokenize(prep, client.tokenizer, client.info)
             _check_limits(prep, limits, client.info.max_model_len)
@@ -602,7 +633,9 @@ def create_app(
 
     async def tokenize_(request: Request) -> Response:
         client = state.ready()
-        prep, token_strs = parse_tokenize(await body_of(request), client.info)
+        body = await body_of(request)
+        prep, token_strs = await _parse(parse_tokenize, body, client.info,
+                                        request.state.body_bytes)
         await tokenize(prep, client.tokenizer, client.info)
         ids = prep.prompts[0]
         strs = [client.tokenizer.id_to_token(i) for i in ids] if token_strs else None

@@ -143,6 +143,10 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     segments = _render_chat(req, body)
     needs = "top_logprobs needs logprobs: true"
     _require(req.top_logprobs is None or req.logprobs, "top_logprobs", needs)
+    budget = req.thinking_token_budget
+    _require(budget is None or budget <= info.max_model_len, "thinking_token_budget",
+             f"thinking_token_budget={budget} is more than max_model_len "
+             f"({info.max_model_len}) tokens")
     try:
         grammar = chat_constraint(
             answer_constraint(body.get("response_format"), body.get("structured_outputs")),
@@ -293,7 +297,12 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
                 ids.append(segment)
                 continue
             for piece in tokenizer.pieces(segment, _PIECE_CHARS):
-                ids += tokenizer.encode(piece)
+                if len(piece) > 2 * _PIECE_CHARS:  # text with no place to cut (digits, CJK,
+                    # minified code): seconds for megabytes, off the loop (tokenizers releases
+                    # the GIL)
+                    ids += await asyncio.to_thread(tokenizer.encode, piece)
+                else:
+                    ids += tokenizer.encode(piece)
                 if len(ids) >= info.max_model_len:
                     _too_long(f"at least {len(ids)}", info.max_model_len, prep.what)
                 if len(segment) > _PIECE_CHARS:
