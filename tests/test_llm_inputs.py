@@ -172,7 +172,8 @@ def test_chat_takes_every_choice_apart(tiny_llm):
             ValueError,
             r"messages\[1\]\[0\]\.content\[0\] of type 'image_url' is not supported",
         ),
-        ([{"role": "tool", "content": "42"}], ValueError, r"messages: tool message without"),
+        ([{"role": "tool", "content": "42"}], ValueError,
+         r"messages: messages\[0\] is a tool result without"),
         (
             [HI, [{"role": "assistant", "tool_calls": [{"function": {}}]}]],
             ValueError,

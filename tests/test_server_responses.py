@@ -415,3 +415,27 @@ def test_an_engine_failure_mid_stream_fails_the_response():
     failed = got[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
     assert failed["usage"]["input_tokens"] == 3
+
+
+def test_a_stored_body_is_counted_by_its_parsed_size():
+    """The store's byte bound counts what a body holds once parsed, which JSON's length hides
+    (5 million `{}` in 14 MB of JSON held ~300 MB): the footprint bounds the parsed objects'
+    memory for bodies of many small values and of long text alike."""
+    import json
+    import tracemalloc
+
+    from tinyoss.server.app import _footprint
+
+    bodies = [
+        '{"input": [{"role": "user", "content": "hi", "junk": [%s]}]}' % ",".join(["{}"] * 50000),
+        '{"input": [%s]}' % ",".join(['"ab"'] * 50000),
+        '{"input": [%s]}' % ",".join(["[1, 2.5, null]"] * 20000),
+        '{"input": "%s"}' % ("x" * 1_000_000),
+    ]
+    for raw in bodies:
+        tracemalloc.start()
+        parsed = json.loads(raw)
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert parsed and held <= _footprint(raw), (raw[:40], held, _footprint(raw))
+    assert _footprint(bodies[0]) > 20 * len(bodies[0])  # mostly containers: far above length

@@ -100,6 +100,10 @@ def check_messages(messages: Any, where: str = "messages") -> None:
                 value is None or isinstance(value, str),
                 f"{at}.{key} must be a string, not {short_repr(value)}",
             )
+        if role == "tool" and m.get("name") is not None:
+            _need(_TOOL_NAME.fullmatch(m["name"]) is not None,
+                  f"{at}.name is {short_repr(m['name'])}: a tool's name must be 1 to 64 letters, "
+                  "digits, '_' or '-'")
         calls = m.get("tool_calls")
         _need(
             calls is None or isinstance(calls, list) and role == "assistant",
@@ -113,6 +117,10 @@ def check_messages(messages: Any, where: str = "messages") -> None:
                 f"{at}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
                 '{"name": N, "arguments": JSON text}}',
             )
+            _need(_TOOL_NAME.fullmatch(function_name(call)) is not None,
+                  f"{at}.tool_calls[{j}].function.name is {short_repr(function_name(call))}: a "
+                  "tool's name must be 1 to 64 letters, digits, '_' or '-' (it is written into "
+                  "the prompt's headers)")
 
 
 def check_tools(tools: Any) -> None:

@@ -24,7 +24,9 @@ def _is_real(v: object) -> bool:
 
 def _check(name: str, value: object, ok: bool, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        shown = repr(value)  # clipped: a 4,300-digit seed came back whole
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ValueError(f"{name}={shown} is invalid: must be {allowed}")
 
 
 @dataclass
