@@ -757,6 +757,13 @@ def test_non_finite_numbers_and_a_huge_thinking_budget_are_400s(srv):
             "not a JSON number" in err["message"] or "out of range" in err["message"]), err
     err = error(post(srv, chat, {"messages": user("x"), "thinking_token_budget": 2**64}), 400)
     assert err["param"] == "thinking_token_budget" and "max_model_len" in err["message"]
+    # more messages than the context could hold (4 tokens each at least): refused by count,
+    # before validating them all; system messages (which may merge) are not counted
+    many = [{"role": "user", "content": ""}] * (MAX_LEN // 4 + 1)
+    err = error(post(srv, chat, {"messages": many}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    merged = [{"role": "system", "content": ""}] * MAX_LEN + user("x")
+    assert post(srv, chat, {"messages": merged, "max_tokens": 1}).status_code == 200
 
 
 def test_an_engine_failure_counts_as_error_not_abort(srv):
@@ -776,8 +783,10 @@ def test_an_engine_failure_counts_as_error_not_abort(srv):
 
 def test_text_without_cut_points_is_tokenized_off_the_event_loop():
     """A prompt with no place to cut (digits and spaces, CJK, minified code) is encoded in one
-    call of seconds for megabytes: in a worker thread, so the event loop serves others (one
-    8 MB /tokenize body held /health for 18 s); short pieces stay inline."""
+    call of seconds for megabytes: in a worker thread through the call that releases the GIL,
+    so the event loop serves others (one 8 MB /tokenize body held /health for 18 s); short
+    pieces stay inline. The real tokenizer: the released call gives encode's ids and lets
+    another thread run."""
     import threading
 
     from tinyoss.engine.core import EngineInfo
@@ -785,19 +794,36 @@ def test_text_without_cut_points_is_tokenized_off_the_event_loop():
 
     class Recorder:
         def __init__(self):
-            self.threads = []
+            self.threads, self.main = [], threading.main_thread()
 
         pieces = staticmethod(lambda text, size: iter([text]))
 
         def encode(self, text):
-            self.threads.append((len(text), threading.current_thread() is threading.main_thread()))
+            self.threads.append((len(text), True, threading.current_thread() is self.main))
+            return [1] * (len(text) // 100)
+
+        def encode_released(self, text):
+            self.threads.append((len(text), False, threading.current_thread() is self.main))
             return [1] * (len(text) // 100)
 
     info = EngineInfo("tiny", 1 << 20, 201088, (199999,), 100, 16, "")
     for text, inline in (("1 " * _PIECE_CHARS * 2, False), ("short", True)):
         tok = Recorder()
         asyncio.run(tokenize(parse_completion({"prompt": text}, info), tok, info))
-        assert tok.threads == [(len(text), inline)]
+        assert tok.threads == [(len(text), inline, inline)]
+    from tinyoss.engine.builder import load_tokenizer
+
+    real = load_tokenizer(None)  # gpt-oss's o200k tokenizer
+    text = "1 2 34 中文 " * 20000
+    assert real.encode_released(text) == real.encode(text)
+    ticks, done = [], threading.Event()
+    worker = threading.Thread(target=lambda: (real.encode_released(text * 5), done.set()))
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.monotonic())
+        time.sleep(0.001)
+    worker.join()
+    assert len(ticks) > 20  # this thread ran while the other encoded
 
 
 def test_small_refusals_name_what_was_wrong(srv):

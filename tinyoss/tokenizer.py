@@ -112,6 +112,11 @@ class Tokenizer:
         """BPE ids of `text`; special-token look-alikes in it are encoded as ordinary text."""
         return self._hf.encode(text, add_special_tokens=False).ids
 
+    def encode_released(self, text: str) -> list[int]:
+        """`encode`, releasing the GIL meanwhile (tokenizers' batch call does, its single call
+        does not), so that another thread runs while a long text is encoded."""
+        return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+
     @staticmethod
     def pieces(text: str, size: int) -> Iterator[str]:
         """`text` cut into pieces of about `size` characters that encode to exactly its ids

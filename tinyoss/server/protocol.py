@@ -47,6 +47,7 @@ _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
 _SAMPLING += ("skip_special_tokens",)  # the last five: vLLM's extensions
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
+_MESSAGE_TOKENS = 4  # the fewest tokens a message renders to: <|start|>role<|message|><|end|>
 _PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a few ms)
 
 # Fields with a meaning tinyoss does not implement: refused, never ignored. `None` and the
@@ -138,6 +139,14 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     """A chat body as one engine request. The model checks the types; the renderer and the
     grammar then take the JSON's own dicts (strict validation changes no value), and
     SamplingParams the numbers as sent (its messages quote them: temperature=-1, not -1.0)."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) * _MESSAGE_TOKENS > info.max_model_len:
+        # refused before validating them all (400,000 messages: seconds on the event loop);
+        # system and developer messages may merge into one, so they are not counted
+        turns = sum(not isinstance(m, dict) or m.get("role") not in ("system", "developer")
+                    for m in messages)
+        if turns * _MESSAGE_TOKENS > info.max_model_len:
+            _too_long(f"at least {turns * _MESSAGE_TOKENS}", info.max_model_len, "messages")
     req = validate(ChatCompletionRequest, body)
     _refuse_unsupported(body, tuple(_UNSUPPORTED))
     segments = _render_chat(req, body)
@@ -298,9 +307,8 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
                 continue
             for piece in tokenizer.pieces(segment, _PIECE_CHARS):
                 if len(piece) > 2 * _PIECE_CHARS:  # text with no place to cut (digits, CJK,
-                    # minified code): seconds for megabytes, off the loop (tokenizers releases
-                    # the GIL)
-                    ids += await asyncio.to_thread(tokenizer.encode, piece)
+                    # minified code): seconds for megabytes, in a thread with the GIL released
+                    ids += await asyncio.to_thread(tokenizer.encode_released, piece)
                 else:
                     ids += tokenizer.encode(piece)
                 if len(ids) >= info.max_model_len:
