@@ -746,15 +746,17 @@ def test_non_finite_numbers_and_a_huge_thinking_budget_are_400s(srv):
     engine). A thinking budget past max_model_len is refused up front (2^64 failed inside the
     grammar engine)."""
     chat, resp = "/v1/chat/completions", "/v1/responses"
-    for raw in ('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
-                '{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": '
-                '{"type": "object", "default": -Infinity}}]}',
-                '{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
-                '"json_schema", "json_schema": {"name": "n", "schema": {"minimum": 1e999}}}}'):
+    for raw, param in (
+            ('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+             "temperature"),
+            ('{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": '
+             '{"type": "object", "default": -Infinity}}]}', "tools[0].parameters.default"),
+            ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+             '"json_schema", "json_schema": {"name": "n", "schema": {"minimum": 1e999}}}}',
+             "response_format.json_schema.schema.minimum")):
         path = resp if raw.startswith('{"input"') else chat
         err = error(post(srv, path, raw), 400)
-        assert "malformed JSON body" in err["message"] and (
-            "not a JSON number" in err["message"] or "out of range" in err["message"]), err
+        assert err["param"] == param and "is not a JSON number" in err["message"], err
     err = error(post(srv, chat, {"messages": user("x"), "thinking_token_budget": 2**64}), 400)
     assert err["param"] == "thinking_token_budget" and "max_model_len" in err["message"]
     # more messages than the context could hold (4 tokens each at least): refused by count,

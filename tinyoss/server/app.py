@@ -414,21 +414,47 @@ def _footprint(raw: str) -> int:
     return len(raw) + 64 * brackets + 32 * quotes + 24 * commas
 
 
-def _not_a_number(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+class _NonFinite:
+    """What NaN, Infinity or 1e999 parses to, until the body is refused naming its field."""
 
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is out of range for a JSON number (a 64-bit float)")
-    return value
+    def __init__(self, text: str) -> None:
+        self.text = text
 
 
 def _loads(raw: str) -> Any:
-    """JSON as the standard defines it: NaN, Infinity and numbers beyond a double refused (a
-    schema or tool carrying them could not be written back out)."""
-    return json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
+    """JSON as the standard defines it: NaN, Infinity and numbers beyond a double are a 400
+    naming their field (a schema or tool carrying them could not be written back out)."""
+    found: list[_NonFinite] = []
+
+    def non_finite(text: str) -> _NonFinite:
+        found.append(_NonFinite(text))
+        return found[-1]
+
+    def number(text: str) -> float | _NonFinite:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
+    body = json.loads(raw, parse_constant=non_finite, parse_float=number)
+    if found:
+        path = _path_to(body, found[0])
+        raise APIError(400, f"{path or 'the request body'}={found[0].text[:40]} is not a JSON "
+                       "number (JSON has no NaN or Infinity, and numbers must fit a 64-bit "
+                       "float)", param=path or None)
+    return body
+
+
+def _path_to(body: Any, target: object) -> str:
+    """The path (tools[0].parameters.default) of `target` in `body`, depth first."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, item = stack.pop()
+        if item is target:
+            return path
+        if isinstance(item, dict):
+            stack += [(f"{path}.{k}".lstrip("."), v) for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+    return ""
 
 
 def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> None:
