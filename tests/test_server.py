@@ -813,6 +813,18 @@ def test_text_without_cut_points_is_tokenized_off_the_event_loop():
         tok = Recorder()
         asyncio.run(tokenize(parse_completion({"prompt": text}, info), tok, info))
         assert tok.threads == [(len(text), inline, inline)]
+    # longer than _PROBE_CHARS: its head is encoded first, and the whole only if the head fits
+    from tinyoss.server.protocol import _PROBE_CHARS, APIError
+
+    text = "1 " * _PROBE_CHARS  # 100 characters a token in this fake: 10,485 tokens
+    tok = Recorder()
+    asyncio.run(tokenize(parse_completion({"prompt": text}, info), tok, info))
+    assert tok.threads == [(_PROBE_CHARS, False, False), (len(text), False, False)]
+    small = EngineInfo("tiny", 4096, 201088, (199999,), 100, 16, "")
+    tok = Recorder()
+    with pytest.raises(APIError, match="maximum context length is 4096"):
+        asyncio.run(tokenize(parse_completion({"prompt": text}, info), tok, small))
+    assert tok.threads == [(_PROBE_CHARS, False, False)]  # refused on the head alone
     from tinyoss.engine.builder import load_tokenizer
 
     real = load_tokenizer(None)  # gpt-oss's o200k tokenizer

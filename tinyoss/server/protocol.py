@@ -48,6 +48,8 @@ _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in
 _SAMPLING += ("skip_special_tokens",)  # the last five: vLLM's extensions
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
 _MESSAGE_TOKENS = 4  # the fewest tokens a message renders to: <|start|>role<|message|><|end|>
+_PROBE_CHARS = 1 << 19  # of a longer uncut text, encoded first (~1 s): refused if it is too long
+_CUT_SLACK = 64  # tokens a head encoded alone may have more than in the whole text (its cut)
 _PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a few ms)
 
 # Fields with a meaning tinyoss does not implement: refused, never ignored. `None` and the
@@ -308,6 +310,12 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
             for piece in tokenizer.pieces(segment, _PIECE_CHARS):
                 if len(piece) > 2 * _PIECE_CHARS:  # text with no place to cut (digits, CJK,
                     # minified code): seconds for megabytes, in a thread with the GIL released
+                    if len(piece) > _PROBE_CHARS:  # first its head: enough to refuse it?
+                        head = await asyncio.to_thread(tokenizer.encode_released,
+                                                       piece[:_PROBE_CHARS])
+                        if len(ids) + len(head) - _CUT_SLACK >= info.max_model_len:
+                            _too_long(f"at least {len(ids) + len(head) - _CUT_SLACK}",
+                                      info.max_model_len, prep.what)
                     ids += await asyncio.to_thread(tokenizer.encode_released, piece)
                 else:
                     ids += tokenizer.encode(piece)
