@@ -670,15 +670,19 @@ def _running(pid: str) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_server_and_its_engine_core(sig):
-    """`tinyoss serve` as a user runs it: SIGTERM or SIGINT ends both processes, in order."""
+    """`tinyoss serve` as a user runs it: SIGTERM or SIGINT ends both processes, in order,
+    within the shutdown grace, though a long stream is in flight (uvicorn had waited for it
+    to finish: a 60,000-token stream kept a signalled server up)."""
     import subprocess
     import sys
+
+    from tinyoss.server.cli import SHUTDOWN_GRACE_S
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tinyoss.cli", "serve", "tiny", "--port", str(port),
-           "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "1024"]
+           "--device", "cpu", "--max-model-len", "8192", "--kv-cache-tokens", "9216"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -689,9 +693,27 @@ def test_a_signal_stops_the_server_and_its_engine_core(sig):
             time.sleep(0.1)
         children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
         assert children, "the engine core's process is missing"
+        body = {"prompt": "hi", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        got = []
+
+        def stream() -> None:  # minutes of tokens on a CPU, ended by the shutdown
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                  timeout=120) as r:
+                    for line in r.iter_lines():
+                        got.append(line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not any(line.startswith("data: {") for line in got):
+            time.sleep(0.05)
+        start = time.monotonic()
         server.send_signal(sig)
         # uvicorn shuts down in order, then re-raises SIGTERM (the conventional exit status)
         assert server.wait(30) in (0, -sig), server.stderr.read().decode()[-2000:]
+        assert time.monotonic() - start < SHUTDOWN_GRACE_S + 15
+        reader.join(10)
+        assert not reader.is_alive() and "data: [DONE]" not in got  # cut off, not finished
         deadline = time.monotonic() + 10
         alive = children
         while alive and time.monotonic() < deadline:

@@ -8,14 +8,33 @@ other subcommands start fast.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import json
 import logging
 import os
 import socket
+from typing import Any
 
 log = logging.getLogger("tinyoss.server")
 API_KEY_ENVS = ("TINYOSS_API_KEY", "VLLM_API_KEY")  # in this order, after --api-key
+SHUTDOWN_GRACE_S = 5  # after SIGTERM or Ctrl-C, requests in flight get this long, then end
+
+
+def _cut_off_quietly(app: Any) -> Any:
+    """`app`, answering uvicorn's cancel of a request still running when the shutdown grace
+    ends with one log line instead of an "Exception in ASGI application" traceback (uvicorn
+    cancels request tasks only then; a client that leaves is seen through `receive`)."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if scope.get("type") != "http":
+                raise
+            log.info("%s %s cut off by the shutdown", scope.get("method"), scope.get("path"))
+
+    return wrapped
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -232,12 +251,15 @@ def serve(args: argparse.Namespace) -> None:
     )
     server = uvicorn.Server(
         uvicorn.Config(
-            app,
+            _cut_off_quietly(app),
             host=args.host,
             port=args.port,
             log_level="info",
             http=limited_http(limits),
             timeout_keep_alive=limits.timeout_keep_alive,
+            # uvicorn waits for every request in flight before shutting down, with no limit:
+            # a 60,000-token stream kept a SIGTERM'd server up for its whole length
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
     )
     try:
