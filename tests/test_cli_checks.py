@@ -251,3 +251,30 @@ def test_generate_and_chat_check_the_config_before_loading(command, capsys, monk
         cli.main([*command, "--device", "cpu", "--max-model-len", "2"])
     assert e.value.code == 2
     assert "shorter than one KV cache block" in capsys.readouterr().err
+
+
+def test_os_errors_and_ctrl_c_are_one_line(tmp_path, capsys, monkeypatch):
+    """A folder without config.json and a model cache that cannot be written are one-line
+    errors with status 2 (they were tracebacks with status 1), the cache's naming
+    TINYOSS_CACHE; Ctrl-C while generating is "interrupted" with status 130, no traceback."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--model", str(tmp_path / "empty")])
+    assert e.value.code == 2
+    assert "error: " in (err := capsys.readouterr().err) and "config.json not found" in err
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("TINYOSS_CACHE", str(tmp_path / "afile" / "sub"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "set TINYOSS_CACHE to a writable folder" in err, err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load", lambda args: SimpleNamespace(
+        generate=lambda *a, **k: interrupted(None), stream=lambda *a, **k: interrupted(None)))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "tinyoss generate: interrupted" in err

@@ -233,6 +233,9 @@ def test_a_zero_budget_answers_at_once(llm):
                         response_format={"type": "json_object"}, use_tqdm=False)  # fmt: skip
     assert reply.reasoning is None and isinstance(json.loads(reply.content), dict)
     assert harmony.END not in reply.output.outputs[0].token_ids  # one message: the answer
+    # a bool is not a budget: refused at the call (True had become a broken grammar)
+    with pytest.raises(ValueError, match="thinking_token_budget=True is invalid"):
+        llm.chat(HI, SamplingParams(max_tokens=3), thinking_token_budget=True, use_tqdm=False)
 
 
 @pytest.mark.parametrize(

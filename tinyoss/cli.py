@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinyoss.config import EngineConfig
@@ -187,6 +188,8 @@ def _load(args: argparse.Namespace) -> LLM:
         check_config(EngineConfig(model=model, **engine_kwargs(args)))
     except ValueError as e:
         raise CliError(str(e)) from None
+    except OSError as e:  # a folder without config.json, a cache that cannot be written
+        raise CliError(_os_error(e)) from None
     if model == "tiny":
         print(TINY_NOTE, file=sys.stderr)
     from tinyoss import LLM
@@ -195,6 +198,18 @@ def _load(args: argparse.Namespace) -> LLM:
         return LLM(model, **engine_kwargs(args))
     except ValueError as e:  # a model that is not there, a cache too small for it, ...
         raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(_os_error(e)) from None
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError as one line; one under the model cache says how to move the cache."""
+    text = str(e) if e.filename is None else f"{e.strerror or e}: {e.filename}"
+    cache = os.environ.get("TINYOSS_CACHE", str(Path.home() / ".cache" / "tinyoss"))
+    if e.filename is not None and str(e.filename).startswith(cache):
+        text += (f" (tinyoss keeps models and kernels in {cache}: set TINYOSS_CACHE to a "
+                 "writable folder)")
+    return text
 
 
 def _params(args: argparse.Namespace, text: str, what: str) -> SamplingParams:
@@ -365,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     except CliError as e:
         print(f"tinyoss {args.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: no torch traceback
+        print(f"tinyoss {args.command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

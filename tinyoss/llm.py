@@ -439,7 +439,8 @@ def _chat_params(
     """A chat request's params: its constraints as one harmony grammar, stopping where harmony
     ends a reply."""
     if thinking_token_budget is not None and not (
-        isinstance(thinking_token_budget, int) and thinking_token_budget >= 0
+        isinstance(thinking_token_budget, int) and not isinstance(thinking_token_budget, bool)
+        and thinking_token_budget >= 0
     ):
         raise ValueError(
             f"thinking_token_budget={thinking_token_budget!r} is invalid: must be an int >= 0"
