@@ -3,6 +3,7 @@ prompt dicts (TextPrompt / TokensPrompt)."""
 
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -288,3 +289,36 @@ def test_an_output_shows_its_text():
     out = CompletionOutput(0, [1, 2], pieces=["he", "llo"], finish_reason="length")
     assert repr(out) == ("CompletionOutput(index=0, text='hello', token_ids=[1, 2], "
                          "finish_reason='length', stop_reason=None)")
+
+
+def test_close_ends_the_requests_still_running():
+    """close() ends what still runs: an open stream's next step and a generate in another
+    thread raise RuntimeError (both had run to their end after close; close had waited
+    seconds for the lock while the other thread stepped)."""
+    from tinyoss import LLM
+
+    llm = LLM("tiny", max_model_len=4096)
+    params = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0)
+    stream = llm.stream("hi", params)
+    next(stream)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            started.set()
+            llm.generate(["hi", "there"], params, use_tqdm=False)
+        except RuntimeError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait()
+    while len(llm._inbox) < 3:  # the stream's request and the generate's two are in
+        time.sleep(0.01)
+    llm.close()
+    worker.join(60)
+    assert not worker.is_alive() and len(errors) == 1
+    assert "closed while it generated" in str(errors[0])
+    with pytest.raises(RuntimeError, match="closed"):
+        next(stream)

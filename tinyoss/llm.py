@@ -108,9 +108,11 @@ class LLM:
     def close(self) -> None:
         """Stops the engine's tensor-parallel workers and leaves their group (an engine of one
         process holds nothing to stop); the LLM generates no more. Another tensor-parallel LLM
-        can start in this process only after this (or use `with LLM(...) as llm:`)."""
+        can start in this process only after this (or use `with LLM(...) as llm:`). Requests
+        still running (a stream left open, a generate in another thread) end with a
+        RuntimeError at their next step."""
+        self._closed = True  # before the lock: a caller between steps would take it again first
         with self._lock:
-            self._closed = True
             self.engine.close()
 
     def __enter__(self) -> LLM:
@@ -142,6 +144,8 @@ class LLM:
         """The unread outputs of `request_ids`, after one engine step if there were none (so a
         caller that loops also moves the other callers' requests on)."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this LLM was closed while it generated: its requests ended")
             if not any(self._inbox[r] for r in request_ids):
                 if not self.engine.has_work():
                     raise RuntimeError(f"requests {list(request_ids)} are no longer in the engine")
