@@ -261,6 +261,8 @@ def profile(engine, args: argparse.Namespace) -> None:
             engine.step()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
                                     max_name_column_width=60))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     host = cProfile.Profile()
     host.enable()
     for _ in range(20):
@@ -318,6 +320,8 @@ def main() -> None:
                    help="vLLM's JSON (e.g. {\"method\": \"eagle3\", \"model\": DRAFT}): tok/s "
                    "counts every emitted token; prints the mean acceptance length")
     p.add_argument("--profile", action="store_true", help="print a per-kernel time table")
+    p.add_argument("--trace", default=None,
+                   help="with --profile: write the profiled steps' Chrome trace to this file")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write the record to this file")
     args = p.parse_args()

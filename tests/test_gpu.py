@@ -261,23 +261,37 @@ def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager, async_schedu
               max_prefill_graph_tokens=piecewise)
     assert (gpu.engine.executor.pieces is not None) == (piecewise > 0 and not enforce_eager)
     assert type(gpu.engine.executor.attention).__name__ == "FlashInferAttention"
-    _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
+    _same_or_near_tie(cpu, tiny_dir, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
 
 
-def _same_or_near_tie(cpu, prompts, want, got) -> None:
-    """Greedy tokens `got` equal the CPU reference's `want`, or part where the reference's top
-    two logits are within 0.1 (bf16 or a new summation order may flip such a tie)."""
+def _same_or_near_tie(cpu, folder, prompts, want, got, bf16: bool = True) -> None:
+    """Greedy tokens `got` equal the CPU reference's `want`, or part at a near tie of the
+    reference's top two logits. For a bfloat16 engine a tie is a gap under twice the largest
+    logit difference between the reference model run in bfloat16 and in float32 (CPU, the same
+    tokens) at that position: on the random tiny model ~0.15-0.35 (more at a few positions), so
+    about half its positions are such ties and a new summation order (a kernel's block size)
+    may part the tokens there. For a float32 engine a tie is a gap under 0.1."""
     from tests.test_model_reference import run_paged
+    from tinyoss.model.loader import load_model
 
+    model = cpu.engine.executor.model
+    low = None
     for prompt, w, g in zip(prompts, want, got):
         m = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if m is None:
             continue
+        if low is None and bf16:
+            low = load_model(folder, model.config, dtype=torch.bfloat16,
+                             device=torch.device("cpu"))
+            low.init_runtime(model.rope_cache.shape[0], torch.device("cpu"))
         ids = torch.tensor(prompt + w[:m])
-        model = cpu.engine.executor.model
-        top2 = run_paged(model, model.config, ids)[-1].topk(2).values
+        ref = run_paged(model, model.config, ids)[-1]
+        shift = 0.05 if low is None else (
+            run_paged(low, model.config, ids, torch.bfloat16)[-1].float() - ref).abs().max().item()
+        top2 = ref.topk(2).values
         margin = (top2[0] - top2[1]).item()
-        assert margin < 0.1, f"diverged at token {m} with a clear margin {margin:.3f}"
+        assert margin < 2 * shift, (f"diverged at token {m} with a clear margin {margin:.3f} "
+                                    f"(the tie threshold there is {2 * shift:.3f})")
 
 
 def test_piecewise_graphs_match_eager_prefill(tiny_dir):
@@ -443,7 +457,8 @@ def test_tensor_parallel_on_two_gpus_equals_the_cpu_reference(tiny_dir, experts)
               mxfp4_backend="torch", enforce_eager=True, max_num_seqs=8, kv_cache_tokens=8192,
               tensor_parallel_size=2, enable_expert_parallel=experts)
     try:
-        _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
+        _same_or_near_tie(cpu, tiny_dir, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts),
+                          bf16=False)
     finally:
         gpu.engine.close()
 
@@ -504,7 +519,8 @@ def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, all_reduce):
         got[eager] = run["tokens"]
     assert got[True] == got[False]
     cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
-    _same_or_near_tie(cpu, prompts, _greedy(cpu, prompts), got[False])  # right, not just alike
+    # right, not just alike
+    _same_or_near_tie(cpu, tiny_dir, prompts, _greedy(cpu, prompts), got[False])
 
 
 @two_gpus
@@ -529,4 +545,4 @@ def test_a_second_tensor_parallel_engine_in_one_process_takes_nccl(tiny_dir):
     cpu = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=8192)
     want = _greedy(cpu, prompts)
     for _, tokens in runs:
-        _same_or_near_tie(cpu, prompts, want, tokens)
+        _same_or_near_tie(cpu, tiny_dir, prompts, want, tokens, bf16=False)

@@ -17,13 +17,14 @@ BLOCK = 16
 TOL = 1e-5  # ||ours - transformers|| / ||transformers||
 
 
-def run_paged(model, config, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of one sequence, its KV in deliberately shuffled blocks of a paged cache."""
+def run_paged(model, config, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits of one sequence, its KV (in `dtype`) in deliberately shuffled blocks of a paged
+    cache."""
     layout = CacheLayout.for_model(config)
     n = len(ids)
     nb = -(-n // BLOCK)
     caches = allocate_kv_tensors(
-        layout, 2 * nb + 3, BLOCK, config, torch.float32, torch.device("cpu")
+        layout, 2 * nb + 3, BLOCK, config, dtype, torch.device("cpu")
     )
     perm = torch.randperm(2 * nb + 3)[:nb].tolist()
     slots = torch.tensor([perm[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
