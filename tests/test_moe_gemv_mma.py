@@ -102,7 +102,8 @@ def test_supports_gpt_oss_shapes_in_bf16_only():
         shard = _experts(32, 2880, 32 * blocks, torch.bfloat16)
         assert mm.MmaGemv.supports_gate_up(x, shard), ranks
         assert mm.MmaGemv.supports_down(x, shard), ranks  # the pair kernel cuts its last group
-        assert not mm.MmaGemv.supports_grouped(x, shard), ranks  # no grouped tile divides K
+        assert mm.MmaGemv.supports_grouped(x, shard), ranks  # so does the grouped one
+    assert not mm.MmaGemv.supports_grouped(x, _experts(32, 2816, 2880, torch.bfloat16))
 
 
 class _Recorder:

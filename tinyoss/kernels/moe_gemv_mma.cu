@@ -474,8 +474,9 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
 // 8 pairs of one expert (`groups[g]` = start | count << 16, sorted positions start..; -1 past
 // the last, whose programs return), one a column of B, so the expert's rows are read and decoded
 // once for all of them. A program takes a group's ROWS rows; TILES 16-row tiles a program
-// amortize staging its columns of x.
-template <bool SWIGLU, int U, int TILES, typename XT>
+// amortize staging its columns of x. TAIL: K's blocks need not divide into load groups of U (a
+// tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
+template <bool SWIGLU, int U, int TILES, typename XT, bool TAIL = false>
 __global__ void __launch_bounds__(TILES * 32)
     group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
                    const int* __restrict__ sorted_ids, const int* __restrict__ order,
@@ -507,8 +508,10 @@ __global__ void __launch_bounds__(TILES * 32)
   uint32_t wa[U], wb[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
-    wa[u] = __ldg(qa + 4 * u);
-    wb[u] = __ldg(qb + 4 * u);
+    if (!TAIL || u < nblk) {
+      wa[u] = __ldg(qa + 4 * u);
+      wb[u] = __ldg(qb + 4 * u);
+    }
   }
   const uint4* sg = reinterpret_cast<const uint4*>(s + (long)e * stride_se + (long)row0 * nblk);
   for (int i = threadIdx.x; i < ROWS * nblk / 16; i += THREADS) {
@@ -523,6 +526,7 @@ __global__ void __launch_bounds__(TILES * 32)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int b = b0 + u;
+      if (TAIL && b >= nblk) break;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
       block_mma<SPLIT>(d, wa[u], wb[u], xs[g * KP + 4 * b + t],
                        SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
@@ -536,8 +540,10 @@ __global__ void __launch_bounds__(TILES * 32)
     if (b0 + U < nblk) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        wa[u] = __ldg(qa + 4 * (b0 + U + u));
-        wb[u] = __ldg(qb + 4 * (b0 + U + u));
+        if (!TAIL || b0 + U + u < nblk) {
+          wa[u] = __ldg(qa + 4 * (b0 + U + u));
+          wb[u] = __ldg(qb + 4 * (b0 + U + u));
+        }
       }
     }
   }
@@ -662,9 +668,10 @@ int launch_grouped(const void* x, int x_div, const int* groups, int G, const int
                    const float* wts, float* out, int N, int K, long stride_qe, int stride_q,
                    long stride_se, float alpha, float limit, cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
-  if (N % ROWS || K % (32 * U) || K > KMAX) return (int)cudaErrorInvalidValue;
+  if (N % ROWS || K % 32 || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 + ROWS * (K / 32);
-  auto kernel = group_gemv_mma<SWIGLU, U, TILES, XT>;
+  auto kernel = K % (32 * U) ? group_gemv_mma<SWIGLU, U, TILES, XT, true>
+                             : group_gemv_mma<SWIGLU, U, TILES, XT, false>;
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
@@ -851,6 +858,12 @@ int launch_dense(const void* x, int M, const uint8_t* w, const float* scale, con
 #define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
 #define TINYOSS_DOWN_GROUPED false, 9, 20, float
 #define TINYOSS_DOWN_GROUPED_STREAM false, 10, 2, 12, float
+// A tensor-parallel rank's shares: gate_up rows not in 192s (1472 at TP 4) take 64-row programs;
+// down's K in no whole stages of the streamed kernel (45 and 23 blocks at TP 2 and 4) takes the
+// register kernel, its last load group cut
+#define TINYOSS_GATE_UP_GROUPED_NARROW true, 9, 4, __nv_bfloat16
+#define TINYOSS_GATE_UP_GROUPED_ROWS (16 * 12)
+#define TINYOSS_DOWN_STREAM_BLOCKS 10
 
 extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -905,9 +918,12 @@ extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const i
                                    const float* wts, float* out, int N, int K, long stride_qe,
                                    int stride_q, long stride_se, float alpha, float limit,
                                    void* stream) {
-  auto run = swiglu       ? launch_grouped<TINYOSS_GATE_UP_GROUPED>
-             : pairs > 64 ? launch_grouped_stream<TINYOSS_DOWN_GROUPED_STREAM>
-                          : launch_grouped<TINYOSS_DOWN_GROUPED>;
+  const bool narrow = N % TINYOSS_GATE_UP_GROUPED_ROWS != 0;
+  const bool streamed = pairs > 64 && (K / 32) % TINYOSS_DOWN_STREAM_BLOCKS == 0;
+  auto run = swiglu     ? (narrow ? launch_grouped<TINYOSS_GATE_UP_GROUPED_NARROW>
+                                  : launch_grouped<TINYOSS_GATE_UP_GROUPED>)
+             : streamed ? launch_grouped_stream<TINYOSS_DOWN_GROUPED_STREAM>
+                        : launch_grouped<TINYOSS_DOWN_GROUPED>;
   return run(x, x_div, groups, G, sorted_ids, order, q, s, bias, wts, out, N, K, stride_qe,
              stride_q, stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
 }
@@ -934,7 +950,9 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_mma<TINYOSS_DENSE>,
                            (const void*)pair_gemv_mma<TINYOSS_DENSE_WIDE>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
+                           (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED_NARROW>,
                            (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,
+                           (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED, true>,
                            (const void*)group_gemv_stream<TINYOSS_DOWN_GROUPED_STREAM>,
                            (const void*)dense_gemv_mma<true, 4, 1, 4>,
                            (const void*)dense_gemv_mma<true, 4, 3, 1>,

@@ -51,7 +51,7 @@ log = logging.getLogger("tinyoss")
 GATE_UP_MIN_TOKENS = 1
 DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
 GROUPED_MAX_TOKENS = 64  # measured faster than the grouped GEMMs up to here
-GROUPED_ROWS = (192, 320, 192)  # rows a program: grouped gate_up, down, streamed down
+GROUPED_ROWS = (192, 320, 192)  # rows a program: grouped gate_up (else 64), down, streamed down
 SOURCE = Path(__file__).with_suffix(".cu")
 _ARGS = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -128,12 +128,11 @@ class MmaGemv:
 
     @staticmethod
     def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:
-        """Both projections (`supports_down`) of the whole experts (K 2880 for both: the grouped
-        tiles divide no rank's share), rows in GROUPED_ROWS, and x's rows 16-byte aligned (read
-        8 values a load)."""
-        return (MmaGemv.supports_down(x, w) and w.down_blocks.shape[2] * 32 == 2880
-                and x.data_ptr() % 16 == 0
-                and w.gate_up_blocks.shape[1] % GROUPED_ROWS[0] == 0
+        """Both projections (`supports_down`: a tensor-parallel rank's share too, where gate_up
+        rows not in 192s take 64-row programs and down's K in no whole load groups cuts the
+        last one), down's rows in GROUPED_ROWS, and x's rows 16-byte aligned (read 8 values a
+        load)."""
+        return (MmaGemv.supports_down(x, w) and x.data_ptr() % 16 == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS[1] == 0
                 and w.down_blocks.shape[1] % GROUPED_ROWS[2] == 0)
 
