@@ -57,7 +57,7 @@ GRIDS: dict[str, dict[str, list[str]]] = {
     "tp": {
         f"{model} tp{tp} bs{bs}": (BIG if model == "120b" else [])
         + ["--tensor-parallel-size", str(tp), "--batch-size", str(bs)]
-        for model in ("20b", "120b") for tp in (1, 2, 4) for bs in (1, 8)
+        for model in ("20b", "120b") for tp in (1, 2, 4) for bs in (1, 8, 16, 64)
     },
 }
 
