@@ -50,9 +50,12 @@ def _main(monkeypatch, *argv: str) -> None:
     decode_grid.main()
 
 
+ONLY = "120b tp1 bs1,120b tp1 bs8,120b tp2 bs1,120b tp2 bs8"
+
+
 def test_grid_appends_skips_and_tabulates(fake_runs, monkeypatch, tmp_path, capsys):
     out = tmp_path / "tp.jsonl"
-    _main(monkeypatch, "tp", "--only", "120b tp1,120b tp2", "--runs", "2", "--out", str(out))
+    _main(monkeypatch, "tp", "--only", ONLY, "--runs", "2", "--out", str(out))
     assert len(fake_runs) == 8
     records = [json.loads(line) for line in out.read_text().splitlines()]
     labels = sorted({r["label"] for r in records})
@@ -64,7 +67,7 @@ def test_grid_appends_skips_and_tabulates(fake_runs, monkeypatch, tmp_path, caps
     assert "GPU FAKE; commit abc" in table
 
     fake_runs.clear()
-    _main(monkeypatch, "tp", "--only", "120b tp1,120b tp2", "--runs", "2", "--out", str(out))
+    _main(monkeypatch, "tp", "--only", ONLY, "--runs", "2", "--out", str(out))
     lines = out.read_text().splitlines()
     assert len(lines) == 6  # nothing new: the failed runs failed again, the rest were skipped
     assert len(fake_runs) == 2 and all(c[c.index("--batch-size") + 1] == "8" for c in fake_runs)
@@ -97,4 +100,4 @@ def test_only_names_labels_by_whole_words(monkeypatch, capsys):
     assert len(printed) == 5 and not any("gpt-oss-120b" in line for line in printed)
     _main(monkeypatch, "tp", "--dry-run", "--only", "20b tp4")
     printed = capsys.readouterr().out.strip().splitlines()
-    assert len(printed) == 2 and all("--tensor-parallel-size 4" in line for line in printed)
+    assert len(printed) == 4 and all("--tensor-parallel-size 4" in line for line in printed)
