@@ -1,6 +1,8 @@
 """Where a profiled decode step's GPU time goes between kernels: reads a Chrome trace written by
-`decode_latency.py --profile --trace FILE` and prints, per step, the time kernels ran and the
-idle gaps, the largest gaps with the kernels on either side, and the kernels outside the graph.
+`decode_latency.py --profile --trace FILE` and prints the time GPU work ran and the time the GPU
+sat idle between it, the idle time by the pair of kernels on either side, and the GPU time by
+kernel. Under the profiler the host runs slower, so gaps at step boundaries read larger than
+in a plain run; gaps inside a CUDA graph do not depend on the host.
 
     python bench/trace_gaps.py trace.json [--top 15]
 """
@@ -10,10 +12,20 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+from dataclasses import dataclass, field
 
 
-def kernels(path: str) -> list[dict]:
-    """The trace's GPU kernels and copies, in start order (one stream at batch 1 decode)."""
+@dataclass
+class Summary:
+    span_us: float  # first start to last end
+    busy_us: float  # sum of the events' durations
+    idle_us: float  # time no event ran
+    gaps: dict = field(default_factory=dict)  # (before, after) -> [idle us, count]
+    kernels: dict = field(default_factory=dict)  # name -> [us, count]
+
+
+def gpu_events(path: str) -> list[dict]:
+    """The trace's GPU kernels, copies and memsets, in start order."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
@@ -22,7 +34,30 @@ def kernels(path: str) -> list[dict]:
 
 
 def short(name: str) -> str:
-    return name.split("(")[0].split("<")[0].replace("void ", "")[-48:]
+    """A kernel's name without its template arguments and parameters."""
+    return name.split("(")[0].split("<")[0].replace("void ", "").strip()[-48:]
+
+
+def summarize(events: list[dict]) -> Summary:
+    """Busy and idle time of GPU events (start-ordered; overlapping events count once towards
+    idle), the idle time by the kernels on either side, and each kernel's total time."""
+    end = events[0]["ts"] + events[0]["dur"]
+    out = Summary(span_us=max(e["ts"] + e["dur"] for e in events) - events[0]["ts"],
+                  busy_us=sum(e["dur"] for e in events), idle_us=0.0)
+    gaps: dict = collections.defaultdict(lambda: [0.0, 0])
+    for prev, e in zip(events, events[1:]):
+        if e["ts"] > end:
+            gap = gaps[(short(prev["name"]), short(e["name"]))]
+            gap[0] += e["ts"] - end
+            gap[1] += 1
+            out.idle_us += e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
+    kernels: dict = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        kernels[short(e["name"])][0] += e["dur"]
+        kernels[short(e["name"])][1] += 1
+    out.gaps, out.kernels = dict(gaps), dict(kernels)
+    return out
 
 
 def main() -> None:
@@ -31,32 +66,15 @@ def main() -> None:
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
-    ks = kernels(args.trace)
-    span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
-    busy = sum(k["dur"] for k in ks)
-    gaps = []
-    end = ks[0]["ts"] + ks[0]["dur"]
-    for prev, k in zip(ks, ks[1:]):
-        gap = k["ts"] - end
-        if gap > 0:
-            gaps.append((gap, short(prev["name"]), short(k["name"])))
-        end = max(end, k["ts"] + k["dur"])
-    idle = sum(g for g, _, _ in gaps)
-    print(f"{len(ks)} GPU events over {span / 1000:.3f} ms: busy {busy / 1000:.3f} ms, "
-          f"idle {idle / 1000:.3f} ms ({100 * idle / span:.1f}%)")
-    pairs: dict = collections.defaultdict(lambda: [0.0, 0])
-    for g, a, b in gaps:
-        pairs[(a, b)][0] += g
-        pairs[(a, b)][1] += 1
+    events = gpu_events(args.trace)
+    s = summarize(events)
+    print(f"{len(events)} GPU events over {s.span_us / 1000:.3f} ms: busy {s.busy_us / 1000:.3f} "
+          f"ms, idle {s.idle_us / 1000:.3f} ms ({100 * s.idle_us / s.span_us:.1f}%)")
     print(f"idle time by the kernels on either side (top {args.top}):")
-    for (a, b), (total, n) in sorted(pairs.items(), key=lambda x: -x[1][0])[: args.top]:
+    for (a, b), (total, n) in sorted(s.gaps.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"  {total / 1000:8.3f} ms  {n:5d} gaps  avg {total / n:6.2f} us  {a} -> {b}")
-    names: dict = collections.defaultdict(lambda: [0.0, 0])
-    for k in ks:
-        names[short(k["name"])][0] += k["dur"]
-        names[short(k["name"])][1] += 1
     print("GPU time by kernel:")
-    for name, (total, n) in sorted(names.items(), key=lambda x: -x[1][0])[: args.top + 10]:
+    for name, (total, n) in sorted(s.kernels.items(), key=lambda x: -x[1][0])[: args.top + 10]:
         print(f"  {total / 1000:8.3f} ms  {n:5d} calls  avg {total / n:6.2f} us  {name}")
 
 
