@@ -67,3 +67,19 @@ def test_missing_required_field():
     del d["hidden_size"]
     with pytest.raises(ConfigError, match="missing required field\\(s\\) hidden_size"):
         ModelConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("name,value,rule", [
+    ("tensor_parallel_size", "2", "an int"), ("tensor_parallel_size", None, "an int"),
+    ("tensor_parallel_size", 2.0, "an int"), ("tensor_parallel_size", True, "an int"),
+    ("max_num_seqs", "8", "an int"), ("gpu_memory_utilization", "0.5", "a number"),
+    ("enable_expert_parallel", "yes", "True or False"), ("enforce_eager", 1, "True or False"),
+])
+def test_engine_options_of_the_wrong_type_are_named(name, value, rule):
+    """Found by a tensor-parallel user trial: LLM(tensor_parallel_size="2") failed on a
+    comparison of str and int deep inside, 2.0 inside the worker start, "yes" ran as True."""
+    from tinyoss.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"invalid {name}: .* \\(must be {rule}\\)"):
+        EngineConfig(**{name: value})
+    EngineConfig(gpu_memory_utilization=1, max_model_len=None, decode_step_budget_ms=5)

@@ -58,6 +58,15 @@ def _config() -> ModelConfig:
     return ModelConfig.from_dict(cfg, GENERATION_CONFIG)
 
 
+def test_an_expert_split_that_does_not_divide_says_what_does():
+    cfg = preset_config("tiny") | {"num_key_value_heads": 8, "num_local_experts": 6}
+    c = ModelConfig.from_dict(cfg, GENERATION_CONFIG)
+    with pytest.raises(ValueError, match=r"6 experts to split evenly: use a tensor_parallel_size "
+                                         r"of \[1, 2\], or drop enable_expert_parallel"):
+        Shard(0, 4, experts=True).check(c)
+    Shard(0, 4).check(c)  # cut by the intermediate dimension: any size the heads take
+
+
 def test_shard_cuts_at_real_shapes():
     c = ModelConfig.from_dict(preset_config("gpt-oss-20b"), GENERATION_CONFIG)
     gate_up = (32, 5760, 90, 16)
@@ -195,15 +204,41 @@ def test_a_refusal_after_the_workers_started_ends_them(tiny_dir):
     assert _workers_of_this_process() == []
 
 
+def test_a_bad_all_reduce_setting_is_refused_before_any_worker_starts(tiny_dir, monkeypatch):
+    monkeypatch.setenv("TINYOSS_ALL_REDUCE", "bogus")
+    with pytest.raises(ValueError, match="all-reduce 'bogus' .* is not one of: auto, nccl"):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2)
+    assert _workers_of_this_process() == []
+
+
+def test_an_interrupted_rendezvous_ends_the_workers(tiny_dir, monkeypatch):
+    """Ctrl-C while rank 0 waits for its workers to join (a terminal's Ctrl-C reaches rank 0
+    alone: the workers run in a session of their own): rank 0 ends them, none is left."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers, "Group", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2)
+    assert _workers_of_this_process() == []
+
+
 _WORKER_DIES = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
 from tinyoss import LLM, SamplingParams
 llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2,
           kv_cache_tokens=4096)
 greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 llm.generate(["hi"], greedy, use_tqdm=False)
-os.kill(llm.engine.executor.peers.procs[0].pid, signal.SIGKILL)
-time.sleep(0.5)
+pid = llm.engine.executor.peers.procs[0].pid
+print("worker", pid, flush=True)
+kill = lambda: os.kill(pid, signal.SIGKILL)
+if sys.argv[2] == "between":
+    kill()
+    time.sleep(0.5)
+else:  # during a call
+    threading.Timer(1.0, kill).start()
+    greedy = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 try:
     llm.generate(["hi"], greedy, use_tqdm=False)
 except RuntimeError as e:
@@ -213,19 +248,23 @@ print("still running", flush=True)
 """
 
 
-def test_a_worker_that_dies_ends_the_engine_with_why(tiny_dir):
-    """A worker killed between calls: the next call raises naming the worker (not a bare
-    BrokenPipeError), and rank 0's watcher logs why and ends the process (exit 1): the engine
-    cannot step without it (`tinyoss serve` then starts a new engine core)."""
+@pytest.mark.parametrize("when", ["between", "during"])
+def test_a_worker_that_dies_ends_the_engine_with_why(tiny_dir, when):
+    """A worker killed between calls or during one: the call raises naming the worker, its pid
+    and the signal (not a bare BrokenPipeError or gloo's "connection reset"), and rank 0's
+    watcher logs the same and ends the process (exit 1): the engine cannot step without it (a
+    collective left waiting cannot be called back; `tinyoss serve` starts a new engine core)."""
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _WORKER_DIES, str(tiny_dir)],
+    run = subprocess.run([sys.executable, "-c", _WORKER_DIES, str(tiny_dir), when],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "raised: tensor-parallel worker 1 is gone" in run.stdout
+    pid = run.stdout.split("worker ", 1)[1].split()[0]
+    lost = f"tensor-parallel worker rank 1 (pid {pid}) was killed by SIGKILL"
+    assert f"raised: {lost}, so this engine cannot go on" in run.stdout, run.stdout
     assert "still running" not in run.stdout
-    assert "a tensor-parallel worker failed, so the engine cannot go on: it exited" in run.stderr
+    assert f"{lost}, so the engine cannot go on; this process ends" in run.stderr
 
 
 def test_the_all_reduce_choice(monkeypatch):

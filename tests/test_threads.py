@@ -27,6 +27,12 @@ def test_one_usable_core_is_left_free():
     assert choose_threads({}, 1, {1}, 1, None) == (1, "1 usable core(s)")
 
 
+def test_tensor_parallel_ranks_share_the_cores():
+    assert choose_threads({}, 16, {16}, 16, None, ranks=2) == (
+        7, "16 usable core(s), one left free, shared by 2 ranks; set OMP_NUM_THREADS to choose")
+    assert choose_threads({}, 2, {2}, 2, None, ranks=4)[0] == 1
+
+
 def test_a_cgroup_quota_caps_the_cores():
     assert choose_threads({}, 16, {16}, 16, 4) == (
         3, "4 usable core(s), cgroup quota 4, one left free; set OMP_NUM_THREADS to choose"

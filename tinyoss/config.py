@@ -349,6 +349,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self._check_types()
         checks = [
             ("max_num_seqs", self.max_num_seqs >= 1, "an int >= 1"),
             ("block_size", self.block_size >= 1, "an int >= 1"),
@@ -387,6 +388,24 @@ class EngineConfig:
             raise ValueError("an EAGLE-3 draft model runs on one GPU only: drop "
                              "tensor_parallel_size or use the ngram method")
 
+
+    def _check_types(self) -> None:
+        """Numbers and flags of the right type (the Python API passes them as given): "2" or
+        2.0 for a count, or "yes" for a flag, would fail later with a message about something
+        else; a bool is no count."""
+        for f in fields(self):
+            kind, value = _TYPES.get(str(f.type)), getattr(self, f.name)
+            if kind is None or (value is None and str(f.type).endswith("| None")):
+                continue
+            number = int if kind is int else (int, float)
+            ok = isinstance(value, bool) if kind is bool else (
+                isinstance(value, number) and not isinstance(value, bool))
+            if not ok:
+                rule = {bool: "True or False", int: "an int", float: "a number"}[kind]
+                raise ValueError(f"invalid {f.name}: {value!r} (must be {rule})")
+
+
+_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "bool": bool}
 
 DENSE_LAYERS = ("qkv", "o", "lm_head")  # what mxfp4_layers and fp8_layers can quantize
 

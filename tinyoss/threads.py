@@ -61,11 +61,11 @@ def cgroup_cpu_limit(root: Path = CGROUP) -> int | None:
 
 def choose_threads(
     env: Mapping[str, str], current: int, torch_defaults: Collection[int], cores: int,
-    quota: int | None,
+    quota: int | None, ranks: int = 1,
 ) -> tuple[int | None, str]:
     """(threads to set, or None to leave torch's setting alone; why), from the environment,
     torch's current count and what its default may be, the usable physical cores and the
-    cgroup quota."""
+    cgroup quota; `ranks` processes of a tensor-parallel engine share the cores."""
     for var in ENV_VARS:
         if env.get(var):
             return None, f"{var}={env[var]} is set"
@@ -76,11 +76,15 @@ def choose_threads(
     where = f"{usable} usable core(s)" + (f", cgroup quota {quota}" if quota else "")
     if usable <= 1:
         return 1, where
+    if ranks > 1:
+        return (max(1, (usable - 1) // ranks),
+                f"{where}, one left free, shared by {ranks} ranks; set OMP_NUM_THREADS to choose")
     return usable - 1, f"{where}, one left free; set OMP_NUM_THREADS to choose"
 
 
-def configure_cpu_threads() -> None:
-    """Applies `choose_threads` to this process and logs the choice (once per process)."""
+def configure_cpu_threads(ranks: int = 1) -> None:
+    """Applies `choose_threads` to this process (one of `ranks`) and logs the choice (once per
+    process)."""
     global _chosen
     current = torch.get_num_threads()
     if _chosen == current:
@@ -89,7 +93,8 @@ def configure_cpu_threads() -> None:
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else everything
     cores = physical_cores(usable)
     defaults = {cores, physical_cores(everything)}  # MKL builds count the affinity mask
-    threads, why = choose_threads(os.environ, current, defaults, cores, cgroup_cpu_limit())
+    threads, why = choose_threads(os.environ, current, defaults, cores, cgroup_cpu_limit(),
+                                  ranks)
     if threads is not None:
         torch.set_num_threads(threads)
     _chosen = torch.get_num_threads()

@@ -7,6 +7,7 @@ logged.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, fields
@@ -19,7 +20,7 @@ from tinyoss.config import EngineConfig, ModelConfig, parse_fp8_layers, parse_mx
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
-from tinyoss.engine.comm import Group
+from tinyoss.engine.comm import ALL_REDUCE_ENV, Group, all_reduce_setting
 from tinyoss.engine.eagle3_drafter import Eagle3Drafter
 from tinyoss.engine.executor import Executor
 from tinyoss.engine.workers import Peers, rank_device
@@ -138,7 +139,9 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     """The engine core for `config`; `folder`: the checkpoint, when the caller resolved it."""
     device = rank_device(config, 0)
     if device.type == "cpu":
-        configure_cpu_threads()
+        configure_cpu_threads(config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1:
+        all_reduce_setting()  # checked before any worker starts
     for note in _idle_options(config, device):
         log.warning("%s", note)
     folder = folder if folder is not None else checkpoint_folder(config)
@@ -147,9 +150,13 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     peers = Peers(config, folder, device) if config.tensor_parallel_size > 1 else None
     try:
         return _core(config, folder, device, model_config, peers)
-    except BaseException:  # the workers may wait in a collective that rank 0 never reaches
+    except BaseException as e:  # the workers may wait in a collective that rank 0 never reaches
         if peers is not None:
-            log.exception("rank 0 failed while starting; stopping the tensor-parallel workers")
+            if isinstance(e, KeyboardInterrupt):
+                log.info("interrupted while starting; stopping the tensor-parallel workers")
+            else:
+                log.exception("rank 0 failed while starting; stopping the tensor-parallel "
+                              "workers")
             peers.kill()
         raise
 
@@ -163,6 +170,10 @@ def _idle_options(config: EngineConfig, device: torch.device) -> list[str]:
                      "the CPU: kv_cache_tokens sizes the KV cache there (default 65536)")
     if config.enable_expert_parallel and config.tensor_parallel_size == 1:
         notes.append("enable_expert_parallel has no effect without tensor_parallel_size > 1")
+    setting = os.environ.get(ALL_REDUCE_ENV, "auto")
+    if device.type == "cpu" and config.tensor_parallel_size > 1 and setting != "auto":
+        notes.append(f"{ALL_REDUCE_ENV}={setting} has no effect on the CPU: the ranks all-reduce "
+                     "over gloo")
     return notes
 
 
@@ -179,7 +190,8 @@ def _core(config: EngineConfig, folder: Path | None, device: torch.device,
     scheduler = Scheduler(_kv_manager(rank, config), config.max_num_seqs,
                           config.max_num_batched_tokens, rank.max_model_len)
     num_blocks, dtype = rank.num_blocks, rank.dtype
-    tp = (f" x {config.tensor_parallel_size} ranks (all-reduce: "
+    tp = (f" x {config.tensor_parallel_size} ranks ("
+          f"{'experts dealt out whole, ' * config.enable_expert_parallel}all-reduce: "
           f"{peers.group.all_reduce_choice})" if peers else "")
     summary = (
         f"model {config.model} on {device}{tp}, {str(dtype).removeprefix('torch.')}; backends: "
@@ -224,7 +236,7 @@ def build_worker(config: EngineConfig, folder: Path | None, index: int,
     """A tensor-parallel worker's executor (rank `index`) and its place in the group."""
     device = rank_device(config, index)
     if device.type == "cpu":
-        configure_cpu_threads()
+        configure_cpu_threads(config.tensor_parallel_size)
     group = Group(index, config.tensor_parallel_size, device, init)
     rank = build_rank(config, folder, device, _shard(config, index), group)
     return rank.executor(), group

@@ -32,11 +32,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tinyoss.settings import resolve
+from tinyoss.settings import Setting, resolve
 
 log = logging.getLogger("tinyoss")
 
 ALL_REDUCE_ENV = "TINYOSS_ALL_REDUCE"
+ALL_REDUCE_CHOICES = ("auto", "nccl", "symm_mem", "flashinfer")
+
+
+def all_reduce_setting() -> Setting:
+    """TINYOSS_ALL_REDUCE, checked (rank 0 checks it before starting any worker)."""
+    return resolve("all-reduce", None, ALL_REDUCE_ENV, ALL_REDUCE_CHOICES)
 FAST_MAX_BYTES = 512 * 1024  # a decode step of up to ~90 tokens at hidden size 2880 in bf16
 
 # NVLink multicast (NVLS) stays off, here and in every process tinyoss starts: on shared hosts a
@@ -74,8 +80,7 @@ class Group:
         return self.all_reduce_choice
 
     def _choose_all_reduce(self, dtype: torch.dtype, hidden: int) -> str:
-        choices = ("auto", "nccl", "symm_mem", "flashinfer")
-        setting = resolve("all-reduce", None, ALL_REDUCE_ENV, choices)
+        setting = all_reduce_setting()
         if not self._nccl or setting.value == "nccl":
             return "nccl" if self._nccl else "gloo"
         want = setting.value

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,8 @@ from tinyoss.progress import thread_lock_only
 
 log = logging.getLogger("tinyoss")
 
+ENDS = ("a collective left waiting for a lost rank cannot be called back; `tinyoss serve` runs "
+        "the engine in a process of its own and starts a new one")
 _POLL_S = 0.5  # how often a worker checks that rank 0 still lives
 _GRACE_S = 2.0  # how long rank 0 may take to fail on its own after a worker did
 _ABORT_S = 10.0  # how long rank 0 waits to leave the group after its own failure
@@ -82,9 +85,10 @@ class Peers:
         self.closing = False
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
-            self.procs.append(subprocess.Popen(
+            self.procs.append(subprocess.Popen(  # a session of its own: Ctrl-C is rank 0's
                 [sys.executable, "-m", "tinyoss.engine.workers", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env={**os.environ, **NO_MULTICAST},
+                start_new_session=True,
             ))
             theirs.close()
             conn = Connection(ours.detach())
@@ -93,7 +97,14 @@ class Peers:
         threading.Thread(target=self._watch, name="tinyoss-tp-watch", daemon=True).start()
         log.info("tensor parallelism: %d ranks, workers started (pids %s)", size,
                  [p.pid for p in self.procs])
-        self.group = Group(0, size, device, init)
+        try:
+            self.group = Group(0, size, device, init)
+        except BaseException:  # Ctrl-C or a failed rendezvous: no group to leave yet
+            self.closing = True
+            for proc in self.procs:
+                proc.kill()
+                proc.wait()
+            raise
 
     def send(self, plan: StepPlan) -> None:
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,8 +115,25 @@ class Peers:
                 raise RuntimeError(f"tensor-parallel worker {rank} is gone ({e}): the engine "
                                    "cannot go on") from e
 
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """Which worker has ended and how (waiting up to `wait_s` for one to be reaped: a
+        collective can fail a moment before its peer's exit is seen), or None."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, 1):
+                code = proc.poll()
+                if code is not None:
+                    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                           else f"exited with status {code}")
+                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def _watch(self) -> None:
-        """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why."""
+        """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why.
+        The process ends even between calls: a collective or an all-reduce kernel left waiting
+        for the lost rank cannot be called back."""
         try:
             sentinels = [os.pidfd_open(p.pid) for p in self.procs]
         except OSError:  # no pidfds (old kernel, seccomp): a dead worker's socket closes too
@@ -116,14 +144,20 @@ class Peers:
         time.sleep(_GRACE_S)  # rank 0 met the same error (a config both ranks refuse)?
         if self.closing:  # then it raises its own, and has stopped the workers
             return
-        why = "it exited"
+        why = self.dead(wait_s=1.0) or "a tensor-parallel worker closed its channel"
         for conn in self.conns:
             if conn in ready:
                 try:
                     why = conn.recv()[1]
                 except (EOFError, OSError):
                     pass
-        log.error("a tensor-parallel worker failed, so the engine cannot go on: %s", why)
+        log.error("%s, so the engine cannot go on; this process ends (%s)", why, ENDS)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
         os._exit(1)
 
     def close(self) -> None:

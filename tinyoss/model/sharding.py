@@ -74,9 +74,13 @@ class Shard:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} of a group of {self.size}")
         if self.experts and c.num_local_experts % self.size:
+            fits = [n for n in range(1, c.num_key_value_heads + 1)
+                    if c.num_local_experts % n == 0 and c.num_key_value_heads % n == 0]
             raise ValueError(
                 f"expert parallelism over {self.size} ranks needs the model's "
-                f"{c.num_local_experts} experts to split evenly"
+                f"{c.num_local_experts} experts to split evenly: use a tensor_parallel_size of "
+                f"{fits}, or drop enable_expert_parallel (the experts are then cut by their "
+                "intermediate dimension, which any size takes)"
             )
         kv = c.num_key_value_heads
         if kv % self.size:
