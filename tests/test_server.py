@@ -672,7 +672,8 @@ def _running(pid: str) -> bool:
 def test_a_signal_stops_the_server_and_its_engine_core(sig):
     """`tinyoss serve` as a user runs it: SIGTERM or SIGINT ends both processes, in order,
     within the shutdown grace, though a long stream is in flight (uvicorn had waited for it
-    to finish: a 60,000-token stream kept a signalled server up)."""
+    to finish: a 60,000-token stream kept a signalled server up); a request not streamed that
+    is cut off gets a JSON 503."""
     import subprocess
     import sys
 
@@ -703,8 +704,17 @@ def test_a_signal_stops_the_server_and_its_engine_core(sig):
                     for line in r.iter_lines():
                         got.append(line)
 
-        reader = threading.Thread(target=stream)
+        whole: dict = {}
+
+        def unstreamed() -> None:  # its answer has not begun when the grace ends
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                               json={**body, "stream": False}, timeout=120)
+                whole.update(status=r.status_code, text=r.text)
+
+        reader, waiter = threading.Thread(target=stream), threading.Thread(target=unstreamed)
         reader.start()
+        waiter.start()
         while not any(line.startswith("data: {") for line in got):
             time.sleep(0.05)
         start = time.monotonic()
@@ -713,7 +723,10 @@ def test_a_signal_stops_the_server_and_its_engine_core(sig):
         assert server.wait(30) in (0, -sig), server.stderr.read().decode()[-2000:]
         assert time.monotonic() - start < SHUTDOWN_GRACE_S + 15
         reader.join(10)
+        waiter.join(10)
         assert not reader.is_alive() and "data: [DONE]" not in got  # cut off, not finished
+        # a JSON 503 (uvicorn's own answer was a text 500)
+        assert whole.get("status") == 503 and '"code": "shutting_down"' in whole["text"], whole
         deadline = time.monotonic() + 10
         alive = children
         while alive and time.monotonic() < deadline:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -24,15 +25,35 @@ SHUTDOWN_GRACE_S = 5  # after SIGTERM or Ctrl-C, requests in flight get this lon
 def _cut_off_quietly(app: Any) -> Any:
     """`app`, answering uvicorn's cancel of a request still running when the shutdown grace
     ends with one log line instead of an "Exception in ASGI application" traceback (uvicorn
-    cancels request tasks only then; a client that leaves is seen through `receive`)."""
+    cancels request tasks only then; a client that leaves is seen through `receive`), and a
+    request whose answer had not begun with a JSON 503 (uvicorn's own is a text 500)."""
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message.get("type") == "http.response.start"
+            await send(message)
+
         try:
-            await app(scope, receive, send)
+            await app(scope, receive, tracked)
         except asyncio.CancelledError:
             if scope.get("type") != "http":
                 raise
             log.info("%s %s cut off by the shutdown", scope.get("method"), scope.get("path"))
+            if not started:
+                from tinyoss.server.protocol import APIError
+
+                body = json.dumps(APIError(
+                    503, f"the server is shutting down: this request was cut off after the "
+                    f"{SHUTDOWN_GRACE_S} s grace; send it again once the server is back",
+                    code="shutting_down").body()).encode()
+                with contextlib.suppress(Exception):  # the connection may be gone too
+                    await send({"type": "http.response.start", "status": 503, "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
 
     return wrapped
 
