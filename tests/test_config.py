@@ -83,3 +83,6 @@ def test_engine_options_of_the_wrong_type_are_named(name, value, rule):
     with pytest.raises(ValueError, match=f"invalid {name}: .* \\(must be {rule}\\)"):
         EngineConfig(**{name: value})
     EngineConfig(gpu_memory_utilization=1, max_model_len=None, decode_step_budget_ms=5)
+    import numpy as np
+
+    EngineConfig(max_num_seqs=np.int64(8), gpu_memory_utilization=np.float32(0.5))

@@ -356,3 +356,33 @@ def test_a_second_tensor_parallel_llm_starts_once_the_first_is_closed(tiny_dir):
         assert second.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
     finally:
         second.close()
+
+
+def test_only_a_failed_collective_is_blamed_on_a_lost_worker(monkeypatch):
+    """Rank 0's own error (say, out of memory) stays its own though a worker has ended by then
+    (of the same error): only a collective's failure becomes "worker N ... was killed"."""
+    from tinyoss.engine.comm import GroupError
+    from tinyoss.engine.executor import Executor
+
+    class FakePeers:
+        def lost(self, wait_s: float = 0.0) -> str:
+            return "tensor-parallel worker rank 1 (pid 7) was killed by SIGKILL"
+
+    executor = Executor.__new__(Executor)
+    executor.peers = FakePeers()
+    monkeypatch.setattr(executor, "_launch", lambda plan: (_ for _ in ()).throw(
+        RuntimeError("CUDA out of memory")))
+    with pytest.raises(RuntimeError, match="^CUDA out of memory$"):
+        executor.launch(None)
+    monkeypatch.setattr(executor, "_launch", lambda plan: (_ for _ in ()).throw(
+        GroupError("[gloo] Connection reset by peer")))
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid 7\) was killed by SIGKILL, so this "
+                                           r"engine cannot go on") as e:
+        executor.launch(None)
+    assert isinstance(e.value.__cause__, GroupError)
+
+
+def test_how_a_worker_ended_is_said_for_any_exit():
+    assert workers._how(1) == "exited with status 1"
+    assert workers._how(-9) == "was killed by SIGKILL"
+    assert workers._how(-40) == "was killed by signal 40"  # real-time signals have no name

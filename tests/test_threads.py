@@ -89,6 +89,7 @@ def test_cgroup_quota(tmp_path, files, limit):
 def fresh_threads(monkeypatch):
     """Nothing chosen yet in this process; torch's thread count put back afterwards."""
     monkeypatch.setattr(threads, "_chosen", None)
+    monkeypatch.setattr(threads, "_ranks", 1)
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
@@ -116,3 +117,18 @@ def test_configure_keeps_the_env_choice(fresh_threads, monkeypatch, caplog):
         threads.configure_cpu_threads()
     assert torch.get_num_threads() == 1
     assert caplog.messages == ["CPU threads: 1 (OMP_NUM_THREADS=1 is set)"]
+
+
+def test_a_tensor_parallel_engine_after_another_shares_the_cores(fresh_threads, monkeypatch,
+                                                                  caplog):
+    """tinyoss's own choice for one rank is not taken for the user's when a later engine has
+    several ranks (each rank had kept all cores but one)."""
+    for var in threads.ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(threads, "physical_cores", lambda cpus: 9)
+    monkeypatch.setattr(threads, "cgroup_cpu_limit", lambda: None)
+    torch.set_num_threads(9)
+    threads.configure_cpu_threads()
+    assert torch.get_num_threads() == 8
+    threads.configure_cpu_threads(ranks=2)
+    assert torch.get_num_threads() == 4

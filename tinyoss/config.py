@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -397,7 +398,7 @@ class EngineConfig:
             kind, value = _TYPES.get(str(f.type)), getattr(self, f.name)
             if kind is None or (value is None and str(f.type).endswith("| None")):
                 continue
-            number = int if kind is int else (int, float)
+            number = numbers.Integral if kind is int else numbers.Real  # numpy's too
             ok = isinstance(value, bool) if kind is bool else (
                 isinstance(value, number) and not isinstance(value, bool))
             if not ok:

@@ -26,6 +26,7 @@ ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CPU_SYSFS = Path("/sys/devices/system/cpu")
 CGROUP = Path("/sys/fs/cgroup")
 _chosen: int | None = None  # what tinyoss set, so a second engine does not take it for the user's
+_ranks = 1  # the tensor-parallel ranks it was chosen for
 
 
 def _read(path: Path) -> str | None:
@@ -85,17 +86,19 @@ def choose_threads(
 def configure_cpu_threads(ranks: int = 1) -> None:
     """Applies `choose_threads` to this process (one of `ranks`) and logs the choice (once per
     process)."""
-    global _chosen
+    global _chosen, _ranks
     current = torch.get_num_threads()
-    if _chosen == current:
+    if _chosen == current and _ranks == ranks:
         return
     everything = range(os.cpu_count() or 1)
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else everything
     cores = physical_cores(usable)
     defaults = {cores, physical_cores(everything)}  # MKL builds count the affinity mask
+    if _chosen == current:  # tinyoss's own earlier choice, for another number of ranks
+        defaults.add(current)
     threads, why = choose_threads(os.environ, current, defaults, cores, cgroup_cpu_limit(),
                                   ranks)
     if threads is not None:
         torch.set_num_threads(threads)
-    _chosen = torch.get_num_threads()
+    _chosen, _ranks = torch.get_num_threads(), ranks
     log.info("CPU threads: %d (%s)", _chosen, why)

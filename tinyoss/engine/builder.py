@@ -170,7 +170,7 @@ def _idle_options(config: EngineConfig, device: torch.device) -> list[str]:
                      "the CPU: kv_cache_tokens sizes the KV cache there (default 65536)")
     if config.enable_expert_parallel and config.tensor_parallel_size == 1:
         notes.append("enable_expert_parallel has no effect without tensor_parallel_size > 1")
-    setting = os.environ.get(ALL_REDUCE_ENV, "auto")
+    setting = os.environ.get(ALL_REDUCE_ENV) or "auto"  # empty: unset, as `resolve` reads it
     if device.type == "cpu" and config.tensor_parallel_size > 1 and setting != "auto":
         notes.append(f"{ALL_REDUCE_ENV}={setting} has no effect on the CPU: the ranks all-reduce "
                      "over gloo")

@@ -24,9 +24,11 @@ same process takes NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -38,6 +40,18 @@ log = logging.getLogger("tinyoss")
 
 ALL_REDUCE_ENV = "TINYOSS_ALL_REDUCE"
 ALL_REDUCE_CHOICES = ("auto", "nccl", "symm_mem", "flashinfer")
+
+
+class GroupError(RuntimeError):
+    """A collective (or a plan sent down to the workers) failed: a rank may be gone."""
+
+
+@contextlib.contextmanager
+def _collective() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:
+        raise GroupError(str(e)) from e
 
 
 def all_reduce_setting() -> Setting:
@@ -144,7 +158,8 @@ class Group:
         fast = self._fast_for(x)
         if fast is not None:
             return fast(x)
-        dist.all_reduce(x)
+        with _collective():
+            dist.all_reduce(x)
         return x
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -158,18 +173,20 @@ class Group:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, C] from every rank -> [T, size * C], rank 0's columns first."""
-        if self._nccl:
-            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x.contiguous())
-            parts = out.unbind(0)
-        else:
-            parts = [torch.empty_like(x) for _ in range(self.size)]
-            dist.all_gather(parts, x.contiguous())
+        with _collective():
+            if self._nccl:
+                out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+                dist.all_gather_into_tensor(out, x.contiguous())
+                parts = out.unbind(0)
+            else:
+                parts = [torch.empty_like(x) for _ in range(self.size)]
+                dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x`, on every rank (in place)."""
-        dist.broadcast(x, 0)
+        with _collective():
+            dist.broadcast(x, 0)
         return x
 
     def min(self, value: int) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from tinyoss.engine.cuda_graphs import CudaGraphRunner
 from tinyoss.engine.eagle3_drafter import Eagle3Drafter
+from tinyoss.engine.comm import GroupError
 from tinyoss.engine.workers import ENDS, Peers
 from tinyoss.engine.grammar import GrammarCompiler, Matcher
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner
@@ -183,16 +184,15 @@ class Executor:
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queues the step's forward pass and sampling; nothing here waits for the GPU (prompt
-        logprobs excepted). A collective that fails because a worker ended raises what ended
-        (gloo and NCCL say only that a connection broke)."""
+        logprobs excepted). A collective that fails because a worker ended raises which worker
+        and why (gloo and NCCL say only that a connection broke)."""
         try:
             return self._launch(plan)
-        except (RuntimeError, OSError) as e:
-            lost = self.peers.dead(wait_s=1.0) if self.peers is not None else None
+        except GroupError as e:
+            lost = self.peers.lost(wait_s=1.0) if self.peers is not None else None
             if lost is None:
                 raise
-            raise RuntimeError(f"{lost}, so this engine cannot go on; its process ends in a "
-                               f"moment ({ENDS})") from e
+            raise RuntimeError(f"{lost}, so this engine cannot go on ({ENDS})") from e
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> LaunchedStep:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from tinyoss.config import EngineConfig
-from tinyoss.engine.comm import NO_MULTICAST, Group
+from tinyoss.engine.comm import NO_MULTICAST, Group, GroupError
 from tinyoss.engine.step import StepPlan
 from tinyoss.progress import thread_lock_only
 
@@ -83,6 +83,8 @@ class Peers:
         self.conns: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
         self.closing = False
+        self._reasons: dict[int, str | None] = {}
+        self._reasons_lock = threading.Lock()
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
             self.procs.append(subprocess.Popen(  # a session of its own: Ctrl-C is rank 0's
@@ -104,6 +106,10 @@ class Peers:
             for proc in self.procs:
                 proc.kill()
                 proc.wait()
+            for conn in self.conns:
+                conn.close()
+            if torch.distributed.is_initialized():  # joined, then failed: let a retry start
+                _within(_ABORT_S, torch.distributed.destroy_process_group)
             raise
 
     def send(self, plan: StepPlan) -> None:
@@ -112,23 +118,36 @@ class Peers:
             try:
                 conn.send_bytes(data)
             except OSError as e:  # the watcher logs why and ends this process
-                raise RuntimeError(f"tensor-parallel worker {rank} is gone ({e}): the engine "
-                                   "cannot go on") from e
+                raise GroupError(f"tensor-parallel worker {rank} is gone ({e})") from e
 
-    def dead(self, wait_s: float = 0.0) -> str | None:
-        """Which worker has ended and how (waiting up to `wait_s` for one to be reaped: a
-        collective can fail a moment before its peer's exit is seen), or None."""
+    def lost(self, wait_s: float = 0.0) -> str | None:
+        """Which worker has ended, how, and what it said (waiting up to `wait_s` for one to be
+        reaped: a collective can fail a moment before its peer's exit is seen), or None. A
+        worker killed by a signal is named before others that ended of the broken group."""
         deadline = time.monotonic() + wait_s
         while True:
-            for rank, proc in enumerate(self.procs, 1):
-                code = proc.poll()
-                if code is not None:
-                    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-                           else f"exited with status {code}")
-                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+            ended = [(rank, proc, code) for rank, proc in enumerate(self.procs, 1)
+                     if (code := proc.poll()) is not None]
+            if ended:
+                rank, proc, code = min(ended, key=lambda e: (e[2] >= 0, e[0]))
+                why = (self._reason(rank) or "").split("\n", 1)[0]  # the rest is the log's
+                more = f" ({len(ended) - 1} more ended)" if len(ended) > 1 else ""
+                return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_how(code)}"
+                        f"{more}{' (' + why + ')' if why else ''}")
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
+
+    def _reason(self, rank: int) -> str | None:
+        """What worker `rank` sent up before it ended (its error), read once and kept."""
+        with self._reasons_lock:
+            if rank not in self._reasons:
+                conn = self.conns[rank - 1]
+                try:
+                    self._reasons[rank] = conn.recv()[1] if conn.poll(0) else None
+                except (EOFError, OSError):
+                    self._reasons[rank] = None
+            return self._reasons[rank]
 
     def _watch(self) -> None:
         """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why.
@@ -138,19 +157,16 @@ class Peers:
             sentinels = [os.pidfd_open(p.pid) for p in self.procs]
         except OSError:  # no pidfds (old kernel, seccomp): a dead worker's socket closes too
             sentinels = []
-        ready = wait(self.conns + sentinels)
+        wait(self.conns + sentinels)
         for fd in sentinels:
             os.close(fd)
         time.sleep(_GRACE_S)  # rank 0 met the same error (a config both ranks refuse)?
         if self.closing:  # then it raises its own, and has stopped the workers
             return
-        why = self.dead(wait_s=1.0) or "a tensor-parallel worker closed its channel"
-        for conn in self.conns:
-            if conn in ready:
-                try:
-                    why = conn.recv()[1]
-                except (EOFError, OSError):
-                    pass
+        why = self.lost(wait_s=1.0) or "a tensor-parallel worker closed its channel"
+        for rank in range(1, len(self.procs) + 1):
+            if "\n" in (said := self._reason(rank) or ""):
+                log.error("worker %d's error: %s", rank, said)
         log.error("%s, so the engine cannot go on; this process ends (%s)", why, ENDS)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
@@ -185,13 +201,26 @@ class Peers:
             proc.wait()
         # NCCL's abort has been seen to wait for ever here on the GPUs; rank 0's own error
         # matters more than a clean exit from the group
-        leaving = threading.Thread(target=self.group.abort, name="tinyoss-group-abort",
-                                   daemon=True)
-        leaving.start()
-        leaving.join(_ABORT_S)
-        if leaving.is_alive():
-            log.warning("leaving the tensor-parallel group did not finish in %.0f s; going on",
-                        _ABORT_S)
+        _within(_ABORT_S, self.group.abort)
+
+
+def _how(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:  # real-time signals have no name
+        return f"was killed by signal {-code}"
+
+
+def _within(seconds: float, fn) -> None:
+    """fn() in a thread given `seconds`: leaving a group has been seen to wait for ever."""
+    leaving = threading.Thread(target=fn, name="tinyoss-group-leave", daemon=True)
+    leaving.start()
+    leaving.join(seconds)
+    if leaving.is_alive():
+        log.warning("leaving the tensor-parallel group did not finish in %.0f s; going on",
+                    seconds)
 
 
 def follow(executor, group: Group, plan: StepPlan) -> None:
