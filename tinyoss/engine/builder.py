@@ -20,7 +20,7 @@ from tinyoss.config import EngineConfig, ModelConfig, parse_fp8_layers, parse_mx
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
-from tinyoss.engine.comm import ALL_REDUCE_ENV, Group, all_reduce_setting
+from tinyoss.engine.comm import ALL_REDUCE_ENV, Group, GroupError, all_reduce_setting
 from tinyoss.engine.eagle3_drafter import Eagle3Drafter
 from tinyoss.engine.executor import Executor
 from tinyoss.engine.workers import Peers, rank_device
@@ -151,13 +151,16 @@ def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore
     try:
         return _core(config, folder, device, model_config, peers)
     except BaseException as e:  # the workers may wait in a collective that rank 0 never reaches
-        if peers is not None:
-            if isinstance(e, KeyboardInterrupt):
-                log.info("interrupted while starting; stopping the tensor-parallel workers")
-            else:
-                log.exception("rank 0 failed while starting; stopping the tensor-parallel "
-                              "workers")
-            peers.kill()
+        if peers is None:
+            raise
+        lost = peers.lost(wait_s=1.0) if isinstance(e, GroupError) else None
+        if isinstance(e, KeyboardInterrupt):
+            log.info("interrupted while starting; stopping the tensor-parallel workers")
+        elif lost is None:
+            log.exception("rank 0 failed while starting; stopping the tensor-parallel workers")
+        peers.kill()
+        if lost is not None:
+            raise RuntimeError(f"{lost}, so the engine could not start") from e
         raise
 
 

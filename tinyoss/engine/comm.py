@@ -142,7 +142,8 @@ class Group:
         ranks' buffers. The same answer on every rank."""
         own = torch.tensor([self.device.index], dtype=torch.long, device=self.device)
         devices = torch.empty(self.size, dtype=torch.long, device=self.device)
-        dist.all_gather_into_tensor(devices, own)
+        with _collective():
+            dist.all_gather_into_tensor(devices, own)
         cut = _unreachable_peer(self.device.index, devices.tolist())
         if self.min(int(cut is None)):
             return None
@@ -192,7 +193,8 @@ class Group:
     def min(self, value: int) -> int:
         """The smallest of the ranks' `value`s (e.g. KV cache blocks, so all ranks agree)."""
         t = torch.tensor([value], dtype=torch.long, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with _collective():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def close(self) -> None:
@@ -268,7 +270,8 @@ class _SymmMemAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)
         probe = _probe(group, dtype, (3000,))
         want = probe.clone()
-        dist.all_reduce(want)
+        with _collective():
+            dist.all_reduce(want)
         got = self(probe)
         torch.cuda.synchronize(group.device)
         if not torch.equal(got, want):
@@ -314,7 +317,8 @@ class _FlashInferAllReduce:
             use_symm_dev_mem=False, use_fp32_lamport=dtype == torch.float32)
         probe = _probe(group, dtype, (3, hidden))
         want = probe.clone()
-        dist.all_reduce(want)
+        with _collective():
+            dist.all_reduce(want)
         residual = _probe(group, dtype, (3, hidden)).roll(1) / (group.rank + 1)
         weight = torch.linspace(0.5, 1.5, hidden, device=group.device)  # float32, as the model's
         got = self(probe)
