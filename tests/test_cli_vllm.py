@@ -88,6 +88,23 @@ def test_vllm_flags_that_would_change_results_are_refused(argv, names, capsys):
     assert "unrecognized arguments" not in err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "hi"]])
+@pytest.mark.parametrize("flag", ["-pp", "--pipeline-parallel-size"])
+def test_generate_and_chat_explain_pipeline_parallelism_as_serve_does(command, flag, capsys):
+    """Not argparse's "unrecognized arguments": serve's refusal, word for word, before any
+    load; 1 is accepted with serve's note."""
+    want = _refused(["--pipeline-parallel-size", "2"], capsys).split("error: ", 1)[1]
+    want = want.replace("--pipeline-parallel-size 2", f"{flag} 2").replace("serve", command[0])
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, flag, "2"])
+    assert e.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err == f"tinyoss {command[0]}: error: {want}", err
+    assert "tensor parallelism only (--tensor-parallel-size)" in err
+    notes = cli.build_parser().parse_args([*command, flag, "1"]).vllm_notes
+    assert len(notes) == 1 and notes[0].startswith(f"{flag} 1: a vLLM flag that changes nothing")
+
+
 def test_notes_are_logged_once_each(monkeypatch, caplog):
     """main logs one line per accepted vLLM flag, before serving (here: a stand-in)."""
     served: list[argparse.Namespace] = []

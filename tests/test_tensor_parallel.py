@@ -4,6 +4,7 @@ speculative steps, sampling on rank 0)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -265,6 +266,43 @@ def test_a_worker_that_dies_ends_the_engine_with_why(tiny_dir, when):
     assert f"raised: {lost}, so this engine cannot go on" in run.stdout, run.stdout
     assert "still running" not in run.stdout
     assert f"{lost}, so the engine cannot go on; this process ends" in run.stderr
+
+
+def test_a_stopped_worker_is_named_and_the_engine_goes_on_once_resumed(tiny_dir, caplog):
+    """A worker stopped (SIGSTOP, a debugger) makes every call wait for it, silently until
+    gloo's timeout: rank 0's watcher names it once, with how to resume it, and leaves it be;
+    resumed, the call that waited ends with the same tokens."""
+    import signal
+
+    caplog.set_level(logging.INFO, logger="tinyoss")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_dir), device="cpu", dtype="float32", tensor_parallel_size=2,
+             kv_cache_tokens=4096) as llm:
+        want = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        pid = llm.engine.executor.peers.procs[0].pid
+        said = (f"tensor-parallel worker rank 1 (pid {pid}) is stopped (SIGSTOP or a debugger), "
+                f"so every call waits for it: resume it with kill -CONT {pid}")
+        got: list = []
+        call = threading.Thread(target=lambda: got.append(
+            llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            call.start()
+            deadline = time.monotonic() + 10
+            while said not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+            time.sleep(3 * workers._POLL_S)  # still stopped: said once, the call still waits
+            assert caplog.text.count(said) == 1 and call.is_alive() and not got
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        call.join(timeout=60)
+        assert got == [want]
+        deadline = time.monotonic() + 5
+        while f"rank 1 (pid {pid}) runs again" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        assert llm.engine.executor.peers.procs[0].poll() is None
 
 
 def test_the_all_reduce_choice(monkeypatch):

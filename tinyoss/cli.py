@@ -283,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line: cheap to build (no torch), so --help and errors are instant."""
     from tinyoss.model.presets import PRESETS
     from tinyoss.server.cli import add_serve_args, serve
+    from tinyoss.server.vllm_flags import ENGINE_FLAGS, add_vllm_args
 
     # no abbreviated flags: --max-n must never quietly mean --max-num-seqs
     parser = _Parser(
@@ -336,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                            choices=("low", "medium", "high"),
                            help="how long gpt-oss reasons before it answers")  # fmt: skip
         add_engine_args(p)
+        add_vllm_args(p, only=ENGINE_FLAGS)
         p.set_defaults(func=func)
 
     ckpt = command(

@@ -11,7 +11,8 @@ daemon process, which multiprocessing forbids to have children) joined to rank 0
 pair: rank 0 sends the plans down it, pickled once for all workers. A worker that fails sends
 why up it and exits; rank 0 then cannot step (its collectives would wait forever), so it logs
 the reason and exits too (`tinyoss serve` starts a new engine core). A worker exits when rank 0
-goes away.
+goes away. A stopped worker (SIGSTOP, a debugger) is named in rank 0's log, once per stop, and
+left to be resumed: until then every call waits for it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ log = logging.getLogger("tinyoss")
 
 ENDS = ("a collective left waiting for a lost rank cannot be called back; `tinyoss serve` runs "
         "the engine in a process of its own and starts a new one")
-_POLL_S = 0.5  # how often a worker checks that rank 0 still lives
+_POLL_S = 0.5  # how often a worker checks that rank 0 still lives, and rank 0 for stopped ones
 _GRACE_S = 2.0  # how long rank 0 may take to fail on its own after a worker did
 _ABORT_S = 10.0  # how long rank 0 waits to leave the group after its own failure
 
@@ -152,12 +153,15 @@ class Peers:
     def _watch(self) -> None:
         """A worker that ends while rank 0 runs leaves rank 0 unable to step: exit with why.
         The process ends even between calls: a collective or an all-reduce kernel left waiting
-        for the lost rank cannot be called back."""
+        for the lost rank cannot be called back. Meanwhile, every `_POLL_S`, a stopped worker
+        is named (`_say_stopped`)."""
         try:
             sentinels = [os.pidfd_open(p.pid) for p in self.procs]
         except OSError:  # no pidfds (old kernel, seccomp): a dead worker's socket closes too
             sentinels = []
-        wait(self.conns + sentinels)
+        stopped: set[int] = set()
+        while not wait(self.conns + sentinels, timeout=_POLL_S):
+            stopped = self._say_stopped(stopped)
         for fd in sentinels:
             os.close(fd)
         time.sleep(_GRACE_S)  # rank 0 met the same error (a config both ranks refuse)?
@@ -175,6 +179,21 @@ class Peers:
             except (OSError, ValueError):
                 pass
         os._exit(1)
+
+    def _say_stopped(self, before: set[int]) -> set[int]:
+        """Warns once per stop about a worker that is stopped (SIGSTOP, SIGTSTP, a debugger):
+        every collective waits for it, silently until gloo's or NCCL's timeout. It may be
+        resumed, so it is only named, never ended; returns the ranks stopped now."""
+        now = {rank for rank, proc in enumerate(self.procs, 1) if _stopped(proc.pid)}
+        for rank in sorted(now - before):
+            pid = self.procs[rank - 1].pid
+            log.warning("tensor-parallel worker rank %d (pid %d) is stopped (SIGSTOP or a "
+                        "debugger), so every call waits for it: resume it with kill -CONT %d",
+                        rank, pid, pid)
+        for rank in sorted(before - now):
+            log.info("tensor-parallel worker rank %d (pid %d) runs again", rank,
+                     self.procs[rank - 1].pid)
+        return now
 
     def close(self) -> None:
         """Stops the workers; every rank leaves the group together (NCCL's teardown waits for
@@ -202,6 +221,17 @@ class Peers:
         # NCCL's abort has been seen to wait for ever here on the GPUs; rank 0's own error
         # matters more than a clean exit from the group
         _within(_ABORT_S, self.group.abort)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped: state T (a stop signal) or t (held by a tracer) in
+    /proc/PID/stat, Linux's; False where that cannot be read (another OS, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split(maxsplit=1)[0]  # the name may hold ")"
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
 
 
 def _how(code: int) -> str:

@@ -193,11 +193,11 @@ class Run:
             raise
         finally:
             now = time.monotonic()
-            for j, ch in enumerate(self.choices):
-                metrics.request_ended(ch.finish_reason or cut, ended.get(j, now) - start,
-                                      ch.num_tokens)
-            for prompt in self.prep.prompts:
-                metrics.prompt_tokens.observe(len(prompt))
+            for i, prompt in enumerate(self.prep.prompts):  # a request ends with its last choice
+                mine = range(i * n, (i + 1) * n)
+                metrics.request_ended([self.choices[j].finish_reason or cut for j in mine],
+                                      max(ended.get(j, now) for j in mine) - start, len(prompt),
+                                      sum(self.choices[j].num_tokens for j in mine))
             (metrics.finished if self.done else metrics.aborted).inc()
 
     @property

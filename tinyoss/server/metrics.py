@@ -16,7 +16,7 @@ several apps in one process do not clash.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -94,7 +94,8 @@ class Metrics:
 
         self.ttft = hist(
             "vllm:time_to_first_token_seconds",
-            "Time from a request's arrival to its first generated token.",
+            "Time from a request's arrival to its first generated token (one sample per "
+            "request, whatever n).",
             _TTFT_BUCKETS,
         )
         self.itl = hist(
@@ -104,15 +105,19 @@ class Metrics:
         )
         self.e2e = hist(
             "vllm:e2e_request_latency_seconds",
-            "Time from a request's arrival to its end (one sample per choice).",
+            "Time from a request's arrival to its end, its last choice's (one sample per "
+            "request, whatever n).",
             _E2E_BUCKETS,
         )
         self.prompt_tokens = hist(
-            "vllm:request_prompt_tokens", "Prompt tokens of each request.", _TOKEN_BUCKETS
+            "vllm:request_prompt_tokens",
+            "Prompt tokens of each request (one sample per request, whatever n).",
+            _TOKEN_BUCKETS,
         )
         self.generation_tokens = hist(
             "vllm:request_generation_tokens",
-            "Tokens generated for each request (one sample per choice).",
+            "Tokens generated for each request, all its choices together (one sample per "
+            "request, whatever n).",
             _TOKEN_BUCKETS,
         )
         self._success = Counter(
@@ -130,13 +135,18 @@ class Metrics:
             "tinyoss_requests_aborted", "API requests cut short (client gone, engine error)."
         )
 
-    def request_ended(self, finish_reason: str | None, seconds: float, tokens: int) -> None:
-        """One choice's end: `finish_reason` as the API gave it (None: cut short)."""
-        # vLLM's engine-level reasons: a tool call is a stop; an unfinished choice an abort
-        reason = {None: "abort", "tool_calls": "stop"}.get(finish_reason, finish_reason)
-        self._success.labels(self.model_name, reason).inc()
+    def request_ended(self, finish_reasons: Sequence[str | None], seconds: float,
+                      prompt_tokens: int, generation_tokens: int) -> None:
+        """One request's (one prompt's) end, its `n` choices together: each histogram counts
+        requests, as the TTFT does, so their counts agree; `finish_reasons` as the API gave
+        them (None: cut short) count one per choice, as vLLM's request_success does."""
+        for finish_reason in finish_reasons:
+            # vLLM's engine-level reasons: a tool call is a stop; an unfinished choice an abort
+            reason = {None: "abort", "tool_calls": "stop"}.get(finish_reason, finish_reason)
+            self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(seconds)
-        self.generation_tokens.observe(tokens)
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition in the format `accept` (the scraper's Accept header) asks for, and its

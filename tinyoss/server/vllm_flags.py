@@ -6,8 +6,9 @@ value, if any, is one of `harmless`), or refused with a message naming it and wh
 that would change results (a quantization, an fp8 KV cache, pipeline or expert parallelism) is
 always refused: running anyway would quietly serve something else than was asked for.
 
-This table is the only list: `tinyoss serve` builds its flags from it and docs/serve.md
-("Coming from vLLM") lists it; tests/test_cli_vllm.py checks the two agree.
+This table is the only list: `tinyoss serve` builds its flags from it (`generate` and `chat`
+those in `ENGINE_FLAGS`) and docs/serve.md ("Coming from vLLM") lists it;
+tests/test_cli_vllm.py checks the two agree.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ ANY = ("*",)  # `harmless` of a flag whose every use changes nothing (switches: 
 HARMONY = "tinyoss always parses gpt-oss's harmony format: reasoning and tool calls"
 ONE_GPU = ("tinyoss splits a model over GPUs by tensor parallelism only "
            "(--tensor-parallel-size)")
+# the table's flags that `generate` and `chat` take too: they concern the engine, not serving
+ENGINE_FLAGS = ("--pipeline-parallel-size",)
 
 
 @dataclass(frozen=True)
@@ -116,13 +119,15 @@ class _VllmAction(argparse.Action):
         setattr(namespace, "vllm_notes", notes)
 
 
-def add_vllm_args(p: argparse.ArgumentParser) -> None:
-    """One flag per `VLLM_FLAGS` entry, in a group of their own."""
+def add_vllm_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per `VLLM_FLAGS` entry (or per entry named in `only`, by its long name), in a
+    group of their own: `generate` and `chat` take the engine's few, so that they explain them
+    as `serve` does rather than call them unknown."""
     group = p.add_argument_group(
         "vLLM flags", "accepted where they change nothing, else refused (docs/serve.md: "
         "Coming from vLLM)"
     )
-    for flag in VLLM_FLAGS:
+    for flag in (f for f in VLLM_FLAGS if only is None or f.names[0] in only):
         group.add_argument(
             *flag.names,
             action=_VllmAction,
