@@ -94,6 +94,9 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
         def supports_linear(self, x, weight, scale, bias) -> bool:
             return True
 
+        def supports_stream(self, x, weight, bias) -> bool:
+            return False
+
         def linear(self, x, weight, bias=None, scale=None):
             self.calls.append((x.shape[0], scale is not None))
             w = weight.float() * (1 if scale is None else scale[:, None])
@@ -115,6 +118,77 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
             out, want = lt.linear_triton(x, w, b, mma=fake), F.linear(x, w, b)
         assert rel(out, want) < 1e-5
         assert fake.calls == ([(m, fp8)] if routed else [])
+
+
+def test_streaming_gemv_takes_one_row_of_the_layers_it_supports() -> None:
+    """One contiguous bf16 row of x, 16-byte aligned, K in 8s up to 4096 (q/k/v, o, lm_head and
+    their tensor-parallel shares); not two rows, fp32, K 4104 or 2884, an unaligned view of x;
+    and `linear_triton` hands it exactly those, ahead of the tensor-core GEMV."""
+    from tinyoss.kernels.moe_gemv_mma import MmaGemv
+
+    ok = MmaGemv.supports_stream
+    w = torch.empty(5120, 2880, dtype=torch.bfloat16)
+    x = torch.empty(2, 2880, dtype=torch.bfloat16)
+    b = torch.empty(5120, dtype=torch.bfloat16)
+    assert ok(x[:1], w, b) and ok(x[:1], w, None) and ok(x[1:], w, b)
+    for n, k in ((2880, 4096), (201088, 2880), (2560, 2880), (2880, 2048), (2880, 512)):
+        assert ok(torch.empty(1, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16),
+                  None), (n, k)
+    assert not ok(x, w, b) and not ok(x[:1].float(), w.float(), None)
+    for k in (4104, 2884):
+        assert not ok(torch.empty(1, k, dtype=torch.bfloat16),
+                      torch.empty(64, k, dtype=torch.bfloat16), None)
+    assert not ok(torch.empty(2888, dtype=torch.bfloat16)[4:].view(1, 2884)[:, :2880], w, None)
+    assert not ok(x[:1], w, b.float())
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls = []
+
+        def supports_stream(self, x, weight, bias) -> bool:
+            return MmaGemv.supports_stream(x, weight, bias)
+
+        def stream_linear(self, x, weight, bias=None):
+            self.calls.append(tuple(weight.shape))
+            return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+
+        def supports_linear(self, x, weight, scale, bias) -> bool:
+            return True
+
+        def linear(self, x, weight, bias=None, scale=None):
+            self.calls.append(("mma", x.shape[0]))
+            return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(lt.MMA_MIN_N, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    fake = Recorder()
+    out = lt.linear_triton(x[:1], w, None, mma=fake)
+    assert rel(out, F.linear(x[:1].float(), w.float())) < 1e-2
+    lt.linear_triton(x, w, None, mma=fake)
+    assert fake.calls == [(lt.MMA_MIN_N, 64), ("mma", 2)]
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880), (2560, 2880),
+                                 (2880, 2048), (2880, 1024), (1441, 512), (7, 2880)])
+def test_streaming_gemv_gpu(n: int, k: int, mma) -> None:
+    """bf16 outputs against fp32 on the same bf16 values, bias or none, odd row counts and a
+    tensor-parallel rank's K (2048, 1024, 512); replayed from a CUDA graph on new inputs."""
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    assert mma.supports_stream(x, w, b)
+    out = mma.stream_linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, n)
+    assert rel(out, F.linear(x.float(), w.float(), b.float())) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mma.stream_linear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, F.linear(x.float(), w.float())) < 1e-2
 
 
 @gpu

@@ -112,10 +112,13 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   mma: MmaGemv | None = None) -> torch.Tensor:
-    """Drop-in for F.linear on 2-D x: the tensor-core GEMV (`mma`) for MMA_ROWS["bf16"] rows
-    of layers of MMA_MIN_N rows or more that it takes, else the Triton GEMV up to GEMV_MAX_M
-    rows and cuBLAS above.
-    The path depends only on the static row count, so a captured graph never changes path."""
+    """Drop-in for F.linear on 2-D x: with `mma` (the CUDA GEMV library), its streaming GEMV at
+    one row of the layers it takes and its tensor-core GEMV for MMA_ROWS["bf16"] rows of layers
+    of MMA_MIN_N rows or more; else the Triton GEMV up to GEMV_MAX_M rows and cuBLAS above.
+    The path depends only on the static row count (and the layer), so a captured graph never
+    changes path."""
+    if mma is not None and x.shape[0] == 1 and mma.supports_stream(x, weight, bias):
+        return mma.stream_linear(x, weight, bias)
     if (mma is not None and x.shape[0] in MMA_ROWS["bf16"] and weight.shape[0] >= MMA_MIN_N
             and mma.supports_linear(x, weight, None, bias)):
         return mma.linear(x, weight, bias)

@@ -2,8 +2,9 @@
 // against one pair's activations; bias, clamped SwiGLU or routing weight fused), a pair a
 // program for 1 to 8 tokens a step, and grouped by expert (up to 8 pairs of one expert a
 // program, one a column of the MMA) for 9 to 64; the pair kernel also serves dense MXFP4 layers
-// (one "pair" a row of x), and dense_gemv_mma bf16 / FP8 layers (below). See moe_gemv_mma.py for
-// when each runs and how the library is built.
+// (one "pair" a row of x), and dense_gemv_mma bf16 / FP8 layers (below); dense_gemv_stream is
+// the one CUDA-core kernel here, bf16 layers at one row of x. See moe_gemv_mma.py for when each
+// runs and how the library is built.
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
@@ -842,6 +843,76 @@ int launch_dense(const void* x, int M, const uint8_t* w, const float* scale, con
       static_cast<__nv_bfloat16*>(out), N, K);
   return (int)cudaGetLastError();
 }
+
+// Dense bf16 layers at one row of x on the CUDA cores: a warp takes STREAM_ROWS rows, and lane l
+// loads 16-byte vectors l, l + 32, ... of each (VPL of them a row, the last one repeated past
+// K, where x counts zero) before any math, with an L2 256-byte prefetch hint, so a warp has
+// 2 * VPL * 16 bytes a lane in flight from its start; fp32 sums, a warp reduction. A 24-30 MB
+// layer (q/k/v, o) reads closer to the copy bandwidth this way than through a shared-memory
+// pipeline (bench/experiments/dense_stream). __launch_bounds__(.., 1) lets ptxas keep every
+// load in flight rather than interleave them with the math to save registers.
+constexpr int STREAM_ROWS = 2, STREAM_WARPS = 4;
+
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+template <int VPL>
+__global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
+    dense_gemv_stream(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                      const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                      int N, int K) {
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
+  if (row0 >= N) return;
+  const int kv = K >> 3;  // 16-byte vectors a row
+  uint4 wv[STREAM_ROWS][VPL];
+#pragma unroll
+  for (int r = 0; r < STREAM_ROWS; ++r) {
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * K);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
+  }
+  float acc[STREAM_ROWS] = {};
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int j = lane + 32 * i;
+    const uint4 xv = j < kv ? __ldg(reinterpret_cast<const uint4*>(x) + j) : uint4{0, 0, 0, 0};
+    const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int r = 0; r < STREAM_ROWS; ++r) {
+      const uint32_t ws[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {  // a word holds two bf16: the low one, then the high one
+        acc[r] = fmaf(__uint_as_float(ws[c] << 16), __uint_as_float(xs[c] << 16), acc[r]);
+        acc[r] = fmaf(__uint_as_float(ws[c] & 0xffff0000u), __uint_as_float(xs[c] & 0xffff0000u),
+                      acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < STREAM_ROWS; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && row0 + r < N)
+      out[row0 + r] = __float2bfloat16(v + (bias ? __bfloat162float(bias[row0 + r]) : 0.f));
+  }
+}
+
+template <int VPL>
+int launch_dense_stream(const void* x, const void* w, const void* bias, void* out, int N, int K,
+                        cudaStream_t stream) {
+  const int rows = STREAM_WARPS * STREAM_ROWS;
+  dense_gemv_stream<VPL><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
+}
 }  // namespace
 
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
@@ -912,6 +983,19 @@ extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8
   return run(x, M, w, scale, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
+// A dense bf16 layer at one row of x (x and W 16-byte aligned, K in 8s up to 4096): q/k/v, o
+// and lm_head at batch 1, and a tensor-parallel rank's shares of them.
+extern "C" int tinyoss_dense_gemv_stream(const void* x, const void* w, const void* bias,
+                                         void* out, int N, int K, void* stream) {
+  if (N < 1 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
+  const int vpl = (K + 255) / 256;
+  auto run = vpl <= 4    ? launch_dense_stream<4>
+             : vpl <= 8  ? launch_dense_stream<8>
+             : vpl <= 12 ? launch_dense_stream<12>
+                         : launch_dense_stream<16>;
+  return run(x, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
+}
+
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
                                    int G, const int* sorted_ids, const int* order, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -958,6 +1042,10 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_mma<true, 4, 3, 1>,
                            (const void*)dense_gemv_mma<false, 8, 1, 4>,
                            (const void*)dense_gemv_mma<false, 8, 3, 1>,
+                           (const void*)dense_gemv_stream<4>,
+                           (const void*)dense_gemv_stream<8>,
+                           (const void*)dense_gemv_stream<12>,
+                           (const void*)dense_gemv_stream<16>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
