@@ -7,7 +7,8 @@ on bf16, errors against the dequantized weights, GB/s of the FP8 bytes.
     python bench/dense_gemv.py --fp8 --m 1,2,4,8 --configs 8/1024/4/4,16/512/4/4,8/2048/4/4
     python bench/dense_gemv.py [--fp8] --mma --m 1,2,4,8 --configs 8/1024/4/4   # tensor cores
 
---mma adds the tensor-core GEMV (`moe_gemv_mma`, Hopper with nvcc) on the same weights.
+--mma adds the tensor-core GEMV and the streaming CUDA-core GEMV (`moe_gemv_mma`, Hopper with
+nvcc; `mma` and `stream` in the output) on the same weights.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def main() -> None:
                 us = graph_time(lambda: [mma.linear(x, q, b, s) for (q, s), b in zip(qs, bs)],
                                 sets)
                 row.append(f"mma: {us:7.1f} us {gemv_mb / us * 1e3:5.0f} GB/s err {err:.0e}")
+            if mma is not None and s0 is None and mma.supports_stream(x, q0, bs[0]):
+                out = mma.stream_linear(x, q0, bs[0]).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                us = graph_time(lambda: [mma.stream_linear(x, q, b) for (q, _), b in zip(qs, bs)],
+                                sets)
+                row.append(f"stream: {us:7.1f} us {mb / us * 1e3:5.0f} GB/s err {err:.0e}")
             print(" | ".join(row), flush=True)
     # A chain: 24 layers of qkv then o, as a decode step runs them.
     qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
@@ -108,6 +115,8 @@ def main() -> None:
     if mma is not None:
         us = graph_time(lambda: chain(lambda h, w: mma.linear(h.contiguous(), w)))
         row.append(f"mma {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
+        us = graph_time(lambda: chain(lambda h, w: mma.stream_linear(h.contiguous(), w)))
+        row.append(f"stream {us:7.1f} us {mb / us * 1e3:5.0f} GB/s")
     if args.fp8:
         fp8 = {id(w): quantize_fp8(w) for w in qkv + o}
         us = graph_time(lambda: chain(lambda h, w: lt.linear_gemv(h, fp8[id(w)][0],

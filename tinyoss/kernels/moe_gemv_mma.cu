@@ -3,7 +3,7 @@
 // program for 1 to 8 tokens a step, and grouped by expert (up to 8 pairs of one expert a
 // program, one a column of the MMA) for 9 to 64; the pair kernel also serves dense MXFP4 layers
 // (one "pair" a row of x), and dense_gemv_mma bf16 / FP8 layers (below); dense_gemv_stream is
-// the one CUDA-core kernel here, bf16 layers at one row of x. See moe_gemv_mma.py for when each
+// the one CUDA-core kernel here, bf16 layers at 1-2 rows of x. See moe_gemv_mma.py for when each
 // runs and how the library is built.
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
@@ -844,13 +844,15 @@ int launch_dense(const void* x, int M, const uint8_t* w, const float* scale, con
   return (int)cudaGetLastError();
 }
 
-// Dense bf16 layers at one row of x on the CUDA cores: a warp takes STREAM_ROWS rows, and lane l
-// loads 16-byte vectors l, l + 32, ... of each (VPL of them a row, the last one repeated past
-// K, where x counts zero) before any math, with an L2 256-byte prefetch hint, so a warp has
-// 2 * VPL * 16 bytes a lane in flight from its start; fp32 sums, a warp reduction. A 24-30 MB
+// Dense bf16 layers at 1-2 rows of x on the CUDA cores: a warp takes STREAM_ROWS rows of W, and
+// lane l loads 16-byte vectors l, l + 32, ... of each (VPL of them a row, the last one repeated
+// past K, where x counts zero) before any math, with an L2 256-byte prefetch hint, so a warp
+// has 2 * VPL * 16 bytes a lane in flight from its start; each weight then meets the m <= MAXM
+// rows of x (read through L1, which the weights bypass), fp32 sums, a warp reduction. A 24-30 MB
 // layer (q/k/v, o) reads closer to the copy bandwidth this way than through a shared-memory
-// pipeline (bench/experiments/dense_stream). __launch_bounds__(.., 1) lets ptxas keep every
-// load in flight rather than interleave them with the math to save registers.
+// pipeline or cuBLAS (bench/experiments/dense_stream); from 4 rows of x on the math no longer
+// hides behind the loads (bench/results/2026-11-26_session18.md). __launch_bounds__(.., 1) lets ptxas keep every load
+// in flight rather than interleave them with the math to save registers.
 constexpr int STREAM_ROWS = 2, STREAM_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -861,11 +863,11 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
-template <int VPL>
+template <int VPL, int MAXM>
 __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
-    dense_gemv_stream(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-                      const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
-                      int N, int K) {
+    dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
+                      const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
+                      __nv_bfloat16* __restrict__ out, int N, int K) {
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
   if (row0 >= N) return;
@@ -877,41 +879,67 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
 #pragma unroll
     for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
   }
-  float acc[STREAM_ROWS] = {};
+  float acc[MAXM][STREAM_ROWS] = {};
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     const int j = lane + 32 * i;
-    const uint4 xv = j < kv ? __ldg(reinterpret_cast<const uint4*>(x) + j) : uint4{0, 0, 0, 0};
-    const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+    float wf[STREAM_ROWS][8];  // a word holds two bf16: the low one, then the high one
 #pragma unroll
     for (int r = 0; r < STREAM_ROWS; ++r) {
       const uint32_t ws[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {  // a word holds two bf16: the low one, then the high one
-        acc[r] = fmaf(__uint_as_float(ws[c] << 16), __uint_as_float(xs[c] << 16), acc[r]);
-        acc[r] = fmaf(__uint_as_float(ws[c] & 0xffff0000u), __uint_as_float(xs[c] & 0xffff0000u),
-                      acc[r]);
+      for (int c = 0; c < 4; ++c) {
+        wf[r][2 * c] = __uint_as_float(ws[c] << 16);
+        wf[r][2 * c + 1] = __uint_as_float(ws[c] & 0xffff0000u);
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < MAXM; ++mi) {
+      const uint4 xv = j < kv && mi < m ? __ldg(reinterpret_cast<const uint4*>(x) + mi * kv + j)
+                                        : uint4{0, 0, 0, 0};
+      const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float lo = __uint_as_float(xs[c] << 16), hi = __uint_as_float(xs[c] & 0xffff0000u);
+#pragma unroll
+        for (int r = 0; r < STREAM_ROWS; ++r)
+          acc[mi][r] = fmaf(wf[r][2 * c + 1], hi, fmaf(wf[r][2 * c], lo, acc[mi][r]));
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < STREAM_ROWS; ++r) {
-    float v = acc[r];
+  for (int mi = 0; mi < MAXM; ++mi) {
 #pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && row0 + r < N)
-      out[row0 + r] = __float2bfloat16(v + (bias ? __bfloat162float(bias[row0 + r]) : 0.f));
+    for (int r = 0; r < STREAM_ROWS; ++r) {
+      float v = acc[mi][r];
+#pragma unroll
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && mi < m && row0 + r < N)
+        out[(long)mi * N + row0 + r] =
+            __float2bfloat16(v + (bias ? __bfloat162float(bias[row0 + r]) : 0.f));
+    }
   }
 }
 
-template <int VPL>
-int launch_dense_stream(const void* x, const void* w, const void* bias, void* out, int N, int K,
-                        cudaStream_t stream) {
+template <int VPL, int MAXM>
+int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out, int N,
+                        int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
-  dense_gemv_stream<VPL><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
+  dense_gemv_stream<VPL, MAXM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
       static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
   return (int)cudaGetLastError();
+}
+
+template <int MAXM>
+int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias, void* out, int N,
+                          int K, cudaStream_t stream) {
+  const int vpl = (K + 255) / 256;
+  auto run = vpl <= 4    ? launch_dense_stream<4, MAXM>
+             : vpl <= 8  ? launch_dense_stream<8, MAXM>
+             : vpl <= 12 ? launch_dense_stream<12, MAXM>
+                         : launch_dense_stream<16, MAXM>;
+  return run(x, m, w, bias, out, N, K, stream);
 }
 }  // namespace
 
@@ -983,17 +1011,13 @@ extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8
   return run(x, M, w, scale, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
-// A dense bf16 layer at one row of x (x and W 16-byte aligned, K in 8s up to 4096): q/k/v, o
-// and lm_head at batch 1, and a tensor-parallel rank's shares of them.
-extern "C" int tinyoss_dense_gemv_stream(const void* x, const void* w, const void* bias,
+// A dense bf16 layer at 1-2 rows of x [m, K] (x and W 16-byte aligned, K in 8s up to 4096):
+// q/k/v and o at batch 1 and 2, and a tensor-parallel rank's shares of them.
+extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, const void* bias,
                                          void* out, int N, int K, void* stream) {
-  if (N < 1 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
-  const int vpl = (K + 255) / 256;
-  auto run = vpl <= 4    ? launch_dense_stream<4>
-             : vpl <= 8  ? launch_dense_stream<8>
-             : vpl <= 12 ? launch_dense_stream<12>
-                         : launch_dense_stream<16>;
-  return run(x, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
+  if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
+  auto run = m == 1 ? launch_dense_stream_k<1> : launch_dense_stream_k<2>;
+  return run(x, m, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
@@ -1042,10 +1066,12 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_mma<true, 4, 3, 1>,
                            (const void*)dense_gemv_mma<false, 8, 1, 4>,
                            (const void*)dense_gemv_mma<false, 8, 3, 1>,
-                           (const void*)dense_gemv_stream<4>,
-                           (const void*)dense_gemv_stream<8>,
-                           (const void*)dense_gemv_stream<12>,
-                           (const void*)dense_gemv_stream<16>,
+                           (const void*)dense_gemv_stream<4, 1>,
+                           (const void*)dense_gemv_stream<8, 1>,
+                           (const void*)dense_gemv_stream<12, 1>,
+                           (const void*)dense_gemv_stream<16, 1>,
+                           (const void*)dense_gemv_stream<12, 2>,
+                           (const void*)dense_gemv_stream<16, 2>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

@@ -7,9 +7,9 @@ whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEM
 and `linear` runs bf16 or FP8 dense layers for 1-8 rows of x, each a column of the MMA (the
 weights read once), which `linear_triton` takes for lm_head from 2 rows, where it measured
 faster (bench/results/2026-11-25_h100_dense_mma.md). `stream_linear`, the library's one
-CUDA-core kernel, takes bf16 dense layers at one row of x (q/k/v, o, lm_head at batch 1): every
-weight load of a warp in flight at once, faster there than the Triton GEMV's shared-memory
-pipeline (bench/results/2026-11-26_session18.md).
+CUDA-core kernel, takes bf16 q/k/v and o at 1-2 rows of x: every weight load of a warp in
+flight at once, faster there than the Triton GEMV's shared-memory pipeline and cuBLAS
+(bench/results/2026-11-26_session18.md).
 
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
@@ -100,8 +100,9 @@ class MmaGemv:
                                        ctypes.c_void_p]
         self.dense_gemv_fn.restype = ctypes.c_int
         self.stream_fn = lib.tinyoss_dense_gemv_stream
-        self.stream_fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int,
-                                                           ctypes.c_void_p]
+        self.stream_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_void_p]
         self.stream_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
@@ -204,26 +205,27 @@ class MmaGemv:
 
     @staticmethod
     def supports_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """A bf16 dense layer `stream_linear` takes: one contiguous bf16 row of x and a
+        """A bf16 dense layer `stream_linear` takes: 1-2 contiguous bf16 rows of x and a
         contiguous weight, both 16-byte aligned (read 16 bytes a load), K in 8s up to 4096."""
         k = weight.shape[1]
-        return (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape == (1, k)
-                and x.is_contiguous() and weight.is_contiguous() and k % 8 == 0 and k <= 4096
+        return (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2
+                and 1 <= x.shape[0] <= 2 and x.shape[1] == k and x.is_contiguous()
+                and weight.is_contiguous() and k % 8 == 0 and k <= 4096
                 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
                 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
 
     def stream_linear(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [1, K] @ W.T (+ bias) -> [1, N] bf16 (`supports_stream`) on the CUDA cores, every
-        weight load of a warp in flight at once."""
-        out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16, device=x.device)
-        err = self.stream_fn(x.data_ptr(), weight.data_ptr(),
+        """x [M, K] @ W.T (+ bias) -> [M, N] bf16 for 1-2 rows of x (`supports_stream`) on the
+        CUDA cores, every weight load of a warp in flight at once, the weights read once."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
+        err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),
                              weight.shape[0], weight.shape[1],
                              torch.cuda.current_stream(x.device).cuda_stream)
         if err:
             raise RuntimeError(f"the streaming dense GEMV failed to launch: {self.error(err)} "
-                               f"({tuple(weight.shape)})")
+                               f"({tuple(weight.shape)}, rows {x.shape[0]})")
         return out
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
