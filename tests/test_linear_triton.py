@@ -127,8 +127,8 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
 def test_streaming_gemv_takes_the_rows_and_layers_it_supports() -> None:
     """1-2 contiguous bf16 rows of x, 16-byte aligned, K in 8s up to 4096 (q/k/v, o, lm_head
     and their tensor-parallel shares); not 3 rows, fp32, K 4104 or 2884, an unaligned view of x;
-    and `linear_triton` hands it the layers below MMA_MIN_N rows at 1-2 rows (lm_head keeps the
-    Triton GEMV at one row and the tensor-core GEMV at 2-4; cuBLAS takes 3 rows of q/k/v)."""
+    and `linear_triton` hands it every layer at one row and those below MMA_MIN_N rows at two
+    (lm_head keeps the tensor-core GEMV at 2-4; cuBLAS takes 3 rows of q/k/v)."""
     from tinyoss.kernels.moe_gemv_mma import MmaGemv
 
     ok = MmaGemv.supports_stream
@@ -172,9 +172,10 @@ def test_streaming_gemv_takes_the_rows_and_layers_it_supports() -> None:
     out = lt.linear_triton(x[:1], narrow, None, mma=fake)
     assert rel(out, F.linear(x[:1].float(), narrow.float())) < 1e-2
     for m in (1, 2, 3):
-        lt.linear_triton(x[:m], wide, None, mma=fake)  # 1: the Triton GEMV (interpreter)
+        lt.linear_triton(x[:m], wide, None, mma=fake)
         lt.linear_triton(x[:m], narrow, None, mma=fake)  # 3: cuBLAS
-    assert fake.calls == [(64, 64), (64, 64), ("mma", 2), (64, 64), ("mma", 3)]
+    wide_n = lt.MMA_MIN_N
+    assert fake.calls == [(64, 64), (wide_n, 64), (64, 64), ("mma", 2), (64, 64), ("mma", 3)]
 
 
 @gpu

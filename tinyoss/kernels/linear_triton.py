@@ -35,8 +35,10 @@ FP8_GEMV_MAX_M = 8
 MMA_MIN_N = 16384
 MMA_ROWS = {"bf16": range(2, 5), "fp8": range(2, 9)}
 # The streaming CUDA-core GEMV (`moe_gemv_mma`: every weight load of a warp in flight at once)
-# takes bf16 layers of fewer than MMA_MIN_N rows (q/k/v, o) at these rows of x; lm_head stays
-# on the Triton GEMV at one row, q/k/v on cuBLAS from 4 (bench/results/2026-11-26_session18.md)
+# takes bf16 layers at these rows of x: every layer at one row (lm_head too: its kernel alone is
+# 2% slower than the Triton GEMV's, the decode step 0.2-0.3% faster in two A/B runs), those of
+# fewer than MMA_MIN_N rows (q/k/v, o) at two; q/k/v loses to cuBLAS from 4
+# (bench/results/2026-11-26_session18.md)
 STREAM_ROWS = range(1, 3)
 _FP8_SLICE = 8192  # rows of an FP8 weight dequantized at a time above FP8_GEMV_MAX_M
 
@@ -117,11 +119,12 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   mma: MmaGemv | None = None) -> torch.Tensor:
     """Drop-in for F.linear on 2-D x: with `mma` (the CUDA GEMV library), its streaming GEMV
-    for STREAM_ROWS rows of layers below MMA_MIN_N rows that it takes and its tensor-core GEMV
-    for MMA_ROWS["bf16"] rows of layers of MMA_MIN_N rows or more; else the Triton GEMV up to
-    GEMV_MAX_M rows and cuBLAS above. The path depends only on the static row count and the
-    layer, so a captured graph never changes path."""
-    if (mma is not None and x.shape[0] in STREAM_ROWS and weight.shape[0] < MMA_MIN_N
+    for STREAM_ROWS rows of the layers it takes (at two rows only those below MMA_MIN_N rows)
+    and its tensor-core GEMV for MMA_ROWS["bf16"] rows of layers of MMA_MIN_N rows or more; else
+    the Triton GEMV up to GEMV_MAX_M rows and cuBLAS above. The path depends only on the static
+    row count and the layer, so a captured graph never changes path."""
+    m = x.shape[0]
+    if (mma is not None and m in STREAM_ROWS and (m == 1 or weight.shape[0] < MMA_MIN_N)
             and mma.supports_stream(x, weight, bias)):
         return mma.stream_linear(x, weight, bias)
     if (mma is not None and x.shape[0] in MMA_ROWS["bf16"] and weight.shape[0] >= MMA_MIN_N

@@ -1012,7 +1012,7 @@ extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8
 }
 
 // A dense bf16 layer at 1-2 rows of x [m, K] (x and W 16-byte aligned, K in 8s up to 4096):
-// q/k/v and o at batch 1 and 2, and a tensor-parallel rank's shares of them.
+// q/k/v, o and lm_head at batch 1, q/k/v and o at 2, and a tensor-parallel rank's shares.
 extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, const void* bias,
                                          void* out, int N, int K, void* stream) {
   if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;

@@ -7,9 +7,9 @@ whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEM
 and `linear` runs bf16 or FP8 dense layers for 1-8 rows of x, each a column of the MMA (the
 weights read once), which `linear_triton` takes for lm_head from 2 rows, where it measured
 faster (bench/results/2026-11-25_h100_dense_mma.md). `stream_linear`, the library's one
-CUDA-core kernel, takes bf16 q/k/v and o at 1-2 rows of x: every weight load of a warp in
-flight at once, faster there than the Triton GEMV's shared-memory pipeline and cuBLAS
-(bench/results/2026-11-26_session18.md).
+CUDA-core kernel, takes bf16 layers at one row of x and q/k/v and o at two: every weight load
+of a warp in flight at once, faster there than the Triton GEMV's shared-memory pipeline and
+cuBLAS (bench/results/2026-11-26_session18.md).
 
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
