@@ -433,9 +433,13 @@ def test_a_stored_body_is_counted_by_its_parsed_size():
         '{"input": "%s"}' % ("x" * 1_000_000),
     ]
     for raw in bodies:
-        tracemalloc.start()
-        parsed = json.loads(raw)
-        held = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        assert parsed and held <= _footprint(raw), (raw[:40], held, _footprint(raw))
+        helds = []
+        for _ in range(3):  # the least of three: another thread's allocations count too
+            tracemalloc.start()
+            parsed = json.loads(raw)
+            helds.append(tracemalloc.get_traced_memory()[0])
+            tracemalloc.stop()
+            del parsed
+        held = min(helds)
+        assert held > len(raw) // 2 and held <= _footprint(raw), (raw[:40], held, _footprint(raw))
     assert _footprint(bodies[0]) > 20 * len(bodies[0])  # mostly containers: far above length

@@ -409,9 +409,10 @@ async def _parse(parse: Callable[[Any, Any], Any], body: Any, info: Any,
 def _footprint(raw: str) -> int:
     """About the bytes the parsed body holds in memory, from its JSON text: a stored response
     keeps its input items as parsed, and `{}` is 3 bytes of JSON but a 64-byte dict (5 million
-    of them, 14 MB of JSON, held ~300 MB); counted high (brackets in strings count too)."""
+    of them, 14 MB of JSON, held ~300 MB); counted high (brackets in strings count too), plus
+    1 KiB for the top-level objects, which one long string alone would leave uncounted."""
     brackets, quotes, commas = raw.count("{") + raw.count("["), raw.count('"'), raw.count(",")
-    return len(raw) + 64 * brackets + 32 * quotes + 24 * commas
+    return 1024 + len(raw) + 64 * brackets + 32 * quotes + 24 * commas
 
 
 class _NonFinite:
