@@ -160,8 +160,11 @@ class Peers:
         except OSError:  # no pidfds (old kernel, seccomp): a dead worker's socket closes too
             sentinels = []
         stopped: set[int] = set()
-        while not wait(self.conns + sentinels, timeout=_POLL_S):
-            stopped = self._say_stopped(stopped)
+        try:
+            while not wait(self.conns + sentinels, timeout=_POLL_S) and not self.closing:
+                stopped = self._say_stopped(stopped)
+        except OSError:  # the channels closed under it: rank 0 is closing or failed to start
+            pass
         for fd in sentinels:
             os.close(fd)
         time.sleep(_GRACE_S)  # rank 0 met the same error (a config both ranks refuse)?

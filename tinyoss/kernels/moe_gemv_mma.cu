@@ -846,13 +846,14 @@ int launch_dense(const void* x, int M, const uint8_t* w, const float* scale, con
 
 // Dense bf16 layers at 1-2 rows of x on the CUDA cores: a warp takes STREAM_ROWS rows of W, and
 // lane l loads 16-byte vectors l, l + 32, ... of each (VPL of them a row, the last one repeated
-// past K, where x counts zero) before any math, with an L2 256-byte prefetch hint, so a warp
-// has 2 * VPL * 16 bytes a lane in flight from its start; each weight then meets the m <= MAXM
-// rows of x (read through L1, which the weights bypass), fp32 sums, a warp reduction. A 24-30 MB
-// layer (q/k/v, o) reads closer to the copy bandwidth this way than through a shared-memory
-// pipeline or cuBLAS (bench/experiments/dense_stream); from 4 rows of x on the math no longer
-// hides behind the loads (bench/results/2026-11-26_session18.md). __launch_bounds__(.., 1) lets ptxas keep every load
-// in flight rather than interleave them with the math to save registers.
+// past K, where x counts zero), all written ahead of the math, with an L2 256-byte prefetch
+// hint; each weight then meets the m <= MAXM rows of x (read through L1, which the weights
+// bypass), fp32 sums, a warp reduction. A 24-30 MB layer (q/k/v, o) reads closer to the copy
+// bandwidth this way than through a shared-memory pipeline or cuBLAS
+// (bench/experiments/dense_stream); from 4 rows of x on the math no longer hides behind the
+// loads (bench/results/2026-11-26_session18.md). ptxas still moves math in among the loads of
+// the wide rows: at q/k/v's and o's K, 10-12 of a lane's 24-32 loads are issued before its
+// first FMA (sm_90a, nvcc 13.0); without __launch_bounds__(.., 1) it kept only 2.
 constexpr int STREAM_ROWS = 2, STREAM_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
@@ -1070,6 +1071,8 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_stream<8, 1>,
                            (const void*)dense_gemv_stream<12, 1>,
                            (const void*)dense_gemv_stream<16, 1>,
+                           (const void*)dense_gemv_stream<4, 2>,
+                           (const void*)dense_gemv_stream<8, 2>,
                            (const void*)dense_gemv_stream<12, 2>,
                            (const void*)dense_gemv_stream<16, 2>,
                            (const void*)sort_pairs};

@@ -206,13 +206,18 @@ class MmaGemv:
     @staticmethod
     def supports_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """A bf16 dense layer `stream_linear` takes: 1-2 contiguous bf16 rows of x and a
-        contiguous weight, both 16-byte aligned (read 16 bytes a load), K in 8s up to 4096."""
-        k = weight.shape[1]
+        contiguous 2-D weight of at least one row on x's device, both 16-byte aligned (read 16
+        bytes a load), K in 8s from 8 to 4096, a bias of one bf16 value a row or none."""
+        if weight.dim() != 2:
+            return False
+        n, k = weight.shape
         return (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2
                 and 1 <= x.shape[0] <= 2 and x.shape[1] == k and x.is_contiguous()
-                and weight.is_contiguous() and k % 8 == 0 and k <= 4096
+                and weight.is_contiguous() and n >= 1 and k % 8 == 0 and 8 <= k <= 4096
+                and x.device == weight.device
                 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (n,)
+                                      and bias.is_contiguous() and bias.device == x.device)))
 
     def stream_linear(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
