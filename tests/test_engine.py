@@ -340,6 +340,41 @@ def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
     assert got == tokens(tiny_llm.generate(batch, greedy, use_tqdm=False))
 
 
+def test_a_newcomer_is_admitted_beside_a_long_prefill(tiny_llm, monkeypatch):
+    """A request that arrives while a long prompt is prefilled in chunks starts in the next
+    step (its whole short prompt beside a shorter chunk of the long one), not after the long
+    prompt's last chunk; and every output is what it is alone."""
+    from tinyoss.engine.scheduler import NEWCOMER_SHARE
+
+    engine, plans = tiny_llm.engine, []
+    launch = engine.executor.launch
+
+    def spy(plan):
+        plans.append(plan)
+        return launch(plan)
+
+    budget = 64
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", budget)
+    monkeypatch.setattr(engine.executor, "launch", spy)
+    long, short = prompts(1, seed=31, lo=400, hi=401)[0], prompts(1, seed=32, lo=9, hi=10)[0]
+    ids = [tiny_llm._submit(long, GREEDY)]
+    tiny_llm._outputs(ids)  # the long prompt's first chunk
+    ids.append(tiny_llm._submit(short, GREEDY))
+    done: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in tiny_llm._outputs(ids):
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    for request_id in ids:
+        tiny_llm._abort(request_id)  # (done: only forgotten)
+    monkeypatch.undo()
+    first, second = plans[0], plans[1]
+    assert [s.num_tokens for s in first.seqs] == [budget]
+    assert [s.num_tokens for s in second.seqs] == [budget - budget // NEWCOMER_SHARE, len(short)]
+    assert [done[i] for i in ids] == tokens(tiny_llm.generate([long, short], GREEDY,
+                                                              use_tqdm=False))
+
+
 def test_prefill_cost_gives_the_longest_chunk_within_a_budget():
     cost = PrefillCost(per_token=20e-6, per_key=2e-9)
     for context in (0, 1000, 30000):

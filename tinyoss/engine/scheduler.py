@@ -2,7 +2,10 @@
 
 Each step has a token budget. Running sequences come first, oldest first (decodes take one
 token, unfinished prefills take a chunk), then waiting requests are admitted in arrival order.
-While some sequence decodes, prefill chunks are sized by a cost model to fit a time budget
+While requests wait to be admitted, an unfinished prefill's chunk leaves them a share of the
+step's budget (NEWCOMER_SHARE), so that a short request's first token does not wait for a long
+prompt's whole prefill (vLLM's `long_prefill_token_threshold` does the same). While some
+sequence decodes, prefill chunks are sized by a cost model to fit a time budget
 (`prefill_budget`, when set), so that a long prompt does not stall the running streams.
 When blocks run out, the newest running sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it is recomputed later, so nothing is lost and nothing crashes.
@@ -28,6 +31,10 @@ from dataclasses import dataclass
 from tinyoss.engine.kv_cache import KVCacheManager
 from tinyoss.engine.sequence import Sequence, Status
 from tinyoss.engine.step import NewSeq, ScheduledSeq, StepPlan
+
+# While requests wait, a running prefill's chunk leaves them 1 / NEWCOMER_SHARE of the step's
+# token budget (at most half of what the decodes left).
+NEWCOMER_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,8 @@ class Scheduler:
             return min(n, max(cost.tokens_within(left, seq.num_computed), int(first)))
 
         preemptions = self.num_preemptions
+        newcomers = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        reserve = self.max_num_batched_tokens // NEWCOMER_SHARE
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -117,6 +126,8 @@ class Scheduler:
             want += len(seq.draft)  # drafted tokens to verify (a decode's)
             if chunk:
                 want = fitting(seq, want)
+                if newcomers:  # leave the waiting requests their share of the step
+                    want = min(want, max(budget - reserve, budget // 2, 1))
                 if want == 0:
                     continue
             context = seq.num_computed
