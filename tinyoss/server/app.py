@@ -634,7 +634,14 @@ def create_app(
 
     async def responses(request: Request) -> Response:
         client = state.ready()
-        req = translate(await body_of(request), store.conversation)
+        body = await body_of(request)
+        if request.state.body_bytes > _THREAD_BYTES:  # 200,000 items: ~1.4 s to check
+            # the store is read here, on the event loop; the checks run in a worker thread
+            previous = body.get("previous_response_id")
+            items = store.conversation(previous) if isinstance(previous, str) else []
+            req = await asyncio.to_thread(translate, body, lambda _: items)
+        else:
+            req = translate(body, store.conversation)
         try:  # every check of chat, its errors naming the Responses fields
             prep = await _parse(parse_chat, req.chat, client.info, request.state.body_bytes)
             prep.what = "input"
