@@ -199,6 +199,12 @@ def test_headers_beyond_max_header_bytes_get_431(api: Api) -> None:
     assert r.status == 431, r
     check_error(431, r.text, code="headers_too_large", what="431 beyond --max-header-bytes")
     assert api.get("/v1/models", headers={"X-Big": "a" * 60_000}).status_code == 200
+    # just over the limit in one write (a read's bytes had been counted only at the next read)
+    sock = connect(api)
+    sock.sendall(http_head("GET", "/v1/models", {"X-Big": "a" * 70_000}))
+    r = read_response(sock, 5.0)
+    sock.close()
+    assert r.status == 431, r
     api.ok_completion("--max-header-bytes")
 
 

@@ -64,13 +64,15 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
         def data_received(self, data: bytes) -> None:
             if self._header_timer is not None:  # headers still arriving
+                # a read may hold the body too: count up to the blank line that ends them
+                ends = [i for i in (data.find(b"\r\n\r\n"), data.find(b"\n\n")) if i >= 0]
+                self._header_bytes += min(ends) if ends else len(data)
                 if self._header_bytes > limits.max_header_bytes:
                     self._disarm()
                     self.transport.write(_HEADERS_TOO_LARGE)
                     self.transport.close()
                     return
-                self._header_bytes += len(data)  # checked at the next read: a read may hold
-            super().data_received(data)  # the body too
+            super().data_received(data)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
