@@ -9,6 +9,7 @@ None: anything but a 5xx), and the expected param (ANY: not checked; a tuple: an
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,10 @@ DEEP = 10_000
 CASES: list[Case] = [
     # -------------------------------------------------------------- malformed JSON
     C("json-garbage", b"{nope", 400),
+    C("body-gzip-encoded", gzip.compress(json.dumps(chat()).encode()), 415,
+      headers={"Content-Encoding": "gzip"}, code="unsupported_media_type",
+      contains="send the request body uncompressed"),
+    C("body-identity-encoded", chat(), 200, headers={"Content-Encoding": "identity"}),
     C("json-empty-body", b"", 400),
     C("json-lone-brace", b"{", 400),
     C("json-truncated-chat", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"', 400),

@@ -536,7 +536,11 @@ def create_app(
         return wrapped
 
     async def read_body(request: Request) -> bytes:
-        """The body, within --max-request-bytes and --body-timeout."""
+        """The body, within --max-request-bytes and --body-timeout, not compressed."""
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the "
+                           "request body uncompressed", code="unsupported_media_type")
         most = limits.max_request_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > most:
