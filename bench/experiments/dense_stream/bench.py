@@ -55,7 +55,8 @@ def main() -> None:
                ("rows2 w8", 0, 2, 8, 0), ("rows1 w4 nohint", 1, 1, 4, 0),
                ("rows2 w4 nohint", 1, 2, 4, 0), ("persist 2/SM w8", 2, 1, 8, 2 * sms),
                ("persist 3/SM w8", 2, 1, 8, 3 * sms), ("persist 4/SM w4", 2, 1, 4, 4 * sms),
-               ("persist 8/SM w4", 2, 1, 4, 8 * sms)]
+               ("persist 8/SM w4", 2, 1, 4, 8 * sms), ("rows1 w4 fence", 3, 1, 4, 0),
+               ("rows2 w4 fence", 3, 2, 4, 0)]
 
     def gemv(cfg, x, w, b, out):
         _, variant, rows, warps, blocks = cfg
