@@ -340,12 +340,10 @@ def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
     assert got == tokens(tiny_llm.generate(batch, greedy, use_tqdm=False))
 
 
-def test_a_newcomer_is_admitted_beside_a_long_prefill(tiny_llm, monkeypatch):
-    """A request that arrives while a long prompt is prefilled in chunks starts in the next
-    step (its whole short prompt beside a shorter chunk of the long one), not after the long
-    prompt's last chunk; and every output is what it is alone."""
-    from tinyoss.engine.scheduler import NEWCOMER_SHARE
-
+def test_a_short_newcomer_is_admitted_beside_a_long_prefill(tiny_llm, monkeypatch):
+    """A short request that arrives while a long prompt is prefilled in chunks starts in the
+    next step (its whole prompt beside a shorter chunk of the long one), not after the long
+    prompt's last chunk; a long one waits its turn; every output is what it is alone."""
     engine, plans = tiny_llm.engine, []
     launch = engine.executor.launch
 
@@ -357,9 +355,10 @@ def test_a_newcomer_is_admitted_beside_a_long_prefill(tiny_llm, monkeypatch):
     monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", budget)
     monkeypatch.setattr(engine.executor, "launch", spy)
     long, short = prompts(1, seed=31, lo=400, hi=401)[0], prompts(1, seed=32, lo=9, hi=10)[0]
+    other = prompts(1, seed=33, lo=100, hi=101)[0]  # more than a quarter of the budget
     ids = [tiny_llm._submit(long, GREEDY)]
     tiny_llm._outputs(ids)  # the long prompt's first chunk
-    ids.append(tiny_llm._submit(short, GREEDY))
+    ids += [tiny_llm._submit(short, GREEDY), tiny_llm._submit(other, GREEDY)]
     done: dict[str, list[int]] = {}
     while engine.has_work():
         for out in tiny_llm._outputs(ids):
@@ -368,10 +367,9 @@ def test_a_newcomer_is_admitted_beside_a_long_prefill(tiny_llm, monkeypatch):
     for request_id in ids:
         tiny_llm._abort(request_id)  # (done: only forgotten)
     monkeypatch.undo()
-    first, second = plans[0], plans[1]
-    assert [s.num_tokens for s in first.seqs] == [budget]
-    assert [s.num_tokens for s in second.seqs] == [budget - budget // NEWCOMER_SHARE, len(short)]
-    assert [done[i] for i in ids] == tokens(tiny_llm.generate([long, short], GREEDY,
+    assert [[s.num_tokens for s in p.seqs] for p in plans[:3]] == [
+        [budget], [budget - len(short), len(short)], [1, budget - 1]]  # 3: the short decodes first
+    assert [done[i] for i in ids] == tokens(tiny_llm.generate([long, short, other], GREEDY,
                                                               use_tqdm=False))
 
 

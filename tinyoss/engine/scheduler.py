@@ -1,12 +1,14 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Each step has a token budget. Running sequences come first, oldest first (decodes take one
-token, unfinished prefills take a chunk), then waiting requests are admitted in arrival order.
-While requests wait to be admitted, an unfinished prefill's chunk leaves them a share of the
-step's budget (NEWCOMER_SHARE), so that a short request's first token does not wait for a long
-prompt's whole prefill (vLLM's `long_prefill_token_threshold` does the same). While some
-sequence decodes, prefill chunks are sized by a cost model to fit a time budget
-(`prefill_budget`, when set), so that a long prompt does not stall the running streams.
+Each step has a token budget. Running sequences come first, oldest first, decodes before
+unfinished prefills (decodes take one token, prefills a chunk), then waiting requests are
+admitted in arrival order.
+While short requests wait to be admitted (their prompts together within 1 / NEWCOMER_SHARE of
+the budget), an unfinished prefill's chunk leaves them room, so that their first tokens do not
+wait for a long prompt's whole prefill; longer ones wait their turn, so long prompts are not
+all prefilled at once, a slice each. While some sequence decodes, prefill chunks are sized by a
+cost model to fit a time budget (`prefill_budget`, when set), so that a long prompt does not
+stall the running streams.
 When blocks run out, the newest running sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it is recomputed later, so nothing is lost and nothing crashes.
 
@@ -32,8 +34,8 @@ from tinyoss.engine.kv_cache import KVCacheManager
 from tinyoss.engine.sequence import Sequence, Status
 from tinyoss.engine.step import NewSeq, ScheduledSeq, StepPlan
 
-# While requests wait, a running prefill's chunk leaves them 1 / NEWCOMER_SHARE of the step's
-# token budget (at most half of what the decodes left).
+# Waiting prompts that fit in 1 / NEWCOMER_SHARE of the step's token budget, together, get room
+# beside a running prefill's chunk (at most half of what the decodes left).
 NEWCOMER_SHARE = 4
 
 
@@ -114,9 +116,10 @@ class Scheduler:
             return min(n, max(cost.tokens_within(left, seq.num_computed), int(first)))
 
         preemptions = self.num_preemptions
-        newcomers = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        reserve = self.max_num_batched_tokens // NEWCOMER_SHARE
-        for seq in list(self.running):
+        reserve = self._room_for_short_newcomers()
+        # decodes first, then prefill chunks: a stream admitted after a long prompt keeps its
+        # pace while that prompt is prefilled
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed > 1):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
@@ -126,7 +129,7 @@ class Scheduler:
             want += len(seq.draft)  # drafted tokens to verify (a decode's)
             if chunk:
                 want = fitting(seq, want)
-                if newcomers:  # leave the waiting requests their share of the step
+                if reserve:  # leave the short waiting requests their room
                     want = min(want, max(budget - reserve, budget // 2, 1))
                 if want == 0:
                     continue
@@ -162,6 +165,16 @@ class Scheduler:
                 left, first = left - cost.seconds(n, seq.num_computed), False
             room = len(self.running) < self.max_num_seqs
         return self._plan(picked) if picked else None
+
+    def _room_for_short_newcomers(self) -> int:
+        """The tokens of the waiting requests at the queue's head whose prompts together fit
+        in 1 / NEWCOMER_SHARE of the budget (0: none, or no room for more sequences)."""
+        most, need = self.max_num_batched_tokens // NEWCOMER_SHARE, 0
+        for seq in list(self.waiting)[: self.max_num_seqs - len(self.running)]:
+            if need + seq.num_tokens > most:
+                break
+            need += seq.num_tokens
+        return need
 
     def chain(self, plan: StepPlan) -> StepPlan | None:
         """The decode step of every running sequence, planned before `plan`'s tokens are known;
