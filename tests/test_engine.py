@@ -307,6 +307,18 @@ def test_step_plans_and_results_are_plain_data(tiny_llm, monkeypatch):
         assert pickle.loads(pickle.dumps(item)) == item
 
 
+def _drain(llm, ids: list[str]) -> dict[str, list[int]]:
+    """Steps the engine until it is idle: each finished request's tokens by id."""
+    done: dict[str, list[int]] = {}
+    while llm.engine.has_work():
+        for out in llm._outputs(ids):
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    for request_id in ids:
+        llm._abort(request_id)  # (done: only forgotten)
+    return done
+
+
 def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
     """With a cap, a step that decodes carries at most that many prefill tokens (a long prompt
     is spread over more steps), and every output is what it is without the cap."""
@@ -325,13 +337,7 @@ def test_prefill_chunks_shrink_while_sequences_decode(tiny_llm, monkeypatch):
     ids = [tiny_llm._submit(p, greedy) for p in batch[:2]]
     tiny_llm._outputs(ids)  # one step, the short prompts' prefill: both decode from here on
     ids.append(tiny_llm._submit(batch[2], greedy))
-    done: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in tiny_llm._outputs(ids):
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    for request_id in ids:
-        tiny_llm._abort(request_id)  # (done: only forgotten)
+    done = _drain(tiny_llm, ids)
     mixed = [p for p in plans if any(s.num_tokens == 1 for s in p.seqs)]
     chunks = [sum(s.num_tokens for s in p.seqs if s.num_tokens > 1) for p in mixed]
     assert max(chunks) == 32 and sum(chunks) >= 300 - 32  # the long prompt, 32 at a time
@@ -359,13 +365,7 @@ def test_a_short_newcomer_is_admitted_beside_a_long_prefill(tiny_llm, monkeypatc
     ids = [tiny_llm._submit(long, GREEDY)]
     tiny_llm._outputs(ids)  # the long prompt's first chunk
     ids += [tiny_llm._submit(short, GREEDY), tiny_llm._submit(other, GREEDY)]
-    done: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in tiny_llm._outputs(ids):
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    for request_id in ids:
-        tiny_llm._abort(request_id)  # (done: only forgotten)
+    done = _drain(tiny_llm, ids)
     monkeypatch.undo()
     assert [[s.num_tokens for s in p.seqs] for p in plans[:3]] == [
         [budget], [budget - len(short), len(short)], [1, budget - 1]]  # 3: the short decodes first
