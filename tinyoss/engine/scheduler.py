@@ -26,6 +26,7 @@ length limit, and the cache has room.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -170,7 +171,7 @@ class Scheduler:
         """The tokens of the waiting requests at the queue's head whose prompts together fit
         in 1 / NEWCOMER_SHARE of the budget (0: none, or no room for more sequences)."""
         most, need = self.max_num_batched_tokens // NEWCOMER_SHARE, 0
-        for seq in list(self.waiting)[: self.max_num_seqs - len(self.running)]:
+        for seq in itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))):
             if need + seq.num_tokens > most:
                 break
             need += seq.num_tokens
