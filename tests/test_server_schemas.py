@@ -230,6 +230,22 @@ def test_parse_functions_keep_their_contract():
     assert (e.value.status, e.value.param) == (400, "top_p")
 
 
+def test_too_many_messages_are_refused_before_validation():
+    """More messages than the context can hold are refused at a glance, before validating
+    each (220,000 developer messages took seconds holding the GIL): leading system and
+    developer messages with text count a token each (they merge into one), later messages a
+    whole message each; empty leading ones count nothing, so such a body is validated."""
+    dev = {"role": "developer", "content": [{"type": "text", "text": "s"}]}
+    for messages in ([dev] * 5000 + HI, HI + [dev] * 1100):
+        start = time.perf_counter()
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": messages}, INFO)
+        assert time.perf_counter() - start < 0.05
+        assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+    empty = [{"role": "system", "content": ""}, {"role": "developer", "content": []}] * 2500
+    assert parse_chat({"messages": empty + HI}, INFO).params is not None
+
+
 # ---------------------------------------------------------------- (b) responses
 
 

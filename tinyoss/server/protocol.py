@@ -143,12 +143,9 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     SamplingParams the numbers as sent (its messages quote them: temperature=-1, not -1.0)."""
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) * _MESSAGE_TOKENS > info.max_model_len:
-        # refused before validating them all (400,000 messages: seconds on the event loop);
-        # system and developer messages may merge into one, so they are not counted
-        turns = sum(not isinstance(m, dict) or m.get("role") not in ("system", "developer")
-                    for m in messages)
-        if turns * _MESSAGE_TOKENS > info.max_model_len:
-            _too_long(f"at least {turns * _MESSAGE_TOKENS}", info.max_model_len, "messages")
+        # refused before validating them all (400,000 messages: seconds, holding the GIL)
+        if (least := _least_tokens(messages)) > info.max_model_len:
+            _too_long(f"at least {least}", info.max_model_len, "messages")
     req = validate(ChatCompletionRequest, body)
     _refuse_unsupported(body, tuple(_UNSUPPORTED))
     segments = _render_chat(req, body)
@@ -412,6 +409,26 @@ def _check_chars(sources: list[list[harmony.Segment]], max_model_len: int, what:
         chars = sum(len(s) for s in source if isinstance(s, str))
         if chars > max_model_len * MAX_TOKEN_CHARS:
             _too_long(f"at least {chars // MAX_TOKEN_CHARS}", max_model_len, what)
+
+
+def _least_tokens(messages: list) -> int:
+    """Tokens `messages` render to at least, from a glance at each: the leading system and
+    developer messages merge into harmony's one developer message (an empty one adds nothing,
+    one with text at least a token), every later one is a message of its own."""
+    lead = 0
+    while (lead < len(messages) and isinstance(messages[lead], dict)
+           and messages[lead].get("role") in ("system", "developer")):
+        lead += 1
+    merged = sum(_has_text(m.get("content")) for m in messages[:lead])
+    return merged + (len(messages) - lead) * _MESSAGE_TOKENS
+
+
+def _has_text(content: Any) -> bool:
+    """Whether a message's content (a string or text parts) holds any text."""
+    if isinstance(content, list):
+        return any(isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"] != ""
+                   for p in content)
+    return isinstance(content, str) and content != ""
 
 
 def _too_long(tokens: str, max_model_len: int, what: str) -> None:
