@@ -289,7 +289,6 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         )
     quantize_layers(model, parse_mxfp4_layers(config.mxfp4_layers))
     quantize_layers(model, parse_fp8_layers(config.fp8_layers, config.mxfp4_layers), "fp8")
-    _plan_l2_prefetch(model)
 
     local = model.config
     speculative = SpeculativeConfig.parse(config.speculative_config)
@@ -572,24 +571,3 @@ def _max_model_len(
             )
         log.info("max_model_len lowered to %d tokens to fit the KV cache", lo)
     return lo
-
-
-def _plan_l2_prefetch(model) -> None:
-    """EXPERIMENT: env TINYOSS_L2_PREFETCH = comma list of o (q/k/v's GEMV prefetches o's
-    weights), qkv (o's GEMV prefetches the next layer's q/k/v)."""
-    import os
-
-    from tinyoss.kernels import linear_triton as lt
-
-    modes = set(filter(None, os.environ.get("TINYOSS_L2_PREFETCH", "").split(",")))
-    lt.PREFETCH_AFTER.clear()
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        att = layer.self_attn
-        if "o" in modes:
-            lt.PREFETCH_AFTER[att.qkv_proj.weight.data_ptr()] = att.o_proj.weight
-        if "qkv" in modes and i + 1 < len(layers):
-            lt.PREFETCH_AFTER[att.o_proj.weight.data_ptr()] = layers[i + 1].self_attn.qkv_proj.weight
-    if modes:
-        log.warning("EXPERIMENT L2 prefetch %s: %d GEMVs prefetch", sorted(modes),
-                    len(lt.PREFETCH_AFTER))

@@ -40,8 +40,6 @@ MMA_ROWS = {"bf16": range(2, 5), "fp8": range(2, 9)}
 # fewer than MMA_MIN_N rows (q/k/v, o) at two; q/k/v loses to cuBLAS from 4
 # (bench/results/2026-11-26_session18.md)
 STREAM_ROWS = range(1, 3)
-# EXPERIMENT (TINYOSS_L2_PREFETCH): weight data_ptr -> the tensor its streaming GEMV sends to L2
-PREFETCH_AFTER: dict[int, torch.Tensor] = {}
 _FP8_SLICE = 8192  # rows of an FP8 weight dequantized at a time above FP8_GEMV_MAX_M
 
 
@@ -128,7 +126,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m = x.shape[0]
     if (mma is not None and m in STREAM_ROWS and (m == 1 or weight.shape[0] < MMA_MIN_N)
             and mma.supports_stream(x, weight, bias)):
-        return mma.stream_linear(x, weight, bias, PREFETCH_AFTER.get(weight.data_ptr()))
+        return mma.stream_linear(x, weight, bias)
     if (mma is not None and x.shape[0] in MMA_ROWS["bf16"] and weight.shape[0] >= MMA_MIN_N
             and mma.supports_linear(x, weight, None, bias)):
         return mma.linear(x, weight, bias)

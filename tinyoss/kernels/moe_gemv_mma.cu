@@ -864,30 +864,11 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
-// Block b of G sends its share of [p, p + bytes) to L2 (16-byte pieces, a lane a piece of the
-// share): fire and forget, for a kernel that reads those bytes later in the step.
-__device__ __forceinline__ void prefetch_l2_share(const char* p, long bytes, int b, int G,
-                                                  int lane) {
-  const long share = ((bytes + G - 1) / G + 511) / 512 * 512;  // whole 16-byte pieces a lane
-  const long piece = share / 32;
-  const long start = b * share + lane * piece;
-  const long n = min(piece, bytes - start);
-  if (n >= 16)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + start),
-                 "r"((unsigned)(n & ~15L))
-                 : "memory");
-}
-
-__global__ void prefetch_l2(const char* p, long bytes) {
-  prefetch_l2_share(p, bytes, blockIdx.x, gridDim.x, threadIdx.x);
-}
-
 template <int VPL, int MAXM>
 __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
                       const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
-                      __nv_bfloat16* __restrict__ out, int N, int K, const char* pf,
-                      long pf_bytes) {
+                      __nv_bfloat16* __restrict__ out, int N, int K) {
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
   if (row0 >= N) return;
@@ -939,29 +920,27 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
             __float2bfloat16(v + (bias ? __bfloat162float(bias[row0 + r]) : 0.f));
     }
   }
-  if (pf && threadIdx.x < 32) prefetch_l2_share(pf, pf_bytes, blockIdx.x, gridDim.x, lane);
 }
 
 template <int VPL, int MAXM>
 int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out, int N,
-                        int K, const void* pf, long pf_bytes, cudaStream_t stream) {
+                        int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
   dense_gemv_stream<VPL, MAXM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
-      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K,
-      static_cast<const char*>(pf), pf_bytes);
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
   return (int)cudaGetLastError();
 }
 
 template <int MAXM>
 int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias, void* out, int N,
-                          int K, const void* pf, long pf_bytes, cudaStream_t stream) {
+                          int K, cudaStream_t stream) {
   const int vpl = (K + 255) / 256;
   auto run = vpl <= 4    ? launch_dense_stream<4, MAXM>
              : vpl <= 8  ? launch_dense_stream<8, MAXM>
              : vpl <= 12 ? launch_dense_stream<12, MAXM>
                          : launch_dense_stream<16, MAXM>;
-  return run(x, m, w, bias, out, N, K, pf, pf_bytes, stream);
+  return run(x, m, w, bias, out, N, K, stream);
 }
 }  // namespace
 
@@ -1036,21 +1015,10 @@ extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8
 // A dense bf16 layer at 1-2 rows of x [m, K] (x and W 16-byte aligned, K in 8s up to 4096):
 // q/k/v, o and lm_head at batch 1, q/k/v and o at 2, and a tensor-parallel rank's shares.
 extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, const void* bias,
-                                         void* out, int N, int K, const void* pf, long pf_bytes,
-                                         void* stream) {
-  if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096 || pf_bytes < 0 ||
-      (pf && reinterpret_cast<uintptr_t>(pf) % 16))
-    return (int)cudaErrorInvalidValue;
+                                         void* out, int N, int K, void* stream) {
+  if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
   auto run = m == 1 ? launch_dense_stream_k<1> : launch_dense_stream_k<2>;
-  return run(x, m, w, bias, out, N, K, pf, pf_bytes, static_cast<cudaStream_t>(stream));
-}
-
-// [p, p + bytes) (p 16-byte aligned) sent to L2 by a few blocks of one warp, fire and forget.
-extern "C" int tinyoss_prefetch_l2(const void* p, long bytes, void* stream) {
-  if (bytes < 0 || reinterpret_cast<uintptr_t>(p) % 16) return (int)cudaErrorInvalidValue;
-  prefetch_l2<<<16, 32, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const char*>(p),
-                                                               bytes);
-  return (int)cudaGetLastError();
+  return run(x, m, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
@@ -1107,8 +1075,7 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_stream<8, 2>,
                            (const void*)dense_gemv_stream<12, 2>,
                            (const void*)dense_gemv_stream<16, 2>,
-                           (const void*)sort_pairs,
-                           (const void*)prefetch_l2};
+                           (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
     const cudaError_t err = cudaFuncGetAttributes(&attr, k);

@@ -102,11 +102,8 @@ class MmaGemv:
         self.stream_fn = lib.tinyoss_dense_gemv_stream
         self.stream_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+                                   ctypes.c_void_p]
         self.stream_fn.restype = ctypes.c_int
-        self.prefetch_fn = lib.tinyoss_prefetch_l2
-        self.prefetch_fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-        self.prefetch_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -223,29 +220,18 @@ class MmaGemv:
                                       and bias.is_contiguous() and bias.device == x.device)))
 
     def stream_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None,
-                      prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ W.T (+ bias) -> [M, N] bf16 for 1-2 rows of x (`supports_stream`) on the
-        CUDA cores, every weight load of a warp in flight at once, the weights read once; then
-        each program sends its share of `prefetch` (a contiguous tensor, 16-byte aligned) to L2
-        for a later kernel."""
+        CUDA cores, every weight load of a warp in flight at once, the weights read once."""
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
-        pf = (None, 0) if prefetch is None else (prefetch.data_ptr(), _nbytes(prefetch))
         err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             weight.shape[0], weight.shape[1], *pf,
+                             weight.shape[0], weight.shape[1],
                              torch.cuda.current_stream(x.device).cuda_stream)
         if err:
             raise RuntimeError(f"the streaming dense GEMV failed to launch: {self.error(err)} "
                                f"({tuple(weight.shape)}, rows {x.shape[0]})")
         return out
-
-    def prefetch(self, t: torch.Tensor) -> None:
-        """Sends a contiguous, 16-byte aligned tensor's bytes to L2 (fire and forget)."""
-        err = self.prefetch_fn(t.data_ptr(), _nbytes(t),
-                               torch.cuda.current_stream(t.device).cuda_stream)
-        if err:
-            raise RuntimeError(f"the L2 prefetch failed to launch: {self.error(err)}")
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
         """int32 expert ids [pairs] (each below `experts`) sorted as a stable `torch.sort` sorts
@@ -315,13 +301,6 @@ class MmaGemv:
         if err:
             raise RuntimeError(f"the tensor-core MoE GEMV failed to launch: {self.error(err)} "
                                f"(N {n}, K {k}, pairs {pairs})")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError(f"a prefetch takes a contiguous, 16-byte aligned tensor, got "
-                         f"{tuple(t.shape)} strides {t.stride()}")
-    return t.numel() * t.element_size()
 
 
 def _nvcc() -> str | None:
