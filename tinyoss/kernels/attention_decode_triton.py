@@ -62,15 +62,13 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     max_splits, num_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    FINAL: tl.constexpr, STORED: tl.constexpr, LAUNCH_NEXT: tl.constexpr = 0):
+                    FINAL: tl.constexpr, STORED: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
     (every range fits one split): the attention output itself, sink included, into out.
     STORED: q is rotated and the new keys are in the cache already."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    if LAUNCH_NEXT == 1:
-        tl.extra.cuda.gdc_launch_dependents()
     lo = tl.load(ranges_ptr + 2 * b)
     hi = tl.load(ranges_ptr + 2 * b + 1)
     # this sequence's split: num_splits of them at most, whole BLOCK_KV steps, MIN_SPLIT keys
@@ -118,8 +116,6 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
-    if LAUNCH_NEXT == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     valid = rows < GROUP
     sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
     dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
@@ -157,15 +153,6 @@ def _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD:
         denom += w * tl.load(l_ptr + idx, cache_modifier=".cg")
         num += w[:, None] * tl.load(acc_ptr + idx[:, None] * D + d[None, :], cache_modifier=".cg")
     tl.store(dst, (num / denom[:, None]).to(dst.dtype.element_ty), mask=valid[:, None])
-
-
-def _launch_next(kernel: str) -> int:
-    """EXPERIMENT (TINYOSS_PDL): where a kernel lets the next one launch: 0 never, 1 at its
-    start, 2 after its main loop."""
-    import os
-
-    mode = os.environ.get("TINYOSS_PDL", "0")
-    return {"1": 1, "2": 2 if kernel == "attention" else 1}.get(mode, 0)
 
 
 class DecodeAttention:
@@ -207,6 +194,5 @@ class DecodeAttention:
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits, splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, MIN_SPLIT=MIN_SPLIT,
-            BLOCK_KV=BLOCK_KV, FINAL=final, STORED=stored,
-            LAUNCH_NEXT=_launch_next("attention") if q.is_cuda else 0, **common)
+            BLOCK_KV=BLOCK_KV, FINAL=final, STORED=stored, **common)
         return out

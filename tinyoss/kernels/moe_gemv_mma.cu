@@ -858,22 +858,13 @@ constexpr int STREAM_ROWS = 2, STREAM_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
 }
 
-__device__ __forceinline__ uint4 ldg_after_wait(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
-template <int VPL, int MAXM, bool EARLY>
+template <int VPL, int MAXM>
 __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
                       const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
@@ -888,18 +879,6 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * K);
 #pragma unroll
     for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
-  }
-  if (EARLY) {
-    // launched early (programmatic dependent launch): wait for the kernel before, which writes
-    // x, once the weights are here. ptxas would hoist the wait above the loads; a branch on
-    // every loaded vector (K > 0, so always taken) keeps it after them all.
-    uint32_t seen = (uint32_t)K;
-#pragma unroll
-    for (int r = 0; r < STREAM_ROWS; ++r) {
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) seen |= wv[r][i].x;
-    }
-    if (seen != 0u) asm volatile("griddepcontrol.wait;" ::: "memory");
   }
   float acc[MAXM][STREAM_ROWS] = {};
 #pragma unroll
@@ -917,9 +896,7 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     }
 #pragma unroll
     for (int mi = 0; mi < MAXM; ++mi) {
-      const uint4* xp = reinterpret_cast<const uint4*>(x) + mi * kv + j;
-      // early: a coherent load, which ptxas keeps after the wait (a read-only one it may not)
-      const uint4 xv = j < kv && mi < m ? (EARLY ? ldg_after_wait(xp) : __ldg(xp))
+      const uint4 xv = j < kv && mi < m ? __ldg(reinterpret_cast<const uint4*>(x) + mi * kv + j)
                                         : uint4{0, 0, 0, 0};
       const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
@@ -947,34 +924,23 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
 
 template <int VPL, int MAXM>
 int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out, int N,
-                        int K, bool early, cudaStream_t stream) {
+                        int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((N + rows - 1) / rows);
-  cfg.blockDim = dim3(STREAM_WARPS * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = early ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(
-      &cfg, early ? dense_gemv_stream<VPL, MAXM, true> : dense_gemv_stream<VPL, MAXM, false>,
-      static_cast<const __nv_bfloat16*>(x), m,
-      static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
-      static_cast<__nv_bfloat16*>(out), N, K);
-  return (int)(err != cudaSuccess ? err : cudaGetLastError());
+  dense_gemv_stream<VPL, MAXM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
 }
 
 template <int MAXM>
 int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias, void* out, int N,
-                          int K, bool early, cudaStream_t stream) {
+                          int K, cudaStream_t stream) {
   const int vpl = (K + 255) / 256;
   auto run = vpl <= 4    ? launch_dense_stream<4, MAXM>
              : vpl <= 8  ? launch_dense_stream<8, MAXM>
              : vpl <= 12 ? launch_dense_stream<12, MAXM>
                          : launch_dense_stream<16, MAXM>;
-  return run(x, m, w, bias, out, N, K, early, stream);
+  return run(x, m, w, bias, out, N, K, stream);
 }
 }  // namespace
 
@@ -1049,10 +1015,10 @@ extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8
 // A dense bf16 layer at 1-2 rows of x [m, K] (x and W 16-byte aligned, K in 8s up to 4096):
 // q/k/v, o and lm_head at batch 1, q/k/v and o at 2, and a tensor-parallel rank's shares.
 extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, const void* bias,
-                                         void* out, int N, int K, int early, void* stream) {
+                                         void* out, int N, int K, void* stream) {
   if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
   auto run = m == 1 ? launch_dense_stream_k<1> : launch_dense_stream_k<2>;
-  return run(x, m, w, bias, out, N, K, early != 0, static_cast<cudaStream_t>(stream));
+  return run(x, m, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
@@ -1101,22 +1067,14 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_mma<true, 4, 3, 1>,
                            (const void*)dense_gemv_mma<false, 8, 1, 4>,
                            (const void*)dense_gemv_mma<false, 8, 3, 1>,
-                           (const void*)dense_gemv_stream<4, 1, false>,
-                           (const void*)dense_gemv_stream<4, 1, true>,
-                           (const void*)dense_gemv_stream<8, 1, false>,
-                           (const void*)dense_gemv_stream<8, 1, true>,
-                           (const void*)dense_gemv_stream<12, 1, false>,
-                           (const void*)dense_gemv_stream<12, 1, true>,
-                           (const void*)dense_gemv_stream<16, 1, false>,
-                           (const void*)dense_gemv_stream<16, 1, true>,
-                           (const void*)dense_gemv_stream<4, 2, false>,
-                           (const void*)dense_gemv_stream<4, 2, true>,
-                           (const void*)dense_gemv_stream<8, 2, false>,
-                           (const void*)dense_gemv_stream<8, 2, true>,
-                           (const void*)dense_gemv_stream<12, 2, false>,
-                           (const void*)dense_gemv_stream<12, 2, true>,
-                           (const void*)dense_gemv_stream<16, 2, false>,
-                           (const void*)dense_gemv_stream<16, 2, true>,
+                           (const void*)dense_gemv_stream<4, 1>,
+                           (const void*)dense_gemv_stream<8, 1>,
+                           (const void*)dense_gemv_stream<12, 1>,
+                           (const void*)dense_gemv_stream<16, 1>,
+                           (const void*)dense_gemv_stream<4, 2>,
+                           (const void*)dense_gemv_stream<8, 2>,
+                           (const void*)dense_gemv_stream<12, 2>,
+                           (const void*)dense_gemv_stream<16, 2>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

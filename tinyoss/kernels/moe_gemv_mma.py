@@ -51,9 +51,6 @@ from tinyoss.tools.make_checkpoint import cache_dir
 
 log = logging.getLogger("tinyoss")
 
-# EXPERIMENT (TINYOSS_PDL): the streaming GEMV launched early, its weights loaded before it
-# waits for the kernel before
-EARLY_STREAM = os.environ.get("TINYOSS_PDL", "0") in ("1", "2", "3")
 GATE_UP_MIN_TOKENS = 1
 DOWN_MIN_TOKENS = 2  # at 1 token Gluon's down is faster
 GROUPED_MAX_TOKENS = 64  # measured faster than the grouped GEMMs up to here
@@ -105,7 +102,7 @@ class MmaGemv:
         self.stream_fn = lib.tinyoss_dense_gemv_stream
         self.stream_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_void_p]
+                                   ctypes.c_void_p]
         self.stream_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
@@ -229,7 +226,7 @@ class MmaGemv:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
         err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             weight.shape[0], weight.shape[1], int(EARLY_STREAM),
+                             weight.shape[0], weight.shape[1],
                              torch.cuda.current_stream(x.device).cuda_stream)
         if err:
             raise RuntimeError(f"the streaming dense GEMV failed to launch: {self.error(err)} "

@@ -357,13 +357,11 @@ def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _combine_norm(y_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
-                  BLOCK: tl.constexpr, LAUNCH_NEXT: tl.constexpr = 0):
+                  BLOCK: tl.constexpr):
     """Token t (program 0): moe = sum over k of y[t*TOPK + k], rounded to the activation dtype
     as `_combine` stores it; x = moe + res[t] (rounded likewise) over res[t]; out[t] =
     w * x * rsqrt(mean(x^2) + eps), as `layer_ops_triton._add_rms_norm_kernel` computes it."""
     t = tl.program_id(0).to(tl.int64)
-    if LAUNCH_NEXT == 1:
-        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     ok = cols < H
     tot = tl.zeros((BLOCK,), tl.float32)
@@ -743,9 +741,6 @@ def moe_norm_triton(
     t, h = x.shape
     normed = _empty((t, h), x.dtype, x.device)
     if t:
-        from tinyoss.kernels.attention_decode_triton import _launch_next
-
         _combine_norm[(t,)](y, residual, norm_weight, normed, h, eps, TOPK=topk_ids.shape[1],
-                            BLOCK=triton.next_power_of_2(h), num_warps=8,
-                            LAUNCH_NEXT=_launch_next("combine") if x.is_cuda else 0)
+                            BLOCK=triton.next_power_of_2(h), num_warps=8)
     return normed, residual
