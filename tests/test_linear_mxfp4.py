@@ -164,9 +164,11 @@ def test_cuda_graph_replay_gpu() -> None:
 # -- the tensor-core GEMV (moe_gemv_mma) on dense layers ---------------------------------------
 
 
+@pytest.mark.skipif(CUDA, reason="CPU tensors through the Triton kernels: the interpreter's")
 def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
     """q/k/v and lm_head (K 2880, rows in 64s, bf16) go to `mma.dense` up to GEMV_MAX_M rows;
-    o (K 4096), fp32 activations or biases, and prefill-sized M stay on the Triton kernels."""
+    o (K 4096), fp32 activations or biases, and prefill-sized M stay on the Triton kernels
+    (on CPU: the interpreter runs those)."""
     from tinyoss.kernels.moe_gemv_mma import MmaGemv
 
     meta = "meta"
@@ -191,7 +193,7 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
 
         def dense(self, x, blocks, scales, bias):
             self.calls.append(x.shape[0])
-            return mxfp4_linear_torch(x.float(), blocks, scales, bias).float()
+            return mxfp4_linear_torch(x, blocks, scales, bias)
 
     blocks, scales, bias = weights(N, K)
     for m, supported, want in ((1, True, [1]), (lt.GEMV_MAX_M, True, [lt.GEMV_MAX_M]),
@@ -207,16 +209,20 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
 @pytest.mark.parametrize("layer", ["qkv", "lm_head"])
 @pytest.mark.parametrize("m", [1, 3, 4])
 def test_tensor_core_gemv_real_shapes_gpu(layer: str, m: int, mma) -> None:
-    """fp32 outputs equal the fp32 reference on the bf16 activations to fp32 rounding (bound
-    1e-5: x is staged exactly, codes decode exactly, sums in fp32), with and without bias;
-    through `mxfp4_linear`, bf16 outputs, also replayed from a CUDA graph on new inputs."""
+    """bf16 outputs within one bf16 step of the fp32 reference on the bf16 activations (x is
+    staged exactly, codes decode exactly, sums in fp32, one rounding), with and without bias;
+    through `mxfp4_linear`, also replayed from a CUDA graph on new inputs."""
     n, k = REAL[layer]
     blocks, scales, bias = weights(n, k, seed=m, device="cuda", std=0.02)
     bias = bias.to(torch.bfloat16) if layer == "qkv" else None
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     ref = mxfp4_linear_torch(x.float(), blocks, scales, bias)
     got = mma.dense(x, blocks, scales, bias)
-    assert got.dtype == torch.float32 and rel(got, ref) < 1e-5
+    assert got.dtype == torch.bfloat16
+    # a bf16 step at |ref|, 2**(exponent - 7): at most one off, plus fp32 summation order
+    # near zero
+    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    assert ((got.float() - ref).abs() <= step + 1e-6 * ref.abs().max()).all()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = lt.mxfp4_linear(x, blocks, scales, bias, mma=mma)

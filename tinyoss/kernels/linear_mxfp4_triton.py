@@ -239,6 +239,6 @@ def mxfp4_linear(
     The path depends only on the static M, so a captured decode graph never changes path."""
     if x.shape[0] <= GEMV_MAX_M:
         if mma is not None and mma.supports_dense(x, blocks, scales, bias):
-            return mma.dense(x, blocks, scales, bias).to(x.dtype)
+            return mma.dense(x, blocks, scales, bias)
         return linear_gemv(x, blocks, scales, bias)
     return linear_gemm(x, blocks, scales, bias)

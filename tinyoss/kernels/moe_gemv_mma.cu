@@ -149,10 +149,13 @@ __device__ __forceinline__ float stage_x(const XT* __restrict__ xr, int K, uint4
 // Rows ra and rb of a pair's output from their sums: the decode's 2**-14 and x's staging factor
 // undone, the bias added, then the clamped SwiGLU of the (gate ra, up rb) pair or each row times
 // the routing weight.
-template <bool SWIGLU>
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+
+template <bool SWIGLU, typename OT>
 __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int ra, int rb,
                                       int pair, long e, const __nv_bfloat16* __restrict__ bias,
-                                      const float* __restrict__ wts, float* __restrict__ out,
+                                      const float* __restrict__ wts, OT* __restrict__ out,
                                       int N, float alpha, float limit) {
   const float undo = 16384.f / pre;
   const float ha = acc_a * undo + (bias ? __bfloat162float(bias[e * N + ra]) : 0.f);
@@ -160,11 +163,11 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
   if (SWIGLU) {
     const float gate = fminf(ha, limit);
     const float up = fminf(fmaxf(hb, -limit), limit);
-    out[(long)pair * (N / 2) + ra / 2] = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
+    put(out + (long)pair * (N / 2) + ra / 2, (up + 1.f) * gate / (1.f + expf(-alpha * gate)));
   } else {
     const float wt = wts ? wts[pair] : 1.f;
-    out[(long)pair * N + ra] = ha * wt;
-    out[(long)pair * N + rb] = hb * wt;
+    put(out + (long)pair * N + ra, ha * wt);
+    put(out + (long)pair * N + rb, hb * wt);
   }
 }
 
@@ -174,12 +177,14 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
 // TILES: 16-row tiles a program; TAIL: K's blocks need not divide into KSPLIT parts of whole
 // load groups (a tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, bool TAIL = false>
+// OT: the output's type (bf16 for a dense layer).
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, bool TAIL = false,
+          typename OT = float>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
-                  float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                  OT* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                   long stride_se, float alpha, float limit) {
   constexpr bool SPLIT = std::is_same<XT, float>::value;  // fp32 x: hi + lo
   constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
@@ -262,17 +267,18 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
-           const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
+           const uint8_t* s, const void* bias, const float* wts, OT* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
            cudaStream_t stream) {
   constexpr int ROWS = 16 * TILES;
   if (N % ROWS || K % 32 || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (std::is_same<XT, float>::value ? 2 : 1) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
-  auto kernel = K % (32 * U * KSPLIT) ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true>
-                                      : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false>;
+  auto kernel = K % (32 * U * KSPLIT)
+                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT>
+                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT>;
   kernel<<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
@@ -987,18 +993,20 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
 
-// A dense MXFP4 layer (`--mxfp4-layers`; K 2880: q/k/v and lm_head), M rows of x [M, K] bf16:
-// 16-row programs in K thirds for layers of few rows, so that they still fill the GPU; 64-row
-// programs for lm_head's 201088.
+// A dense MXFP4 layer (`--mxfp4-layers`; K 2880: q/k/v and lm_head), M rows of x [M, K] bf16,
+// bf16 out (no conversion launch after it): 16-row programs in K thirds for layers of few rows,
+// so that they still fill the GPU; 64-row programs for lm_head's 201088. (o, K 4096, measured
+// 10.6 us here against 9.7 on the Triton GEMV: bench/results/2026-11-26_session19.md.)
 #define TINYOSS_DENSE false, 10, 3, 1, __nv_bfloat16
 #define TINYOSS_DENSE_WIDE false, 9, 2, 4, __nv_bfloat16
 
 extern "C" int tinyoss_dense_mma(const void* x, int rows, const uint8_t* q, const uint8_t* s,
-                                 const void* bias, float* out, int N, int K, int stride_q,
+                                 const void* bias, void* out, int N, int K, int stride_q,
                                  void* stream) {
-  auto run = N >= 16384 ? launch<TINYOSS_DENSE_WIDE> : launch<TINYOSS_DENSE>;
-  return run(x, 1, nullptr, rows, q, s, bias, nullptr, out, N, K, 0, stride_q, 0, 0.f, 0.f,
-             static_cast<cudaStream_t>(stream));
+  using B = __nv_bfloat16;
+  auto run = N >= 16384 ? launch<TINYOSS_DENSE_WIDE, B> : launch<TINYOSS_DENSE, B>;
+  return run(x, 1, nullptr, rows, q, s, bias, nullptr, static_cast<B*>(out), N, K, 0, stride_q,
+             0, 0.f, 0.f, static_cast<cudaStream_t>(stream));
 }
 
 // Dense bf16 / FP8 layers at 1-8 rows: 16-row tiles in K thirds for layers of few rows, 64-row
@@ -1056,8 +1064,8 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN, true>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW, true>,
-                           (const void*)pair_gemv_mma<TINYOSS_DENSE>,
-                           (const void*)pair_gemv_mma<TINYOSS_DENSE_WIDE>,
+                           (const void*)pair_gemv_mma<TINYOSS_DENSE, false, __nv_bfloat16>,
+                           (const void*)pair_gemv_mma<TINYOSS_DENSE_WIDE, false, __nv_bfloat16>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED>,
                            (const void*)group_gemv_mma<TINYOSS_GATE_UP_GROUPED_NARROW>,
                            (const void*)group_gemv_mma<TINYOSS_DOWN_GROUPED>,

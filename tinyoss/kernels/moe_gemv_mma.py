@@ -3,7 +3,8 @@
 kernel grouped by expert above that, up to GROUPED_MAX_TOKENS.
 
 The same pair kernel also takes the dense layers quantized to MXFP4 at load (`--mxfp4-layers`)
-whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEMV (`dense`);
+whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEMV (`dense`, bf16
+out);
 and `linear` runs bf16 or FP8 dense layers for 1-8 rows of x, each a column of the MMA (the
 weights read once), which `linear_triton` takes for lm_head from 2 rows, where it measured
 faster (bench/results/2026-11-25_h100_dense_mma.md). `stream_linear`, the library's one
@@ -148,7 +149,8 @@ class MmaGemv:
     def supports_dense(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None) -> bool:
         """A dense MXFP4 layer these kernels take: bf16 x [M, 2880] and bias, rows in 64s,
-        contiguous blocks and scales (q/k/v and lm_head of gpt-oss; o has K 4096)."""
+        contiguous blocks and scales (q/k/v and lm_head of gpt-oss; o, K 4096, is faster on the
+        Triton GEMV)."""
         n, nblk = blocks.shape[:2]
         return (x.dtype == torch.bfloat16 and x.dim() == 2 and nblk * 32 == 2880 == x.shape[1]
                 and n % 64 == 0 and blocks.is_contiguous() and scales.is_contiguous()
@@ -156,10 +158,11 @@ class MmaGemv:
 
     def dense(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] bf16 @ W.T (+ bias) -> [M, N] fp32, W the MXFP4 `blocks` [N, K/32, 16] and
-        `scales` [N, K/32] (`supports_dense`): each row of x is a pair of one expert."""
+        """x [M, K] bf16 @ W.T (+ bias) -> [M, N] bf16 (fp32 sums, rounded once), W the MXFP4
+        `blocks` [N, K/32, 16] and `scales` [N, K/32] (`supports_dense`): each row of x is a
+        pair of one expert."""
         x = x.contiguous()
-        out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.bfloat16, device=x.device)
         if x.shape[0] == 0:
             return out
         err = self.dense_fn(x.data_ptr(), x.shape[0], blocks.data_ptr(), scales.data_ptr(),
