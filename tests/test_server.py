@@ -788,10 +788,14 @@ def test_non_finite_numbers_and_a_huge_thinking_budget_are_400s(srv):
              '{"type": "object", "default": -Infinity}}]}', "tools[0].parameters.default"),
             ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
              '"json_schema", "json_schema": {"name": "n", "schema": {"minimum": 1e999}}}}',
-             "response_format.json_schema.schema.minimum")):
+             "response_format.json_schema.schema.minimum"),
+            # longer than Python reads (it raised its own hint, naming no field)
+            ('{"messages": [{"role": "user", "content": "x"}], "seed": -' + "7" * 4301 + "}",
+             "seed")):
         path = resp if raw.startswith('{"input"') else chat
         err = error(post(srv, path, raw), 400)
         assert err["param"] == param and "is not a JSON number" in err["message"], err
+        assert len(err["message"]) < 300, err
     err = error(post(srv, chat, {"messages": user("x"), "thinking_token_budget": 2**64}), 400)
     assert err["param"] == "thinking_token_budget" and "max_model_len" in err["message"]
     # more messages than the context could hold (4 tokens each at least): refused by count,

@@ -416,15 +416,22 @@ def _footprint(raw: str) -> int:
 
 
 class _NonFinite:
-    """What NaN, Infinity or 1e999 parses to, until the body is refused naming its field."""
+    """What NaN, Infinity, 1e999 or an integer too long to read parses to, until the body is
+    refused naming its field."""
 
     def __init__(self, text: str) -> None:
         self.text = text
 
 
+# Python reads integers of up to this many digits (sys.get_int_max_str_digits' default); a longer
+# one would fail with Python's own hint, naming no field
+_MAX_INT_DIGITS = 4300
+
+
 def _loads(raw: str) -> Any:
     """JSON as the standard defines it: NaN, Infinity and numbers beyond a double are a 400
-    naming their field (a schema or tool carrying them could not be written back out)."""
+    naming their field (a schema or tool carrying them could not be written back out), and so
+    is an integer of more than _MAX_INT_DIGITS digits."""
     found: list[_NonFinite] = []
 
     def non_finite(text: str) -> _NonFinite:
@@ -435,12 +442,17 @@ def _loads(raw: str) -> Any:
         value = float(text)
         return value if math.isfinite(value) else non_finite(text)
 
-    body = json.loads(raw, parse_constant=non_finite, parse_float=number)
+    def integer(text: str) -> int | _NonFinite:
+        return int(text) if len(text.lstrip("-")) <= _MAX_INT_DIGITS else non_finite(text)
+
+    body = json.loads(raw, parse_constant=non_finite, parse_float=number, parse_int=integer)
     if found:
         path = _path_to(body, found[0])
-        raise APIError(400, f"{path or 'the request body'}={found[0].text[:40]} is not a JSON "
-                       "number (JSON has no NaN or Infinity, and numbers must fit a 64-bit "
-                       "float)", param=path or None)
+        text = found[0].text
+        shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+        raise APIError(400, f"{path or 'the request body'}={shown} is not a JSON number this "
+                       "server reads (JSON has no NaN or Infinity, and numbers must fit a "
+                       "64-bit float)", param=path or None)
     return body
 
 
