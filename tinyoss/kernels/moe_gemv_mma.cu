@@ -995,8 +995,8 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
 
 // A dense MXFP4 layer (`--mxfp4-layers`; K 2880: q/k/v and lm_head), M rows of x [M, K] bf16,
 // bf16 out (no conversion launch after it): 16-row programs in K thirds for layers of few rows,
-// so that they still fill the GPU; 64-row programs for lm_head's 201088. (o, K 4096, measured
-// 10.6 us here against 9.7 on the Triton GEMV: bench/results/2026-11-26_session19.md.)
+// so that they still fill the GPU; 64-row programs for lm_head's 201088. (o, K 4096, ran slower
+// here than on the Triton GEMV: bench/results/2026-11-26_session19.md.)
 #define TINYOSS_DENSE false, 10, 3, 1, __nv_bfloat16
 #define TINYOSS_DENSE_WIDE false, 9, 2, 4, __nv_bfloat16
 
