@@ -324,6 +324,11 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
         ({"input": "hi", "background": True}, "background", "not supported"),
         ({"input": [{"type": "image_generation_call"}]}, "input[0].type", "not supported"),
+        # a type that is no string (a list, an object) was a 500: unhashable in the lookup
+        ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type",
+         "must be message, function_call"),
+        ({"input": [{"role": "user", "content": [{"type": {"t": 1}, "text": "x"}]}]},
+         "input[0].content[0]", "must be"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "robot"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
          "input[0].content[0]", "text only"),

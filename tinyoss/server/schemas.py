@@ -397,7 +397,10 @@ def _by_type(kind: Any, expected: str, at_type: bool = False) -> Any:
     def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         if not isinstance(value, dict):
             raise PydanticCustomError("dict_type", "must be an object")
-        model = models.get(value.get("type"))
+        kind = value.get("type")
+        # a type that is no string (a list, an object) names no model, rather than failing the
+        # lookup (unhashable: a 500)
+        model = models.get(kind) if kind is None or isinstance(kind, str) else None
         if model is None:
             error = PydanticCustomError("either", "must be {expected}", {"expected": expected})
             at = ("type",) if at_type else ()
