@@ -208,6 +208,25 @@ def test_headers_beyond_max_header_bytes_get_431(api: Api) -> None:
     api.ok_completion("--max-header-bytes")
 
 
+def test_a_body_sent_after_an_early_answer_is_not_read_as_headers(api: Api) -> None:
+    """An error answered before the body arrives (here a 404 for an unknown path): the body
+    that follows is still read as that request's, and the next request on the connection is
+    answered (the body's bytes had counted as the next request's headers: a 431, then a
+    reset)."""
+    body = b"x" * 100_000
+    sock = connect(api)
+    try:
+        sock.sendall(http_head("POST", "/v1/nope", {"Content-Type": "application/json",
+                                                    "Content-Length": str(len(body))}))
+        r = read_response(sock, 5.0)
+        assert r.status == 404, r
+        sock.sendall(body + http_head("GET", "/v1/models"))
+        r = read_response(sock, 5.0)
+        assert r.status == 200, r
+    finally:
+        sock.close()
+
+
 # ------------------------------------------------------------------------ far beyond context
 
 

@@ -56,6 +56,7 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
     class LimitedHttp(HttpToolsProtocol):
         _header_timer = None
         _header_bytes = 0
+        _body_done = True  # the request's body is read to its end (the next headers may come)
 
         def _arm(self) -> None:
             self._disarm()
@@ -89,6 +90,7 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._body_done = False
             most = limits.max_connections
             if len(self.connections) > most or len(self.tasks) >= most:
                 app, self.app = self.app, _too_many_connections
@@ -99,8 +101,22 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
             else:
                 super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._body_done = True
+            if self.cycle is not None and self.cycle.response_complete:
+                self._next_headers()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self._body_done:
+                self._next_headers()
+
+        def _next_headers(self) -> None:
+            """The next request's headers are counted and timed from here: once both the
+            response and the request's body are complete. An error answered before the body
+            arrived (404, 413, 401) had counted the rest of the body as the next headers: a
+            431 and a reset for the request after it."""
             if not self.transport.is_closing():
                 self._arm()
 
