@@ -323,6 +323,11 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
     [
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
         ({"input": "hi", "background": True}, "background", "not supported"),
+        # chat spellings were ignored: max_tokens left the answer unbounded
+        ({"input": "hi", "max_tokens": 5}, "max_tokens", "give max_output_tokens"),
+        ({"input": "hi", "response_format": {"type": "json_object"}}, "response_format",
+         "give text.format"),
+        ({"input": "hi", "messages": []}, "messages", "give the conversation as input"),
         ({"input": [{"type": "image_generation_call"}]}, "input[0].type", "not supported"),
         # a type that is no string (a list, an object) was a 500: unhashable in the lookup
         ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type",

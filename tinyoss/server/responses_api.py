@@ -92,6 +92,19 @@ class ResponsesRequest:
         return APIError(e.status, rename(e.message), param=param, code=e.code, headers=e.headers)
 
 
+# Chat completions' spellings that /v1/responses does not read: refused by name, since a body
+# carrying them (a max_tokens left unbounded, JSON mode silently off) would get another answer
+# than its sender expects
+_CHAT_FIELDS = {
+    "messages": "give the conversation as input",
+    "max_tokens": "give max_output_tokens",
+    "max_completion_tokens": "give max_output_tokens",
+    "response_format": "give text.format",
+    "n": "a request makes one response",
+    "stop": "stop sequences are not supported here (use /v1/chat/completions)",
+}
+
+
 def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesRequest:
     """Checks a Responses body and makes it a chat body; `previous(id)` is the conversation
     (input and output items) of a stored response, or raises its 404. The model checks the
@@ -109,6 +122,9 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         ("prompt", "prompt templates are not supported: send instructions and input"),
     ):
         _need(body.get(name) is None, name, f"{name} is not supported: {why}")
+    for name, why in _CHAT_FIELDS.items():  # ignored, they would change the answer unseen
+        _need(name not in body, name, f"{name} is a chat completions field, not one of "
+              f"/v1/responses: {why}")
     _need(
         req.truncation in (None, "disabled"),
         "truncation",
