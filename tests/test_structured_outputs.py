@@ -140,6 +140,47 @@ def test_the_engine_fails_only_the_request_whose_grammar_is_beyond_limits(llm):
     assert good.outputs[0].finish_reason == "stop" and good.outputs[0].text in ("yes", "no")
 
 
+def test_a_grammar_is_built_while_other_requests_step(llm, monkeypatch):
+    """A matcher is built off the step loop: while one is being built (here held until
+    released) a free request beside it runs to its end, and the constrained one starts once its
+    matcher is there, with n=2 each its own, aborting another mid-build loses nothing. The
+    loop had built matchers inline: a 64,000-choice grammar stalled every stream ~1.8 s."""
+    import threading
+
+    grammars = llm.engine.executor.grammars
+    release, started, build = threading.Event(), threading.Event(), grammars.matcher
+
+    def held(spec):
+        started.set()
+        assert release.wait(30), "the test never released the build"
+        return build(spec)
+
+    monkeypatch.setattr(grammars, "matcher", held)
+    yes_no = SamplingParams(n=2, max_tokens=8, seed=3, temperature=1,
+                            structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    gone = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="[a-z]+"))
+    held_id = llm._submit("Answer:", yes_no)
+    gone_id = llm._submit("Word:", gone)
+    free_id = llm._submit("Free text", SamplingParams(max_tokens=6, temperature=0))
+    assert started.wait(30)
+    free = []
+    while not (free and free[-1].finished):
+        free += llm._outputs([free_id])
+    assert len(free[-1].outputs[0].token_ids) == 6
+    assert llm.engine.prompt_progress(held_id) == (0, len(llm.tokenizer.encode("Answer:")))
+    llm._abort(gone_id)
+    release.set()
+    done = []
+    while not (done and all(o.finished for o in done[-1:])):
+        done += llm._outputs([held_id])
+    monkeypatch.undo()
+    texts = sorted(c.text for c in done[-1].outputs)
+    assert all(t in ("yes", "no") for t in texts), texts
+    while llm.engine.has_work():  # a step chained ahead of the last results
+        llm.engine.step()
+    assert not llm.engine.requests and not llm.engine.executor.prebuilt
+
+
 def test_json_schemas_on_raw_prompts_with_and_without_async_scheduling(llm):
     params = [
         SamplingParams(max_tokens=80, seed=i, temperature=0 if i == 0 else 1,

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from tinyoss.engine.executor import Executor, LaunchedStep
+from tinyoss.engine.grammar import Matcher
 from tinyoss.engine.scheduler import Scheduler
 from tinyoss.engine.sequence import Sequence
 from tinyoss.engine.speculative import Proposer, can_speculate
@@ -133,6 +135,9 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._in_flight: tuple[StepPlan, LaunchedStep] | None = None
+        # requests whose grammar matcher is being built, off the step loop (`_admit_built`)
+        self._building: list[tuple[Future, list[Sequence]]] = []
+        self._grammar_pool: ThreadPoolExecutor | None = None
         # speculative decoding: drafts up to `num_speculative_tokens` tokens a step, from a
         # proposer on the host (n-gram lookup) or from the executor's draft model, which
         # returns each sequence's drafts with its step's results (`drafted`)
@@ -162,8 +167,42 @@ class EngineCore:
         self.requests[request.request_id] = seqs
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+        spec, grammars = request.params.structured_outputs, self.executor.grammars
+        if spec is not None and grammars is not None:
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="tinyoss-grammar")
+            self._building.append((self._grammar_pool.submit(grammars.matcher, spec), seqs))
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def _admit_built(self) -> None:
+        """Requests whose grammar matcher is built join the scheduler, the matchers (or why
+        none could be built) handed to the executor. A large grammar takes seconds to build
+        (64,000 choices: ~1.8 s), which the step loop, and every stream in it, had waited for;
+        a worker thread builds it now (llguidance releases the GIL). With nothing else to run,
+        this waits a little for a build rather than spin."""
+        if not self._building:
+            return
+        if self._in_flight is None and not self.scheduler.running and not self.scheduler.waiting:
+            wait([f for f, _ in self._building], timeout=0.01, return_when=FIRST_COMPLETED)
+        building = []
+        for future, seqs in self._building:
+            if not future.done():
+                building.append((future, seqs))
+                continue
+            try:
+                built: Matcher | ValueError = future.result()
+            except ValueError as e:
+                built = e
+            for i, seq in enumerate(seqs):
+                if seq.finished:  # aborted while its grammar was built
+                    continue
+                mine = built.copy() if i and isinstance(built, Matcher) else built
+                self.executor.prebuilt[seq.seq_id] = mine
+                self.scheduler.add(seq)
+        self._building = building
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Stops a request (or one of its sequences) now and frees its blocks; False if it is
@@ -203,6 +242,7 @@ class EngineCore:
         """Takes the results of one step (launching it first unless it already runs) and
         returns what changed; with async scheduling the next step is launched before those
         results are read."""
+        self._admit_built()
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             if self.num_speculative_tokens:
@@ -231,7 +271,9 @@ class EngineCore:
         return deltas
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (a single-GPU core holds nothing to stop)."""
+        """Stops the grammar builds under way and the tensor-parallel workers, if any."""
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self.executor.peers is not None:
             self.executor.drop_graphs()
             self.executor.peers.close()
@@ -331,6 +373,7 @@ class EngineCore:
 
     def _drop(self, seq: Sequence) -> None:
         self.drafted.pop(seq.seq_id, None)
+        self.executor.prebuilt.pop(seq.seq_id, None)
         self.scheduler.remove(seq)
         del self._seqs[seq.seq_id]
 

@@ -49,8 +49,11 @@ class SamplerState:
     __slots__ += ("min_tokens_stop_ids", "grammar", "error")
 
     def __init__(
-        self, new: NewSeq, device: torch.device, grammars: GrammarCompiler | None
+        self, new: NewSeq, device: torch.device, grammars: GrammarCompiler | None,
+        prebuilt: Matcher | ValueError | None = None,
     ) -> None:
+        """`prebuilt`: the sequence's grammar matcher, built off the step loop (or why it
+        could not be); else it is built here."""
         self.params: SamplingParams = new.params
         self.prompt_token_ids = new.prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -64,9 +67,11 @@ class SamplerState:
         spec = new.params.structured_outputs
         if spec is not None:
             try:
+                if isinstance(prebuilt, ValueError):
+                    raise prebuilt
                 if grammars is None:
                     raise ValueError("this engine was built without a tokenizer for grammars")
-                self.grammar = grammars.matcher(spec)
+                self.grammar = prebuilt or grammars.matcher(spec)
             except ValueError as e:
                 self.error = ("invalid_grammar", str(e))
 
@@ -172,6 +177,8 @@ class Executor:
         self.grammars = grammars
         self.sampler = Sampler()
         self.states: dict[int, SamplerState] = {}
+        # grammar matchers built off the step loop, by sequence, until it is first planned
+        self.prebuilt: dict[int, Matcher | ValueError] = {}
         self._last: LaunchedStep | None = None  # the step a chained plan reads its tokens from
 
     def drop_graphs(self) -> None:
@@ -201,7 +208,8 @@ class Executor:
         for seq_id in plan.finished:
             self.states.pop(seq_id, None)
         for new in plan.new:
-            self.states[new.seq_id] = SamplerState(new, self.device, self.grammars)
+            self.states[new.seq_id] = SamplerState(new, self.device, self.grammars,
+                                                   self.prebuilt.pop(new.seq_id, None))
         chained = self._chained_ids(plan)
         out = self.forward(plan, chained)
         prompt = {

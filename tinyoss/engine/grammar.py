@@ -121,6 +121,10 @@ class Matcher:
         self._m = matcher
         self.allowed: torch.Tensor | None = None  # the last mask `fill` gave it (bit row)
 
+    def copy(self) -> Matcher:
+        """A matcher at the same position, for another sequence (n > 1)."""
+        return Matcher(self._m.deep_copy())
+
     def consume(self, token: int) -> tuple[str, str] | None:
         """Advances past `token`; else (error code, reason). A token its last mask allowed
         that the parser still cannot take means the grammar is beyond llguidance's limits (a
