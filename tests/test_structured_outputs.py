@@ -303,6 +303,16 @@ def test_schemas_that_cannot_be_enforced_are_refused_by_name(schema, words):
     assert chat_constraint(StructuredOutputs(json_object=True), tools=[bad_tool]) is not None
 
 
+def test_the_grammar_engines_internal_assertions_are_said_plainly():
+    """A choice of 100,000 strings failed in llguidance's Rust source (`panic: assertion
+    failed: grammar.symbols.len() < u16::MAX ...`), which the client read as is."""
+    from tinyoss.engine.grammar import _plain
+
+    said = _plain("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10")
+    assert "u16" not in said and "beyond the grammar engine's limits" in said
+    assert _plain("regex parse error: x") == "regex parse error: x"
+
+
 def test_nothing_to_constrain_means_no_grammar():
     assert chat_constraint() is None
     assert chat_constraint(tools=[WEATHER]) is None  # "auto": the model decides

@@ -73,9 +73,17 @@ def check(spec: StructuredOutputs) -> None:
         raise ValueError(f"the {spec.kind} cannot be enforced: {e}") from None
     error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
     if error:
-        raise ValueError(f"the {spec.kind} cannot be enforced: {messages[0]}")
+        raise ValueError(f"the {spec.kind} cannot be enforced: {_plain(messages[0])}")
     if _matches_nothing(grammar):
         raise ValueError(f"the {spec.kind} matches no text at all, so no answer can follow it")
+
+
+def _plain(why: str) -> str:
+    """llguidance's reason, except an internal assertion (its Rust source's words, e.g. a
+    choice of 100,000 strings overflowing a 16-bit symbol table), said as what it means."""
+    if why.startswith("panic"):
+        return "it is beyond the grammar engine's limits: make it smaller or simpler"
+    return why
 
 
 class _ByteVocabulary:
@@ -169,7 +177,7 @@ class GrammarCompiler:
         """A matcher at the start of `spec`'s grammar; ValueError when it cannot be built."""
         m = _llguidance().LLMatcher(self.tokenizer, to_grammar(spec))
         if m.is_error():
-            raise ValueError(f"the {spec.kind} cannot be enforced: {m.get_error()}")
+            raise ValueError(f"the {spec.kind} cannot be enforced: {_plain(m.get_error())}")
         return Matcher(m)
 
     def fill(self, matchers: list[Matcher]) -> torch.Tensor:
