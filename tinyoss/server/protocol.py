@@ -169,6 +169,8 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     params = _sampling(
         body,
         info.vocab_size,
+        # an error names the field the client gave
+        spelled={} if max_tokens is None else {"max_tokens": "max_completion_tokens"},
         max_tokens=req.max_tokens if max_tokens is None else max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         stop=req.stop,
@@ -377,7 +379,10 @@ def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bo
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # each stop string is searched for at every token
 
 
-def _sampling(body: dict, vocab_size: int, **fields: Any) -> SamplingParams:
+def _sampling(body: dict, vocab_size: int, spelled: dict[str, str] | None = None,
+              **fields: Any) -> SamplingParams:
+    """The body's sampling fields and `fields` as SamplingParams; a refused value is a 400
+    naming its field, as the client spelled it (`spelled`: ours -> theirs)."""
     kwargs = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
     stop = fields.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
@@ -392,8 +397,11 @@ def _sampling(body: dict, vocab_size: int, **fields: Any) -> SamplingParams:
     try:
         return SamplingParams(**kwargs, **fields)
     except ValueError as e:
-        name = str(e).split("=", 1)[0]
-        raise APIError(400, str(e), param=name if name.isidentifier() else None) from e
+        text = str(e)
+        name = text.split("=", 1)[0]
+        if name in (spelled or {}):
+            text, name = spelled[name] + text[len(name):], spelled[name]
+        raise APIError(400, text, param=name if name.isidentifier() else None) from e
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
