@@ -816,7 +816,8 @@ def test_an_engine_failure_counts_as_error_not_abort(srv):
         return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(head)))
 
     before = count("error"), count("abort")
-    many = {"structured_outputs": {"choice": [f"w{i}" for i in range(3000)]}}
+    many = {"structured_outputs": {"grammar": "start: " + " | ".join(
+        f'"w{i}"' for i in range(3000))}}
     r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 3, **many})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar"
     assert (count("error"), count("abort")) == (before[0] + 1, before[1])

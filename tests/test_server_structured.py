@@ -206,10 +206,15 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(srv, extra, param, words):
 
 
 def test_a_grammar_beyond_the_parsers_limits_is_a_400(srv):
-    """3,000 choices pass every check before admission (the byte vocabulary's parser takes
-    them) and fail at the first sampled token: a 400 naming the limit, not a 500, and the
-    server answers the next request."""
-    many = {"structured_outputs": {"choice": [f"w{i}" for i in range(3000)]}}
+    """A rule of 3,000 alternatives passes every check before admission (the byte
+    vocabulary's parser takes it) and fails at the first sampled token: a 400 naming the
+    limit, not a 500, and the server answers the next request. (A choice of that many strings
+    is refused at the check.)"""
+    many = {"structured_outputs": {"grammar": "start: " + " | ".join(
+        f'"w{i}"' for i in range(3000))}}
+    r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 5, "structured_outputs":
+                                      {"choice": [f"w{i}" for i in range(3000)]}})
+    assert r.status_code == 400 and "at most 1999" in r.json()["error"]["message"], r.text
     r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 5, **many})
     assert r.status_code == 400, r.text
     err = r.json()["error"]

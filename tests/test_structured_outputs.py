@@ -127,9 +127,9 @@ def test_a_grammar_beyond_the_parsers_limits_is_the_requests_fault():
 
 
 def test_the_engine_fails_only_the_request_whose_grammar_is_beyond_limits(llm):
-    """Through the engine: the request with 3,000 choices ends with finish_reason "error" and
-    code "invalid_grammar"; the request beside it finishes."""
-    many = StructuredOutputs(choice=[f"w{i}" for i in range(3000)])
+    """Through the engine: the request whose grammar has a rule of 3,000 alternatives ends
+    with finish_reason "error" and code "invalid_grammar"; the request beside it finishes."""
+    many = StructuredOutputs(grammar="start: " + " | ".join(f'"w{i}"' for i in range(3000)))
     bad, good = llm.generate(["Pick:", "Pick:"], [
         SamplingParams(max_tokens=8, temperature=0, structured_outputs=many),
         SamplingParams(max_tokens=8, temperature=0,
@@ -301,6 +301,16 @@ def test_schemas_that_cannot_be_enforced_are_refused_by_name(schema, words):
     assert e.value.param == "tools[1].function.parameters"
     # a tool the model may choose not to call does not fail the request: any object instead
     assert chat_constraint(StructuredOutputs(json_object=True), tools=[bad_tool]) is not None
+
+
+def test_a_choice_beyond_the_parsers_row_is_refused_before_building():
+    """2,000 strings fail at the first token (the parser's row holds 2,000 items), after
+    seconds of building at 64,000: refused at the check; 1,999 are followed."""
+    from tinyoss.engine.grammar import MAX_CHOICES
+
+    with pytest.raises(ValueError, match="at most 1999"):
+        check(StructuredOutputs(choice=[f"w{i}" for i in range(MAX_CHOICES + 1)]))
+    check(StructuredOutputs(choice=[f"w{i}" for i in range(MAX_CHOICES)]))
 
 
 def test_the_grammar_engines_internal_assertions_are_said_plainly():

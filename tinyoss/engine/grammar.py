@@ -63,10 +63,20 @@ def to_grammar(spec: StructuredOutputs) -> str:
     return ll.grammar_from_lark(spec.grammar)
 
 
+# llguidance's parser holds at most 2,000 items in a row: a choice of more strings fails at its
+# first token, after seconds of building (64,000 strings: ~5 s of a CPU)
+MAX_CHOICES = 1999
+
+
 def check(spec: StructuredOutputs) -> None:
     """Raises ValueError with llguidance's own words when `spec` cannot be enforced (a schema
-    keyword it does not implement, a bad regex, an unsatisfiable bound). Special tokens in a
-    Lark grammar are checked later, against the tokenizer, when the engine builds a matcher."""
+    keyword it does not implement, a bad regex, an unsatisfiable bound), and for a choice of
+    more than MAX_CHOICES strings. Special tokens in a Lark grammar are checked later, against
+    the tokenizer, when the engine builds a matcher."""
+    if spec.choice is not None and len(spec.choice) > MAX_CHOICES:
+        raise ValueError(f"the choice holds {len(spec.choice)} strings: the grammar engine "
+                         f"follows at most {MAX_CHOICES}; give fewer, or a regex that covers "
+                         "them")
     try:
         grammar = to_grammar(spec)
     except ValueError as e:
