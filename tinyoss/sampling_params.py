@@ -46,12 +46,10 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object is True else []
-        _check(
-            "structured_outputs",
-            self,
-            len(given) == 1,
-            "exactly one of json, json_object, regex, choice or grammar",
-        )
+        if len(given) != 1:  # (named, not shown: the whole object is no help)
+            kinds = "json, json_object, regex, choice or grammar"
+            raise ValueError(f"{' and '.join(given)} are given: give exactly one of {kinds}"
+                             if given else f"none of {kinds} is given: give exactly one")
         _check("json", self.json, self.json is None or isinstance(self.json, (dict, str)),
                "a JSON schema (a dict, or its JSON text)")  # fmt: skip
         _check("json_object", self.json_object, isinstance(self.json_object, bool), "a bool")

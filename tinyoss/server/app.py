@@ -445,7 +445,10 @@ def _loads(raw: str) -> Any:
     def integer(text: str) -> int | _NonFinite:
         return int(text) if len(text.lstrip("-")) <= _MAX_INT_DIGITS else non_finite(text)
 
-    body = json.loads(raw, parse_constant=non_finite, parse_float=number, parse_int=integer)
+    # a leading byte-order mark is ignored, as RFC 8259 lets a parser (Python's json refused
+    # it with its own hint)
+    body = json.loads(raw.removeprefix("\ufeff"), parse_constant=non_finite,
+                      parse_float=number, parse_int=integer)
     if found:
         path = _path_to(body, found[0])
         text = found[0].text
