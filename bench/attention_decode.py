@@ -9,13 +9,17 @@ KV bytes a layer reads over that time.
 Each config is MIN_SPLIT/MAX_SPLITS/TARGET_PROGRAMS of the module (keys a program at least,
 splits a sequence at most, programs a launch aimed at); 2048/64/99999 is how a workspace for
 131,072 tokens split every sequence before each sequence's splits came from its own length.
+`--baseline FILE` times another copy of the module beside it in the same run, e.g. one from
+`git show REV:tinyoss/kernels/attention_decode_triton.py > FILE`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -27,7 +31,16 @@ from tinyoss.kernels import attention_decode_triton as adt  # noqa: E402
 HQ, HK, D, PAGE, LAYERS, WINDOW = 64, 8, 64, 16, 24, 128
 
 
-def layer_us(batch: int, context: int, max_len: int) -> tuple[float, float]:
+def module_from(path: Path) -> ModuleType:
+    """A copy of the decode-attention module, loaded from its own file (Triton reads a kernel's
+    source from there)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def layer_us(mod: ModuleType, batch: int, context: int, max_len: int) -> tuple[float, float]:
     """(us a layer, KV GB/s) of LAYERS decode-attention calls in one graph, each on its own
     cache, every sequence `context` keys long with its blocks scattered over the cache."""
     dev = torch.device("cuda")
@@ -47,7 +60,7 @@ def layer_us(batch: int, context: int, max_len: int) -> tuple[float, float]:
     q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
     q, k, v = q.view(batch, HQ, D), k.view(batch, HK, D), v.view(batch, HK, D)
     sinks = torch.randn(HQ, device=dev)
-    attention = adt.DecodeAttention(batch, max_len, HQ, HK, D, dev)
+    attention = mod.DecodeAttention(batch, max_len, HQ, HK, D, dev)
 
     def step() -> None:
         for i, (kc, vc) in enumerate(caches):
@@ -68,15 +81,20 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=131072, help="the workspace's max_len")
     p.add_argument("--configs", default=f"{adt.MIN_SPLIT}/{adt.MAX_SPLITS}/{adt.TARGET_PROGRAMS}",
                    help="min_split/max_splits/target_programs, comma-separated")
+    p.add_argument("--baseline", type=Path, help="also time this copy of the module")
     args = p.parse_args()
+    modules = [("", adt)] + ([("baseline ", module_from(args.baseline))]
+                             if args.baseline else [])
     print(f"{torch.cuda.get_device_name()}; max_len {args.max_len}; us a layer (KV GB/s)")
     for batch in map(int, args.batch.split(",")):
         for context in map(int, args.context.split(",")):
             row = [f"batch {batch:3d} context {context:6d}"]
             for config in args.configs.split(","):
-                adt.MIN_SPLIT, adt.MAX_SPLITS, adt.TARGET_PROGRAMS = map(int, config.split("/"))
-                us, gbs = layer_us(batch, context, args.max_len)
-                row.append(f"{config}: {us:6.2f} us ({gbs:5.0f})")
+                for name, mod in modules:
+                    mod.MIN_SPLIT, mod.MAX_SPLITS, mod.TARGET_PROGRAMS = map(int,
+                                                                             config.split("/"))
+                    us, gbs = layer_us(mod, batch, context, args.max_len)
+                    row.append(f"{name}{config}: {us:6.2f} us ({gbs:5.0f})")
             print(" | ".join(row), flush=True)
 
 
