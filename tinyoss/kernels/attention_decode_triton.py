@@ -186,11 +186,11 @@ def _merge(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, base, n, b, h, HK: tl.cons
     num = tl.zeros((GROUP_P2, D), tl.float32)
     c = tl.arange(0, CHUNK)
     for s0 in range(0, n, CHUNK):
-        have = ((s0 + c) < n)[:, None] & valid[None, :]
-        idx = base + (s0 + c)[:, None] * GROUP_PAD + rows[None, :]
-        w = tl.exp(tl.load(m_ptr + idx, mask=have, other=float("-inf"), cache_modifier=".cg")
+        here = ((s0 + c) < n)[:, None] & valid[None, :]
+        at = base + (s0 + c)[:, None] * GROUP_PAD + rows[None, :]
+        w = tl.exp(tl.load(m_ptr + at, mask=here, other=float("-inf"), cache_modifier=".cg")
                    - big[None, :])  # 0 for the splits not there
-        acc = tl.load(acc_ptr + idx[:, :, None] * D + d[None, None, :], mask=have[:, :, None],
+        acc = tl.load(acc_ptr + at[:, :, None] * D + d[None, None, :], mask=here[:, :, None],
                       other=0.0, cache_modifier=".cg")
         num += tl.sum(w[:, :, None] * acc, 0)
     dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
