@@ -22,15 +22,17 @@ TOL = 1e-2 if DEVICE == "cuda" else 1e-5  # ||out - ref|| / ||ref||
                           (0, 512, 400, 64, 512), (128, 512, 400, 64, 512),
                           (0, 64, 131072, 64, 512), (0, 64, 131072, 4, 512),
                           (0, 64, 131072, 64, 24)])
+@pytest.mark.parametrize("stored", [False, True])
 def test_decode_attention_matches_reference(window, min_split, max_len, max_splits, target,
-                                            monkeypatch):
+                                            stored, monkeypatch):
     """Several splits at these short lengths (min_split 64); a window within one split takes
     the one-split path; min_split 512: one split of several steps. Each sequence's splits come
     from its own length: as many in a workspace for 128k tokens as in one for 400, and longer
     ones where MAX_SPLITS, or the batch against TARGET_PROGRAMS (24 // (4 sequences x 2 heads)
     = 3), caps their number. q and the new k arrive unrotated (views into one q/k/v row, as
     the model passes them) at positions that are not the key indices; run twice, so the merge
-    tickets must reset."""
+    tickets must reset. `stored` (a verify step's rows): q comes rotated and the new keys are
+    in the cache already, where the kernel must read them."""
     monkeypatch.setattr(adt, "MIN_SPLIT", min_split)
     monkeypatch.setattr(adt, "MAX_SPLITS", max_splits)
     monkeypatch.setattr(adt, "TARGET_PROGRAMS", target)
@@ -58,12 +60,16 @@ def test_decode_attention_matches_reference(window, min_split, max_len, max_spli
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = apply_rope(q.float(), k.float(), positions, rope_cache)
     write_kv(ref_k_cache, ref_v_cache, ref_k, v, slots)
+    if stored:
+        k_cache.copy_(ref_k_cache)
+        v_cache.copy_(ref_v_cache)
+        q = ref_q.to(DTYPE)
     attention = adt.DecodeAttention(8, max_len, hq, hk, d, torch.device(DEVICE))
     assert attention.max_splits == min(adt.MAX_SPLITS, -(-max_len // min_split))
     for _ in range(2):
         attention.m.fill_(float("nan"))
         out = attention(q, k, v, k_cache, v_cache, slots, positions, rope_cache, table_t, ranges,
-                        sinks, d ** -0.5, window)
+                        sinks, d ** -0.5, window, stored=stored)
         assert not attention.tickets.any()
         if not 0 < window <= min_split:  # the splits the 333-key sequence wrote partials for
             keys = int(ranges[3, 1] - ranges[3, 0])
