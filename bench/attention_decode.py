@@ -9,7 +9,7 @@ KV bytes a layer reads over that time.
 Each config is MIN_SPLIT/MAX_SPLITS/TARGET_PROGRAMS of the module (keys a program at least,
 splits a sequence at most, programs a launch aimed at); 2048/64/99999 is how a workspace for
 131,072 tokens split every sequence before each sequence's splits came from its own length.
-`--baseline FILE` times another copy of the module beside it in the same run, e.g. one from
+`--compare FILE ...` times other copies of the module beside it in the same run, e.g. one from
 `git show REV:tinyoss/kernels/attention_decode_triton.py > FILE`.
 """
 
@@ -81,10 +81,10 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=131072, help="the workspace's max_len")
     p.add_argument("--configs", default=f"{adt.MIN_SPLIT}/{adt.MAX_SPLITS}/{adt.TARGET_PROGRAMS}",
                    help="min_split/max_splits/target_programs, comma-separated")
-    p.add_argument("--baseline", type=Path, help="also time this copy of the module")
+    p.add_argument("--compare", type=Path, nargs="+", default=[],
+                   help="also time these copies of the module")
     args = p.parse_args()
-    modules = [("", adt)] + ([("baseline ", module_from(args.baseline))]
-                             if args.baseline else [])
+    modules = [("", adt)] + [(f"{path.stem} ", module_from(path)) for path in args.compare]
     print(f"{torch.cuda.get_device_name()}; max_len {args.max_len}; us a layer (KV GB/s)")
     for batch in map(int, args.batch.split(",")):
         for context in map(int, args.context.split(",")):

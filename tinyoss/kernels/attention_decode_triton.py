@@ -79,9 +79,8 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     At batch 1 this kernel is a chain of memory round trips, not of bytes, so every load goes
     out as early as what it depends on allows: the sequence's scalars, q and the new key and
     value together; then the table and the position's cos and sin; then the cached keys. The
-    new key and value join the split that holds them from registers, as one more column of the
-    softmax after the loop (stored to the cache beside, for later steps), so no load waits for a
-    store."""
+    new key and value join the split that holds them from registers, as the softmax's first
+    column (stored to the cache beside, for later steps), so no load waits for a store."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -108,16 +107,26 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     if start >= hi:
         return
     end = tl.minimum(hi, start + split)
-    cached_end = end
-    if not STORED:
-        # the newest key, when this split holds it, comes from registers after the loop
-        cached_end = tl.where(end == hi, end - 1, end)
-        cos = tl.load(rope_ptr + pos * D + d % (D // 2))
-        sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
-        q = _rotate(q, q_partner, d, cos, sin, D // 2)
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    cached_end = end
+    if not STORED:
+        cos = tl.load(rope_ptr + pos * D + d % (D // 2))
+        sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
+        q = _rotate(q, q_partner, d, cos, sin, D // 2)
+        if end == hi:  # the newest key: stored for the steps to come, and the softmax's first
+            # column from registers (done before the loop, so nothing of it stays live there)
+            cached_end = end - 1
+            k_new = _rotate(k_new, k_partner, d, cos, sin, D // 2).to(k_ptr.dtype.element_ty)
+            v_new = v_new.to(v_ptr.dtype.element_ty)
+            row = (slot * HK + h) * D + one[:, None] * D + d[None, :]
+            keep = (row * 0 + slot) >= 0  # slot < 0: padding, not stored
+            tl.store(k_ptr + row, k_new, mask=keep)
+            tl.store(v_ptr + row, v_new, mask=keep)
+            m = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), 1) * scale
+            l_sum += 1.0
+            acc += v_new.to(q.dtype).to(tl.float32)
     for k0 in range(start, cached_end, BLOCK_KV):
         t = k0 + tl.arange(0, BLOCK_KV)
         ok = t < cached_end
@@ -133,21 +142,6 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
-    if not STORED:
-        if end == hi:  # stored for the steps to come, and taken into the softmax as one column
-            k_new = _rotate(k_new, k_partner, d, cos, sin, D // 2).to(k_ptr.dtype.element_ty)
-            v_new = v_new.to(v_ptr.dtype.element_ty)
-            row = (slot * HK + h) * D + one[:, None] * D + d[None, :]
-            keep = (row * 0 + slot) >= 0  # slot < 0: padding, not stored
-            tl.store(k_ptr + row, k_new, mask=keep)
-            tl.store(v_ptr + row, v_new, mask=keep)
-            score = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), 1) * scale
-            m_new = tl.maximum(m, score)
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(score - m_new)
-            l_sum = l_sum * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(q.dtype).to(tl.float32)
-            m = m_new
     if FINAL:
         dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
         big = tl.maximum(m, sink)
