@@ -20,9 +20,9 @@ one program merges its sequence's splits alone, and many short splits cost more 
 launching than they gain in parallel reads.
 
 Each program also applies the rotary embedding to its queries, and the program holding the
-newest key rotates it, stores it and its value in the cache, and takes both from registers
-rather than reading them back: the rope and K/V-store launches of a decode step live here (what
-`rope_triton` and `store_kv_triton` do for prefill, with the same arithmetic).
+newest key rotates it and stores it and its value in the cache before reading the cache: the
+rope and K/V-store launches of a decode step live here (what `rope_triton` and
+`store_kv_triton` do for prefill, with the same arithmetic).
 
 Several query rows of one sequence (a speculative verify step: the last token and its drafts,
 each row its own position and key range) cannot store their keys here: a row would read its
@@ -43,24 +43,17 @@ TARGET_PROGRAMS = 512  # (sequence, KV head, split) programs a launch the splits
 # Keys per inner step: a whole minimal split in one step (faster than 64 at every batch and
 # length measured, bench/results/2026-11-26_h100_decode_attention_splits.md).
 BLOCK_KV = 128
-MERGE_CHUNK = 8  # splits whose values the merging program loads in one round
+MERGE_CHUNK = 8  # splits whose partials the merging program loads in one round
 
 
 @triton.jit
-def _pair(ptr, rows, ok, d, HALF: tl.constexpr):
-    """Rows [R, D] at ptr + rows * D + d and their rotation partners (d + HALF mod D), as loaded:
-    the loads go out before the position's cos and sin arrive."""
+def _rotated(ptr, rows, ok, d, cos, sin, HALF: tl.constexpr):
+    """Rows [R, D] at ptr + rows * D + d rotated half-split (NeoX) in fp32 and rounded back to
+    the tensor's dtype, as `layer_ops_triton._rotate_heads` does."""
     x = tl.load(ptr + rows[:, None] * (2 * HALF) + d[None, :], mask=ok[:, None], other=0.0)
     partner = tl.load(ptr + rows[:, None] * (2 * HALF) + ((d + HALF) % (2 * HALF))[None, :],
-                      mask=ok[:, None], other=0.0)
-    return x, partner
-
-
-@triton.jit
-def _rotate(x, partner, d, cos, sin, HALF: tl.constexpr):
-    """x rotated half-split (NeoX) in fp32 and rounded back to its dtype, as
-    `layer_ops_triton._rotate_heads` does."""
-    rot = tl.where((d < HALF)[None, :], -partner.to(tl.float32), partner.to(tl.float32))
+                      mask=ok[:, None], other=0.0).to(tl.float32)
+    rot = tl.where((d < HALF)[None, :], -partner, partner)
     return (x.to(tl.float32) * cos[None, :] + rot * sin[None, :]).to(x.dtype)
 
 
@@ -70,68 +63,50 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     max_splits, num_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr,
                     MERGE_CHUNK: tl.constexpr, FINAL: tl.constexpr, STORED: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
     (every range fits one split): the attention output itself, sink included, into out.
-    STORED: q is rotated and the new keys are in the cache already.
-
-    At batch 1 this kernel is a chain of memory round trips, not of bytes, so every load goes
-    out as early as what it depends on allows: the sequence's scalars, q and the new key and
-    value together; then the table and the position's cos and sin; then the cached keys. The
-    new key and value join the split that holds them from registers, as the softmax's first
-    column (stored to the cache beside, for later steps), so no load waits for a store."""
+    STORED: q is rotated and the new keys are in the cache already."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    d = tl.arange(0, D)
-    rows = tl.arange(0, GROUP_PAD)
-    valid = rows < GROUP
-    heads = h * GROUP + rows
     lo = tl.load(ranges_ptr + 2 * b)
     hi = tl.load(ranges_ptr + 2 * b + 1)
-    pos = tl.load(pos_ptr + b).to(tl.int64)
-    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
-    one = tl.arange(0, 1)
-    if STORED:
-        q = tl.load(q_ptr + b * q_stride + heads[:, None] * D + d[None, :],
-                    mask=valid[:, None], other=0.0)
-    else:
-        q, q_partner = _pair(q_ptr + b * q_stride, heads, valid, d, D // 2)
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        k_new, k_partner = _pair(kn_ptr + b * kv_stride + h * D, one, one >= 0, d, D // 2)
-        v_new = tl.load(vn_ptr + b * kv_stride + h * D + one[:, None] * D + d[None, :])
     # this sequence's split: num_splits of them at most, whole BLOCK_KV steps, MIN_SPLIT keys
     split = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_KV) * BLOCK_KV)
     start = lo + s * split
     if start >= hi:
         return
     end = tl.minimum(hi, start + split)
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    cos = tl.load(rope_ptr + pos * D + d % (D // 2))
+    sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
+    if end == hi and not STORED:  # this split holds the newest key: rotate and store it
+        one = tl.arange(0, 1)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        k_new = _rotated(kn_ptr + b * kv_stride + h * D, one, one >= 0, d, cos, sin, D // 2)
+        v_new = tl.load(vn_ptr + b * kv_stride + h * D + one[:, None] * D + d[None, :])
+        row = (slot * HK + h) * D + one[:, None] * D + d[None, :]
+        keep = (row * 0 + slot) >= 0  # slot < 0: padding, not stored
+        tl.store(k_ptr + row, k_new.to(k_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_ptr + row, v_new.to(v_ptr.dtype.element_ty), mask=keep)
+        tl.debug_barrier()  # the stores reach the cache before this program reads it
+    rows = tl.arange(0, GROUP_PAD)
+    heads = h * GROUP + rows
+    if STORED:
+        q = tl.load(q_ptr + b * q_stride + heads[:, None] * D + d[None, :],
+                    mask=(rows < GROUP)[:, None], other=0.0)
+    else:
+        q = _rotated(q_ptr + b * q_stride, heads, rows < GROUP, d, cos, sin, D // 2)
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
-    cached_end = end
-    if not STORED:
-        cos = tl.load(rope_ptr + pos * D + d % (D // 2))
-        sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
-        q = _rotate(q, q_partner, d, cos, sin, D // 2)
-        if end == hi:  # the newest key: stored for the steps to come, and the softmax's first
-            # column from registers (done before the loop, so nothing of it stays live there)
-            cached_end = end - 1
-            k_new = _rotate(k_new, k_partner, d, cos, sin, D // 2).to(k_ptr.dtype.element_ty)
-            v_new = v_new.to(v_ptr.dtype.element_ty)
-            row = (slot * HK + h) * D + one[:, None] * D + d[None, :]
-            keep = (row * 0 + slot) >= 0  # slot < 0: padding, not stored
-            tl.store(k_ptr + row, k_new, mask=keep)
-            tl.store(v_ptr + row, v_new, mask=keep)
-            m = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), 1) * scale
-            l_sum += 1.0
-            acc += v_new.to(q.dtype).to(tl.float32)
-    for k0 in range(start, cached_end, BLOCK_KV):
+    for k0 in range(start, end, BLOCK_KV):
         t = k0 + tl.arange(0, BLOCK_KV)
-        ok = t < cached_end
-        block = tl.load(tables_ptr + b * table_stride + t // PAGE, mask=ok, other=0)
-        row = (block.to(tl.int64) * PAGE + t % PAGE) * HK + h
+        ok = t < end
+        block = tl.load(tables_ptr + b * table_stride + t // PAGE, mask=ok, other=0).to(tl.int64)
+        row = (block * PAGE + t % PAGE) * HK + h
         k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
@@ -142,8 +117,10 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
+    valid = rows < GROUP
+    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
+    dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
     if FINAL:
-        dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
         big = tl.maximum(m, sink)
         w = tl.exp(m - big)
         w = w / (w * l_sum + tl.exp(sink - big))
@@ -151,48 +128,44 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     else:
         base = (b * HK + h) * max_splits * GROUP_PAD
         idx = base + s * GROUP_PAD + rows
-        tl.store(m_ptr + idx, m, mask=valid)
+        tl.store(m_ptr + idx, m, mask=valid)  # the padding rows are never read
         tl.store(l_ptr + idx, l_sum, mask=valid)
         tl.store(acc_ptr + idx[:, None] * D + d[None, :], acc, mask=valid[:, None])
         tl.debug_barrier()  # every thread's partials are stored before the ticket releases them
         n = tl.cdiv(hi - lo, split)
         ticket = tickets_ptr + b * HK + h
         if tl.atomic_add(ticket, 1, sem="acq_rel") == n - 1:
-            _merge(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, base, n, b, h, HK, GROUP, GROUP_P2,
-                   GROUP_PAD, D, SPLITS_PAD, MERGE_CHUNK)
+            _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD, D,
+                   MERGE_CHUNK)
             tl.atomic_xchg(ticket, 0)
 
 
 @triton.jit
-def _merge(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, base, n, b, h, HK: tl.constexpr,
-           GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUP_PAD: tl.constexpr,
-           D: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """The n splits' partials at base (read past L1: other programs wrote them) into out: every
-    split's max and sum in one round of loads, then the values CHUNK splits a round."""
-    d = tl.arange(0, D)
-    rows = tl.arange(0, GROUP_P2)
-    valid = rows < GROUP
-    heads = h * GROUP + rows
-    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
-    s = tl.arange(0, SPLITS_PAD)
-    have = (s < n)[:, None] & valid[None, :]
-    idx = base + s[:, None] * GROUP_PAD + rows[None, :]
-    ms = tl.load(m_ptr + idx, mask=have, other=float("-inf"), cache_modifier=".cg")
-    ls = tl.load(l_ptr + idx, mask=have, other=0.0, cache_modifier=".cg")
-    big = tl.maximum(tl.max(ms, 0), sink)
-    denom = tl.sum(tl.exp(ms - big[None, :]) * ls, 0) + tl.exp(sink - big)
-    num = tl.zeros((GROUP_P2, D), tl.float32)
-    c = tl.arange(0, CHUNK)
+def _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD: tl.constexpr,
+           D: tl.constexpr, CHUNK: tl.constexpr):
+    """The n splits' partials at base (read past L1: other programs wrote them) into dst. The
+    loads of CHUNK splits go out together (an unrolled inner loop, each split's rows in the
+    same registers as the output's): a round trip to L2 per CHUNK splits, not per split, and no
+    reduction across threads."""
+    big = sink
     for s0 in range(0, n, CHUNK):
-        here = ((s0 + c) < n)[:, None] & valid[None, :]
-        at = base + (s0 + c)[:, None] * GROUP_PAD + rows[None, :]
-        w = tl.exp(tl.load(m_ptr + at, mask=here, other=float("-inf"), cache_modifier=".cg")
-                   - big[None, :])  # 0 for the splits not there
-        acc = tl.load(acc_ptr + at[:, :, None] * D + d[None, None, :], mask=here[:, :, None],
-                      other=0.0, cache_modifier=".cg")
-        num += tl.sum(w[:, :, None] * acc, 0)
-    dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
-    tl.store(dst, (num / denom[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        for j in tl.static_range(CHUNK):
+            at = base + (s0 + j) * GROUP_PAD + rows
+            here = valid & (rows * 0 + s0 + j < n)
+            big = tl.maximum(big, tl.load(m_ptr + at, mask=here, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    denom = tl.exp(sink - big)
+    num = tl.zeros((GROUP_PAD, D), tl.float32)
+    for s0 in range(0, n, CHUNK):
+        for j in tl.static_range(CHUNK):
+            at = base + (s0 + j) * GROUP_PAD + rows
+            here = valid & (rows * 0 + s0 + j < n)
+            w = tl.exp(tl.load(m_ptr + at, mask=here, other=float("-inf"), cache_modifier=".cg")
+                       - big)  # 0 past the n splits
+            denom += w * tl.load(l_ptr + at, mask=here, other=0.0, cache_modifier=".cg")
+            num += w[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :],
+                                        mask=here[:, None], other=0.0, cache_modifier=".cg")
+    tl.store(dst, (num / denom[:, None]).to(dst.dtype.element_ty), mask=valid[:, None])
 
 
 class DecodeAttention:
@@ -201,8 +174,7 @@ class DecodeAttention:
     def __init__(self, max_batch: int, max_len: int, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device) -> None:
         self.hk, self.group, self.d = num_kv_heads, num_qo_heads // num_kv_heads, head_dim
-        self.group_p2 = triton.next_power_of_2(self.group)
-        self.group_pad = max(16, self.group_p2)  # tl.dot needs M >= 16
+        self.group_pad = max(16, triton.next_power_of_2(self.group))  # tl.dot needs M >= 16
         self.max_splits = min(MAX_SPLITS, triton.cdiv(max_len, MIN_SPLIT))
         shape = (max_batch, num_kv_heads, self.max_splits, self.group_pad)
         self.m = torch.empty(shape, dtype=torch.float32, device=device)
@@ -227,10 +199,7 @@ class DecodeAttention:
         page = k_cache.shape[1]
         assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride(0) == v.stride(0)
         assert q.stride(1) == k.stride(1) == v.stride(1) == self.d
-        splits_pad = triton.next_power_of_2(self.max_splits)
-        common = dict(HK=self.hk, GROUP=self.group, GROUP_P2=self.group_p2,
-                      GROUP_PAD=self.group_pad, D=self.d, SPLITS_PAD=splits_pad,
-                      MERGE_CHUNK=min(MERGE_CHUNK, splits_pad))
+        common = dict(HK=self.hk, GROUP=self.group, GROUP_PAD=self.group_pad, D=self.d)
         out = torch.empty(b, self.hk * self.group * self.d, dtype=q.dtype, device=q.device)
         final = 0 < window <= MIN_SPLIT
         splits = 1 if final else min(self.max_splits, max(1, TARGET_PROGRAMS // (b * self.hk)))
@@ -238,5 +207,5 @@ class DecodeAttention:
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits, splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, MIN_SPLIT=MIN_SPLIT,
-            BLOCK_KV=BLOCK_KV, FINAL=final, STORED=stored, **common)
+            BLOCK_KV=BLOCK_KV, MERGE_CHUNK=MERGE_CHUNK, FINAL=final, STORED=stored, **common)
         return out
