@@ -19,9 +19,11 @@ from tinyoss.harmony import (
     CONSTRAIN,
     END,
     ENDOFTEXT,
+    FIRST_SPECIAL,
     MESSAGE,
     RETURN,
     START,
+    Delta,
     HarmonyStreamParser,
     ParsedCompletion,
     ToolCall,
@@ -652,9 +654,11 @@ def test_matches_hf_chat_template(case):
 
 
 def streamed(tokens: list[int], **kwargs) -> ParsedCompletion:
-    """Rebuild a completion from the stream's deltas alone."""
+    """Rebuild a completion from the stream's deltas alone, after checking the tokens they
+    name (`texts_are_their_tokens`)."""
     parser = HarmonyStreamParser(decode, seed=7, **kwargs)
     deltas = [d for t in tokens for d in parser.add(t)] + parser.finish()
+    texts_are_their_tokens(tokens, deltas)
     calls: dict[int, ToolCall] = {}
     for d in deltas:
         if d.kind == "tool_call":
@@ -669,14 +673,37 @@ def streamed(tokens: list[int], **kwargs) -> ParsedCompletion:
         text["content"],
         [calls[i] for i in sorted(calls)],
         parser.result().finish,
+        [at for d in deltas if d.kind == "content" for at in d.tokens],
     )
 
 
+def texts_are_their_tokens(tokens: list[int], deltas: list[Delta], decode=decode) -> None:
+    """Each message's text is the text of the ordinary tokens its deltas name, each token named
+    once: the "\n" the parser puts between two messages of a kind is the only text of none."""
+    named = [at for d in deltas for at in d.tokens]
+    assert named == sorted(set(named)) and all(tokens[at] < FIRST_SPECIAL for at in named)
+    texts: dict[tuple, str] = {}
+    ids: dict[tuple, list[int]] = {}
+    seen = {"reasoning": 0, "content": 0}  # messages of the kind so far
+    for d in deltas:
+        if d.kind in seen and not d.tokens:
+            assert d.text == "\n"
+            seen[d.kind] += 1
+        elif d.kind != "tool_call":
+            key = (d.kind, d.index if d.kind == "arguments" else seen[d.kind])
+            texts[key] = texts.get(key, "") + d.text
+            ids.setdefault(key, []).extend(tokens[at] for at in d.tokens)
+    assert {key: decode(ids[key]) for key in texts} == texts
+
+
 def check(tokens: list[int]) -> ParsedCompletion:
-    """The non-streaming parse, after checking the stream's deltas add up to it."""
+    """The non-streaming parse, after checking the stream's deltas add up to it (the tokens of
+    its content too)."""
     whole = parse_completion(tokens, decode, seed=7)
-    assert streamed(tokens) == whole
-    assert streamed(tokens, detokenizer=lambda: WindowDetokenizer(decode)) == whole
+    for detokenizer in (None, lambda: WindowDetokenizer(decode)):
+        kwargs = {"detokenizer": detokenizer} if detokenizer else {}
+        stream = streamed(tokens, **kwargs)
+        assert stream == whole and stream.content_tokens == whole.content_tokens
     return whole
 
 
@@ -822,6 +849,50 @@ def test_text_that_never_forms_a_header_streams():
     call = toks(CHANNEL, "commentary to=functions." + "x" * 200, CONSTRAIN, "json", MESSAGE,
                 '{"a": 1}', CALL)
     assert [c.arguments for c in check(call).tool_calls] == ['{"a": 1}']
+
+
+def test_content_names_its_tokens():
+    """The content's tokens (what chat logprobs show) are its messages' own: no header, no
+    reasoning, no tool arguments."""
+    head = toks(CHANNEL, "analysis", MESSAGE, "Hm.", END, START, "assistant", CHANNEL,
+                "commentary", MESSAGE)
+    call = toks(END, START, "assistant", CHANNEL, "commentary to=functions.f ", CONSTRAIN,
+                "json", MESSAGE, "{}", CALL, START, "assistant", CHANNEL, "final", MESSAGE)
+    preamble, answer = toks("Let me look."), toks("Done: ¡sí!")
+    tokens = head + preamble + call + answer + [RETURN]
+    parsed = check(tokens)
+    assert parsed.content == "Let me look.\nDone: ¡sí!"
+    end = len(tokens) - 1
+    assert parsed.content_tokens == [*range(len(head), len(head) + len(preamble)),
+                                     *range(end - len(answer), end)]
+
+
+WORDS = {1000: "final", 1001: " Hello", 1002: " there", 1003: " "}
+
+
+def decode_words(ids: list[int]) -> str:
+    return "".join(WORDS[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "tokens, content, at",
+    [
+        ([CHANNEL, 1000, 1001, 1002, RETURN], " Hello there", [2, 3]),  # no <|message|>
+        ([1003, 1001, 1002], " Hello there", [1, 2]),  # no harmony at all, cut short
+        ([1001, 1002, 1003, END], " Hello there", [0, 1]),  # ... ended
+        ([1003] + [1001] * 60, " Hello" * 60, list(range(1, 61))),  # ... streamed
+    ],
+)
+def test_salvaged_text_is_whole_tokens(tokens, content, at):
+    """Text outside any message is the text of whole tokens (a leading space kept), so
+    logprobs of those tokens line up with it; tokens of spaces only around it are left out."""
+    whole = parse_completion(tokens, decode_words)
+    assert (whole.content, whole.content_tokens) == (content, at)
+    parser = HarmonyStreamParser(decode_words, detokenizer=lambda: WindowDetokenizer(
+        decode_words))
+    deltas = [d for t in tokens for d in parser.add(t)] + parser.finish()
+    texts_are_their_tokens(tokens, deltas, decode_words)
+    assert "".join(d.text for d in deltas) == content
 
 
 def test_lenient_headers():

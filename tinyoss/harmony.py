@@ -9,6 +9,7 @@ text can forge a message boundary.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import random
 import re
@@ -454,17 +455,24 @@ class ParsedCompletion:
     content: str | None  # final text and commentary without a recipient, joined by "\n"
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish: Literal["stop", "tool_calls", "length"] = "stop"
+    # positions of the tokens whose text the content is (what its logprobs are of)
+    content_tokens: list[int] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True)
 class Delta:
-    """One streaming event: text of a kind, or the start of tool call `index` (id, name)."""
+    """One streaming event: text of a kind, or the start of tool call `index` (id, name).
+
+    `tokens`: positions (in the order fed) of the tokens the text is of, each named once, so
+    logprobs can follow the text: the tokens of one message's deltas decode to its text. The
+    "\n" put between two messages of a kind is the only text of no token."""
 
     kind: Literal["reasoning", "content", "tool_call", "arguments"]
     text: str = ""
     index: int = 0
     id: str = ""
     name: str = ""
+    tokens: tuple[int, ...] = ()
 
 
 class Detokenizer(Protocol):
@@ -536,41 +544,46 @@ class HarmonyStreamParser:
         self._new_detok = detokenizer or (lambda: WindowDetokenizer(decode))
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._state = "header"  # header | content | idle (between messages)
-        self._header: list[int] = []
+        self._header: list[tuple[int, int, str]] = []  # (position, token, its text) a header
         self._implicit_role = True  # the first header has no role: it follows <|start|>assistant
         self._kind: str | None = None  # what the open message's text is; None: discarded
         self._detok: Detokenizer | None = None
+        self._pending: list[int] = []  # positions of tokens in the detokenizer, not yet in text
         self._started = False  # the open message has emitted text
         self._text: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self._fed = 0  # tokens fed so far: the next one's position
+        self._content_tokens: list[int] = []
         self.tool_calls: list[ToolCall] = []
         self.reasoning_tokens = 0  # ordinary tokens of reasoning (analysis) text generated
 
     def add(self, token: int) -> list[Delta]:
         """Feed one generated token; returns the deltas it completes."""
         out: list[Delta] = []
+        at, self._fed = self._fed, self._fed + 1
         if self._state == "content":
             if token < FIRST_SPECIAL:
                 self.reasoning_tokens += self._kind == "reasoning"
-                self._emit(self._detok.add([token]), out)
+                self._feed([token], [at], out)
             elif token in (END, RETURN, CALL, ENDOFTEXT, START, CHANNEL):
                 self._close(out)
                 self._state = "idle"
                 if token in (START, CHANNEL):  # a missing <|end|>: the next header began
-                    self._begin(token)
+                    self._begin(token, at)
         elif self._state == "header":
             if token == MESSAGE:
                 self._open(out)
             elif token < FIRST_SPECIAL or token in (CHANNEL, CONSTRAIN):
-                self._header.append(token)
+                text = self._decode([token]) if token < FIRST_SPECIAL else SPECIAL_NAMES[token]
+                self._header.append((at, token, text))
                 if len(self._header) > _MAX_HEADER_TOKENS and token < FIRST_SPECIAL:
                     self._text_without_header(out)
             elif token == START:
-                self._begin(token)
+                self._begin(token, at)
             elif token in (END, RETURN, CALL, ENDOFTEXT):
                 self._salvage(out)
                 self._state = "idle"
         elif token in (START, CHANNEL):
-            self._begin(token)
+            self._begin(token, at)
         return out
 
     def finish(self) -> list[Delta]:
@@ -588,94 +601,129 @@ class HarmonyStreamParser:
         """Everything parsed so far; finish is "length" when output stopped inside a message."""
         reasoning, content = ("".join(self._text[k]) or None for k in ("reasoning", "content"))
         finish = "length" if self._state != "idle" else "tool_calls" if self.tool_calls else "stop"
-        return ParsedCompletion(reasoning, content, list(self.tool_calls), finish)
+        return ParsedCompletion(
+            reasoning, content, list(self.tool_calls), finish, list(self._content_tokens)
+        )
 
-    def _begin(self, token: int) -> None:
+    def _begin(self, token: int, at: int) -> None:
         self._state, self._implicit_role = "header", token == CHANNEL
-        self._header = [CHANNEL] if token == CHANNEL else []
+        self._header = [(at, CHANNEL, SPECIAL_NAMES[CHANNEL])] if token == CHANNEL else []
 
-    def _parse_header(self) -> tuple[bool, str | None, str | None, str]:
-        """(from the assistant, channel, recipient, leftover text) of the pending header."""
-        text, run = "", []
-        for t in self._header:
-            if t < FIRST_SPECIAL:
-                run.append(t)
-            else:
-                text, run = text + self._decode_run(run) + SPECIAL_NAMES[t], []
-        text += self._decode_run(run)
+    def _parse_header(self) -> tuple[bool, str | None, str | None, list[int]]:
+        """(from the assistant, channel, recipient, the header's leftover: indices of its
+        ordinary tokens that are none of these, less those of spaces only before them).
+
+        Each token's own text is parsed (harmony's names are ASCII, never split), so text
+        outside any message is made of whole tokens and their logprobs line up with it."""
+        texts = [text for _, _, text in self._header]
+        text = "".join(texts)
+        cuts: list[tuple[int, int]] = []  # spans of the text that are the header's parts
+
+        def cut(start: int, end: int) -> None:
+            nonlocal text
+            cuts.append((start, end))
+            text = text[:start] + " " * (end - start) + text[end:]
+
         channel = recipient = None
         if m := _CHANNEL_RE.search(text):
-            channel, text = m.group(1) or None, text[: m.start()] + " " + text[m.end() :]
+            channel = m.group(1) or None
+            cut(*m.span())
         if m := _RECIPIENT_RE.search(text):
-            recipient, text = m.group(1), text[: m.start()] + " " + text[m.end() :]
-        text = _CONSTRAIN_RE.sub(" ", text).strip()
+            recipient = m.group(1)
+            cut(*m.span())
+        for m in _CONSTRAIN_RE.finditer(text):
+            cut(*m.span())
+        body, start = text.strip(), len(text) - len(text.lstrip())
         role = ""
-        if not self._implicit_role and text:
-            role, _, text = text.partition(" ")
-        elif text.startswith("assistant") and text[9:10] in ("", " "):
-            text = text[9:]
+        if not self._implicit_role and body:
+            role = body.partition(" ")[0]
+            cut(start, start + len(role))
+        elif body.startswith("assistant") and body[9:10] in ("", " "):
+            cut(start, start + 9)
         if recipient in _NOT_RECIPIENTS:
             recipient = None
-        return role in ("", "assistant"), channel, recipient, text.strip()
-
-    def _decode_run(self, ids: list[int]) -> str:
-        return self._decode(ids) if ids else ""
+        ends = list(itertools.accumulate(map(len, texts)))
+        left = [
+            i for i, (_, token, _) in enumerate(self._header)
+            if token < FIRST_SPECIAL
+            and not any(a < ends[i] and ends[i] - len(texts[i]) < b for a, b in cuts)
+        ]  # fmt: skip
+        left = list(itertools.dropwhile(lambda i: texts[i].isspace(), left))
+        return role in ("", "assistant"), channel, recipient, left
 
     def _kind_of(self, channel: str | None) -> str:
         return "reasoning" if channel not in (None, "final", "commentary") else "content"
 
     def _open(self, out: list[Delta]) -> None:
         mine, channel, recipient, _ = self._parse_header()
-        self._kind = None
+        kind = None
         if mine and recipient:
             call_id = "call_" + "".join(self._rng.choice(_ID_CHARS) for _ in range(24))
             name = recipient.removeprefix("functions.")
             self.tool_calls.append(ToolCall(call_id, name, ""))
             out.append(Delta("tool_call", index=len(self.tool_calls) - 1, id=call_id, name=name))
-            self._kind = "arguments"
+            kind = "arguments"
         elif mine:
-            self._kind = self._kind_of(channel)
-        self._state, self._detok, self._started = "content", self._new_detok(), False
+            kind = self._kind_of(channel)
+        self._state = "content"
+        self._new_message(kind)
+
+    def _new_message(self, kind: str | None) -> None:
+        self._kind, self._detok, self._started = kind, self._new_detok(), False
 
     def _text_without_header(self, out: list[Delta]) -> None:
         """Ordinary text far longer than any header and still no <|message|>: a model that
         does not write harmony (`tiny`'s random weights). It is the message, streamed from
         here on rather than held to the end; a header addressing a tool keeps waiting."""
-        mine, channel, recipient, text = self._parse_header()
+        mine, channel, recipient, left = self._parse_header()
         if not mine or recipient:
             return
-        special = [i for i, t in enumerate(self._header) if t >= FIRST_SPECIAL]
-        last = self._decode_run(self._header[special[-1] + 1 if special else 0:])
-        text += last[len(last.rstrip()):]  # the header's parse strips it; more text follows
-        self._kind = self._kind_of(channel)
-        self._state, self._detok, self._started = "content", self._new_detok(), False
-        self._emit(text, out)
+        self._state = "content"
+        self._new_message(self._kind_of(channel))
+        self._feed_header(left, out)
 
     def _salvage(self, out: list[Delta]) -> None:
         """A header ended without <|message|>: its leftover text is the message (as harmony's
-        non-strict parser does), unless it addressed a tool (a call cut short)."""
-        mine, channel, recipient, text = self._parse_header()
-        if mine and not recipient and text:
-            self._kind, self._started = self._kind_of(channel), False
-            self._emit(text, out)
-        self._kind = None
+        non-strict parser does, less spaces around it), unless it addressed a tool (a call cut
+        short)."""
+        mine, channel, recipient, left = self._parse_header()
+        while left and self._header[left[-1]][2].isspace():
+            left.pop()
+        if mine and not recipient and left:
+            self._new_message(self._kind_of(channel))
+            self._feed_header(left, out)
+            self._close(out)
+
+    def _feed_header(self, left: list[int], out: list[Delta]) -> None:
+        self._feed([self._header[i][1] for i in left], [self._header[i][0] for i in left], out)
+
+    def _feed(self, ids: list[int], positions: list[int], out: list[Delta]) -> None:
+        """Ordinary tokens into the open message: text goes out with all the tokens it is of."""
+        self._pending += positions
+        self._emit(self._detok.add(ids), out)
 
     def _emit(self, text: str, out: list[Delta]) -> None:
-        if not text or self._kind is None:
+        if not text:
+            return
+        tokens, self._pending = tuple(self._pending), []
+        if self._kind is None:
             return
         if self._kind == "arguments":
             self.tool_calls[-1].arguments += text
-            out.append(Delta("arguments", text, index=len(self.tool_calls) - 1))
+            out.append(Delta("arguments", text, index=len(self.tool_calls) - 1, tokens=tokens))
             return
         if not self._started and self._text[self._kind]:
-            text = "\n" + text
+            self._text[self._kind].append("\n")
+            out.append(Delta(self._kind, "\n"))
         self._started = True
         self._text[self._kind].append(text)
-        out.append(Delta(self._kind, text))
+        if self._kind == "content":
+            self._content_tokens += tokens
+        out.append(Delta(self._kind, text, tokens=tokens))
 
     def _close(self, out: list[Delta]) -> None:
         self._emit(self._detok.flush(), out)
-        self._detok, self._kind = None, None
+        self._detok, self._kind, self._pending = None, None, []
 
 
 def parse_completion(
