@@ -193,7 +193,7 @@ def test_chat_stream_equals_non_stream_for_a_seed(client):
     msg = whole.choices[0].message
     assert joined["role"] == "assistant"
     assert joined["lp"] == [e.token for e in whole.choices[0].logprobs.content]
-    assert len(joined["lp"]) == 12 and len(whole.choices[0].logprobs.content[0].top_logprobs) == 2
+    assert joined["lp"] and len(whole.choices[0].logprobs.content[0].top_logprobs) == 2
     assert joined["content"] == (msg.content or "")
     assert joined["reasoning"] == (msg.model_extra.get("reasoning") or "")
     assert joined["finish"] == whole.choices[0].finish_reason == "length"
@@ -287,6 +287,43 @@ def test_n_and_seed_reproducibility(client):
     assert tokens == [[e.token for e in c.logprobs.content] for c in b.choices]
     assert len({tuple(t) for t in tokens}) > 1
     assert a.usage.completion_tokens == 18
+
+
+def answer_of(entries) -> str | None:
+    """The text that logprobs entries' bytes join to (None for none)."""
+    return bytes(b for e in entries or () for b in e.bytes).decode("utf-8", "replace") or None
+
+
+def test_chat_logprobs_join_to_the_answer(client):
+    """Whatever the model writes (tiny's random text, salvaged as the answer: held to the end,
+    or streamed past 48 tokens), logprobs.content is the answer's tokens: their bytes join to
+    message.content, each choice, streamed or not."""
+    for max_tokens in (20, 60):
+        kw = {"messages": user("tell me"), "max_tokens": max_tokens, "n": 3, "seed": 5,
+              "temperature": 1.0, "logprobs": True, "top_logprobs": 1}
+        whole = client.chat.completions.create(model="tiny", **kw)
+        chunks = list(client.chat.completions.create(model="tiny", stream=True, **kw))
+        for i, choice in enumerate(whole.choices):
+            assert choice.message.content
+            assert answer_of(choice.logprobs.content) == choice.message.content
+            mine = [c for chunk in chunks for c in chunk.choices if c.index == i]
+            entries = [e for c in mine for e in (c.logprobs.content if c.logprobs else ())]
+            assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+            assert answer_of(entries) == choice.message.content
+
+
+def test_chat_logprobs_leave_out_reasoning_headers_and_tool_calls(client):
+    answer = ["Hello", " there", ",", " Paris", "!"]
+    r = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64,
+                                       logprobs=True)
+    assert [e.token for e in r.choices[0].logprobs.content] == answer
+    joined, _ = stream_chat(client, messages=user(ANSWER), max_tokens=64, logprobs=True)
+    assert joined["lp"] == answer
+    kw = {"messages": user(WEATHER), "tools": TOOLS, "max_tokens": 64, "logprobs": True}
+    r = client.chat.completions.create(model="tiny", **kw)
+    assert r.choices[0].message.tool_calls and r.choices[0].logprobs.content is None
+    joined, _ = stream_chat(client, **kw)
+    assert joined["calls"] and joined["lp"] == []
 
 
 def test_completions_prompt_forms_and_echo(srv, client):

@@ -8,6 +8,7 @@ the same state, so a stream joins up to exactly the non-streaming answer.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from tinyoss import harmony
@@ -32,7 +33,12 @@ def _choice(index: int, finish_reason: str | None, **fields: Any) -> dict:
 
 
 class ChatChoice:
-    """One chat choice: generated tokens through the harmony parser into message fields."""
+    """One chat choice: generated tokens through the harmony parser into message fields.
+
+    Logprobs are the content's tokens only, as OpenAI's `logprobs.content` (their bytes join to
+    `message.content`): no header, reasoning or tool arguments. Each is sent with the chunk
+    whose content shows its text first; a stop string keeps the tokens at least partly before
+    it. The "\n" between two answer messages is no token's."""
 
     def __init__(
         self,
@@ -50,6 +56,10 @@ class ChatChoice:
         self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}  # joined at the end
         self.calls: list[dict] = []
         self.logprobs: list[dict] | None = [] if logprobs else None
+        # content tokens not yet shown (stop strings hold text back): (where their text starts
+        # in the content fed to the stop strings, their positions)
+        self.held: deque[tuple[int, tuple[int, ...]]] = deque()
+        self.fed = self.shown = 0  # characters of content fed to the stop strings, and shown
         self.finish_reason: str | None = None
 
     def opening(self) -> dict:
@@ -74,12 +84,13 @@ class ChatChoice:
                 self.finish_reason = "tool_calls" if calls else out.finish_reason
         lps = []
         if self.logprobs is not None and out.logprobs is not None:
-            lps = [self._logprob(e) for e in out.logprobs[start : self.num_tokens]]
+            while self.held and self.held[0][0] < self.shown:
+                lps += [self._logprob(out.logprobs[at]) for at in self.held.popleft()[1]]
             self.logprobs += lps
         delta = _delta(deltas)
-        if not (delta or lps or self.finish_reason):
+        if not (delta or self.finish_reason):
             return None
-        lps_field = {"content": lps} if lps else None
+        lps_field = {"content": lps, "refusal": None} if lps else None
         return _choice(self.index, self.finish_reason, delta=delta, logprobs=lps_field)
 
     def final(self) -> dict:
@@ -92,18 +103,24 @@ class ChatChoice:
         }
         if self.calls:
             message["tool_calls"] = self.calls
-        logprobs = None if self.logprobs is None else {"content": self.logprobs}
+        logprobs = None
+        if self.logprobs is not None:  # null like the content when there is none
+            logprobs = {"content": None if content is None else self.logprobs, "refusal": None}
         return _choice(self.index, self.finish_reason, message=message, logprobs=logprobs)
 
     def _keep(self, deltas: list[harmony.Delta], final: bool = False) -> list[harmony.Delta]:
         """Records deltas into the message; with stop strings, cuts the answer at the first."""
         kept = []
         for d in deltas:
-            if d.kind == "content" and self.stop is not None and not final:
-                text, hit = self.stop.feed(d.text)
-                d = harmony.Delta("content", text)
-                if hit is not None:
-                    self.finish_reason = "stop"
+            if d.kind == "content" and not final:
+                if d.tokens and self.logprobs is not None:
+                    self.held.append((self.fed, d.tokens))
+                self.fed += len(d.text)
+                if self.stop is not None:
+                    text, hit = self.stop.feed(d.text)
+                    d = harmony.Delta("content", text)
+                    if hit is not None:
+                        self.finish_reason = "stop"
             if d.kind == "tool_call":
                 call = {"name": d.name, "arguments": ""}
                 self.calls.append({"id": d.id, "type": "function", "function": call})
@@ -111,6 +128,7 @@ class ChatChoice:
                 self.calls[d.index]["function"]["arguments"] += d.text
             elif d.text:
                 self.parts[d.kind].append(d.text)
+                self.shown += len(d.text) if d.kind == "content" else 0
             kept.append(d)
             if self.finish_reason is not None:
                 break

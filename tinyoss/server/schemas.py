@@ -667,7 +667,11 @@ class TokenLogprob(TopLogprob):
 
 
 class ChatLogprobs(_Out):
-    content: list[TokenLogprob]
+    content: list[TokenLogprob] | None = Field(
+        description="The answer's tokens (their bytes join to message.content): no reasoning, "
+        "no tool arguments; null when there is no answer."
+    )
+    refusal: None = Field(description="Always null (gpt-oss has no refusal field).")
 
 
 class FunctionCallOut(_Out):

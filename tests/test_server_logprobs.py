@@ -1,0 +1,143 @@
+"""Chat logprobs are the answer's (OpenAI: `logprobs.content` holds the tokens of
+`message.content`, so joining their bytes gives it back): never a harmony header, reasoning or a
+tool call's arguments. Driven through the server's `ChatChoice` with chosen harmony tokens on
+the real tokenizer, a token an update as a stream gets them; end to end on the tiny model in
+tests/test_server.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.core_hooks import harmony_ids
+from tinyoss.engine.builder import load_tokenizer
+from tinyoss.engine.output_processor import CompletionOutput
+from tinyoss.engine.step import TokenLogprob
+from tinyoss.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
+from tinyoss.server.choices import ChatChoice
+from tinyoss.tools.make_checkpoint import ensure_tiny
+
+THINK = (CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant")
+FINAL = (CHANNEL, "final", MESSAGE)
+CALL_HEAD = (CHANNEL, "commentary to=functions.get_weather ", CONSTRAIN, "json", MESSAGE)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(ensure_tiny())
+
+
+def logprob(at: int) -> float:
+    """The made-up logprob of the token at `at`: tells which token an entry is of."""
+    return -0.5 - at
+
+
+def run(tok, ids: list[int], stops: tuple[str, ...] = (), finish: str = "stop"):
+    """(stream chunks' choices, the final choice) of `ids` fed a token an update."""
+    choice = ChatChoice(0, tok, list(stops), logprobs=True)
+    out = CompletionOutput(0, logprobs=[])
+    chunks = [choice.opening()]
+    for at, token in enumerate(ids):
+        out.token_ids.append(token)
+        out.logprobs.append(TokenLogprob(token, logprob(at), [(token, logprob(at))]))
+        out.finish_reason = finish if at == len(ids) - 1 else None
+        if (chunk := choice.update(out)) is not None:
+            chunks.append(chunk)
+    return chunks, choice.final()
+
+
+def text_of(entries: list[dict] | None) -> str | None:
+    """The entries' bytes joined, as text (None for none)."""
+    raw = bytes(b for e in entries or () for b in e["bytes"])
+    return raw.decode("utf-8", errors="replace") if entries else None
+
+
+def streamed_entries(chunks: list[dict]) -> list[dict]:
+    return [e for c in chunks for e in (c["logprobs"] or {}).get("content") or ()]
+
+
+def test_reasoning_and_headers_are_left_out(tok):
+    ids = harmony_ids(tok, *THINK, *FINAL, "Hello there, Paris!", RETURN)
+    chunks, final = run(tok, ids)
+    assert final["message"]["content"] == "Hello there, Paris!"
+    entries = final["logprobs"]["content"]
+    assert [e["token"] for e in entries] == ["Hello", " there", ",", " Paris", "!"]
+    first = len(ids) - 6  # the answer's tokens, before <|return|>
+    assert [e["logprob"] for e in entries] == [logprob(at) for at in range(first, first + 5)]
+    assert entries[0]["top_logprobs"] == [{"token": "Hello", "logprob": logprob(first),
+                                           "bytes": list(b"Hello")}]
+    assert final["logprobs"]["refusal"] is None
+    for c in chunks:  # each chunk's logprobs are of its own content
+        lps = (c["logprobs"] or {}).get("content")
+        assert text_of(lps) == (c["delta"].get("content") or None)
+    assert streamed_entries(chunks) == entries
+
+
+def test_a_tool_call_has_no_content_logprobs(tok):
+    """Arguments are not content: logprobs.content is null like message.content."""
+    ids = harmony_ids(tok, *THINK, *CALL_HEAD, '{"city":"Paris"}', CALL)
+    chunks, final = run(tok, ids)
+    assert final["message"]["content"] is None and final["message"]["tool_calls"]
+    assert final["logprobs"] == {"content": None, "refusal": None}
+    assert all(c["logprobs"] is None for c in chunks)
+    # a preamble before the call is content, and has its logprobs
+    ids = harmony_ids(tok, CHANNEL, "commentary", MESSAGE, "Checking the weather.", END, START,
+                      "assistant", *CALL_HEAD, '{"city":"Paris"}', CALL)
+    chunks, final = run(tok, ids)
+    entries = final["logprobs"]["content"]
+    assert text_of(entries) == final["message"]["content"] == "Checking the weather."
+    assert streamed_entries(chunks) == entries
+
+
+def test_a_character_split_across_tokens(tok):
+    """🦜 is three tokens; the first also holds the space: `bytes` carry each token's raw bytes,
+    `token` their text (U+FFFD for a part of a character)."""
+    ids = harmony_ids(tok, *FINAL, "Hi 🦜!", RETURN)
+    chunks, final = run(tok, ids)
+    entries = final["logprobs"]["content"]
+    assert [bytes(e["bytes"]) for e in entries] == [b"Hi", b" \xf0\x9f", b"\xa6", b"\x9c", b"!"]
+    assert [e["token"] for e in entries][1:4] == [" \ufffd", "\ufffd", "\ufffd"]
+    assert text_of(entries) == final["message"]["content"] == "Hi 🦜!"
+    assert streamed_entries(chunks) == entries
+
+
+@pytest.mark.parametrize(
+    "stop, content, tokens",
+    [
+        ("ere, P", "Hello th", ["Hello", " there"]),  # cut inside " there": it stays
+        (", Par", "Hello there", ["Hello", " there"]),  # cut between tokens
+        ("Hello", None, None),  # nothing left
+    ],
+)
+def test_stop_strings_keep_the_tokens_partly_shown(tok, stop, content, tokens):
+    ids = harmony_ids(tok, *THINK, *FINAL, "Hello there, Paris!", RETURN)
+    chunks, final = run(tok, ids, stops=(stop,))
+    assert final["finish_reason"] == "stop" and final["message"]["content"] == content
+    entries = final["logprobs"]["content"]
+    assert (entries and [e["token"] for e in entries]) == tokens
+    assert streamed_entries(chunks) == (entries or [])
+
+
+def test_cut_short_by_max_tokens(tok):
+    ids = harmony_ids(tok, *THINK, *FINAL, "Hello there, Paris!")[:-3]
+    chunks, final = run(tok, ids, finish="length")
+    assert final["finish_reason"] == "length" and final["message"]["content"] == "Hello there"
+    assert text_of(final["logprobs"]["content"]) == "Hello there"
+    assert streamed_entries(chunks) == final["logprobs"]["content"]
+
+
+def test_text_outside_any_message(tok):
+    """A model that writes no harmony (tiny's random weights): its text is the answer, whole
+    tokens of it, and the logprobs are theirs."""
+    ids = harmony_ids(tok, " governors said hello", END)
+    chunks, final = run(tok, ids)
+    assert final["message"]["content"] == " governors said hello"
+    assert text_of(final["logprobs"]["content"]) == " governors said hello"
+    assert streamed_entries(chunks) == final["logprobs"]["content"]
+
+
+def test_two_answer_messages(tok):
+    """The "\\n" the answer puts between two messages is no token's: it has no entry."""
+    ids = harmony_ids(tok, *FINAL, "One.", END, START, "assistant", *FINAL, "Two.", RETURN)
+    _, final = run(tok, ids)
+    assert final["message"]["content"] == "One.\nTwo."
+    assert text_of(final["logprobs"]["content"]) == "One.Two."
