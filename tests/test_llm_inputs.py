@@ -133,6 +133,19 @@ def test_chat_accepts_one_conversation_or_a_batch(tiny_llm):
     )
 
 
+def test_chat_logprobs_are_the_answers_tokens(tiny_llm):
+    """As on the server, each choice's logprobs are its content's tokens (they decode to it),
+    none of its headers or reasoning; None without SamplingParams(logprobs=k)."""
+    params = SamplingParams(n=2, max_tokens=20, seed=4, temperature=1.0, logprobs=1)
+    reply = tiny_llm.chat(HI, params, use_tqdm=False)[0]
+    for choice, raw in zip(reply.choices, reply.output.outputs):
+        assert choice.content
+        assert tiny_llm.tokenizer.decode([e.token_id for e in choice.logprobs]) == choice.content
+        assert all(any(e is r for r in raw.logprobs) for e in choice.logprobs)
+    assert reply.logprobs is reply.choices[0].logprobs
+    assert tiny_llm.chat(HI, GREEDY, use_tqdm=False)[0].logprobs is None
+
+
 def test_chat_takes_every_choice_apart(tiny_llm):
     """With n > 1 each choice is parsed (only the first was), the first also as the reply's
     own fields."""

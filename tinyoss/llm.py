@@ -17,6 +17,7 @@ from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokeniz
 from tinyoss.engine.core import CoreRequest, EngineCore
 from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
+from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams
 
@@ -46,12 +47,14 @@ EFFORTS = ("low", "medium", "high")
 @dataclass
 class ChatChoice:
     """One choice of a chat reply taken apart: harmony's analysis channel is `reasoning`,
-    final is `content`."""
+    final is `content`; `logprobs` (with SamplingParams(logprobs=k)) are those of the
+    content's tokens, as the server's `logprobs.content` (all tokens' are in the raw output)."""
 
     reasoning: str | None
     content: str | None
     tool_calls: list[harmony.ToolCall]
     finish_reason: str | None  # "stop", "length", "tool_calls" or "abort"
+    logprobs: list[TokenLogprob] | None
 
 
 @dataclass
@@ -261,11 +264,13 @@ class LLM:
                 finish = completion.finish_reason
                 if parsed.tool_calls and finish == "stop":
                     finish = "tool_calls"
+                lps = completion.logprobs
+                lps = None if lps is None else [lps[at] for at in parsed.content_tokens]
                 choices.append(ChatChoice(parsed.reasoning, parsed.content, parsed.tool_calls,
-                                          finish))
+                                          finish, lps))
             first = choices[0]
             replies.append(ChatOutput(first.reasoning, first.content, first.tool_calls,
-                                      first.finish_reason, out, choices))
+                                      first.finish_reason, first.logprobs, out, choices))
         return replies
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
