@@ -230,6 +230,29 @@ def test_parse_functions_keep_their_contract():
     assert (e.value.status, e.value.param) == (400, "top_p")
 
 
+@pytest.mark.parametrize("field, value", [
+    ("functions", []), ("function_call", "none"), ("audio", {}),
+    ("prediction", {}), ("web_search_options", None), ("audio", None), ("logit_bias", {}),
+    ("modalities", ["text"]),
+])  # fmt: skip
+def test_unsupported_fields_pass_when_they_ask_for_nothing(field, value):
+    """An empty list or object (as JSON has them) asks for nothing: the check had compared
+    values to (), which no JSON value equals."""
+    assert parse_chat({"messages": HI, field: value}, INFO).params is not None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
+    ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
+    ("modalities", ["text", "audio"]), ("modalities", []), ("function_call", "auto"),
+])  # fmt: skip
+def test_unsupported_fields_are_refused_when_they_ask(field, value):
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": HI, field: value}, INFO)
+    assert (e.value.status, e.value.param) == (400, field)
+    assert "is not supported" in e.value.message and "leave the field out" in e.value.message
+
+
 def test_too_many_messages_are_refused_before_validation():
     """More messages than the context can hold are refused at a glance, before validating
     each (220,000 developer messages took seconds holding the GIL): leading system and

@@ -53,16 +53,16 @@ _CUT_SLACK = 64  # tokens a head encoded alone may have more than in the whole t
 _PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a few ms)
 
 # Fields with a meaning tinyoss does not implement: refused, never ignored. `None` and the
-# listed harmless values pass.
+# listed values, which ask for nothing, pass (`web_search_options: {}` asks for a search).
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logit_bias": (({},), "logit_bias is not supported"),
-    "functions": (((),), "the legacy `functions` field is not supported: use `tools`"),
-    "function_call": (((),), "the legacy `function_call` field is not supported: use "
-                             "`tool_choice`"),
-    "audio": (((),), "audio output is not supported: gpt-oss reads and writes text"),
+    "functions": (([],), "the legacy `functions` field is not supported: use `tools`"),
+    "function_call": (("none",), "the legacy `function_call` field is not supported: use "
+                                 "`tool_choice`"),
+    "audio": (({},), "audio output is not supported: gpt-oss reads and writes text"),
     "modalities": ((["text"],), "only the text modality is supported"),
-    "prediction": (((),), "predicted outputs are not supported"),
-    "web_search_options": (((),), "web search is not supported"),
+    "prediction": (({},), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
     "prompt_logprobs": ((), "prompt logprobs are not served over HTTP (the Python API returns "
                             "them: SamplingParams(prompt_logprobs=k))"),
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
@@ -359,11 +359,13 @@ def _require(ok: object, param: str, message: str) -> None:
 
 
 def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
+    """400 naming the first of `names` whose value asks for something: a harmless value
+    matches in JSON's terms, its type too ([] is not {}, false is not 0)."""
     for name in names:
         value = body.get(name)
         harmless, why = _UNSUPPORTED[name]
         _require(
-            value is None or value in harmless,
+            value is None or any(value == h and type(value) is type(h) for h in harmless),
             name,
             f"{name}={harmony.short_repr(value)} is not supported: {why}; leave the field out",
         )

@@ -324,13 +324,15 @@ class ChatCompletionRequest(_Sampling, ChatInput):
         None, ge=0, description="vLLM: tokens of reasoning at most (enforced by a grammar)."
     )
     functions: list[dict[str, Any]] | None = Field(
-        None, description="Legacy; not supported: use tools."
+        None, description="Legacy; not supported (empty only): use tools."
     )
-    function_call: Any = Field(None, description="Legacy; not supported: use tool_choice.")
-    audio: dict[str, Any] | None = Field(None, description="Not supported: text only.")
+    function_call: Any = Field(None, description='Legacy; not supported ("none" only).')
+    audio: dict[str, Any] | None = Field(None, description="Not supported ({} only): text only.")
     modalities: list[StrictStr] | None = Field(None, description='Only ["text"] is supported.')
-    prediction: dict[str, Any] | None = Field(None, description="Not supported.")
-    web_search_options: dict[str, Any] | None = Field(None, description="Not supported.")
+    prediction: dict[str, Any] | None = Field(None, description="Not supported ({} only).")
+    web_search_options: dict[str, Any] | None = Field(
+        None, description="Not supported ({} asks for a search)."
+    )
 
 
 class CompletionRequest(_Sampling):
