@@ -139,6 +139,10 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "logprobs": 1}, "logprobs", "boolean"),
         (CMPL, {"prompt": "a", "logprobs": True}, "logprobs", "an integer"),
         (CMPL, {"prompt": "a", "echo": "yes"}, "echo", "boolean"),
+        (CHAT, {"messages": HI, "echo": "yes"}, "echo", "boolean"),
+        (CHAT, {"messages": HI, "use_beam_search": 1}, "use_beam_search", "boolean"),
+        (CMPL, {"prompt": "a", "allowed_token_ids": [1.5]}, "allowed_token_ids", "token ids"),
+        (CHAT, {"messages": HI, "bad_words": "x"}, "bad_words", "must be a list"),
         (CMPL, {"prompt": [1, "a"]}, "prompt", "token ids"),
         (CMPL, {"prompt": 5}, "prompt", "a string"),
         (CMPL, {"prompt": "a", "suffix": 3}, "suffix", "a string"),
@@ -150,6 +154,9 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice", "naming one of the tools"),
         (CHAT, {"messages": HI, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        (CHAT, {"messages": HI, "continue_final_message": True}, "continue_final_message",
+         "a new assistant message"),
+        (CMPL, {"prompt": "a", "bad_words": ["x"]}, "bad_words", "bans no words"),
         (CMPL, {"prompt": [[]]}, "prompt", "prompt is empty"),
         # vLLM fields tinyoss does not serve are refused, never ignored
         (CMPL, {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs", "the Python API"),
@@ -251,6 +258,31 @@ def test_unsupported_fields_are_refused_when_they_ask(field, value):
         parse_chat({"messages": HI, field: value}, INFO)
     assert (e.value.status, e.value.param) == (400, field)
     assert "is not supported" in e.value.message and "leave the field out" in e.value.message
+
+
+# vLLM's fields that change the result, as a value that asks for it and one that does not
+VLLM_SAMPLING = [("bad_words", ["x"], []), ("allowed_token_ids", [1, 2], None),
+                 ("truncate_prompt_tokens", 8, None), ("use_beam_search", True, False),
+                 ("logits_processors", ["m.P"], []), ("return_tokens_as_token_ids", True, False),
+                 ("structural_tag", '{"structures": []}', None)]
+VLLM_CHAT = [("chat_template", "{{ messages }}", None), ("add_generation_prompt", False, True),
+             ("continue_final_message", True, False), ("echo", True, False),
+             ("documents", [{"title": "a", "text": "b"}], [])]
+
+
+@pytest.mark.parametrize("path, field, asks, default", [
+    *((CHAT, *case) for case in VLLM_SAMPLING + VLLM_CHAT),
+    *((CMPL, *case) for case in VLLM_SAMPLING),
+])  # fmt: skip
+def test_vllm_fields_tinyoss_does_not_serve_are_refused(path, field, asks, default):
+    """They were ignored: a 200 with an answer the client did not ask for."""
+    parse, body = (parse_chat, {"messages": HI}) if path == CHAT else (parse_completion,
+                                                                        {"prompt": "a"})
+    assert parse({**body, field: default}, INFO).params is not None
+    with pytest.raises(APIError) as e:
+        parse({**body, field: asks}, INFO)
+    assert (e.value.status, e.value.param) == (400, field)
+    assert f"{field}=" in e.value.message and "is not supported" in e.value.message
 
 
 def test_too_many_messages_are_refused_before_validation():

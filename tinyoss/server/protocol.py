@@ -68,13 +68,35 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
                               "regex, choice, grammar) or response_format")
        for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
-    # chat only: its text is the harmony parser's
+    # vLLM's sampling and output fields
+    "bad_words": (([],), "tinyoss's sampler bans no words"),
+    "allowed_token_ids": ((), "tinyoss's sampler has no token masks but a grammar's: "
+                              "structured_outputs (choice, regex) limits what the text may be"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated: one longer than the context "
+                                   "is a 400, so shorten it"),
+    "use_beam_search": ((False,), "beam search is not supported: n samples choices "
+                                  "independently"),
+    "logits_processors": (([],), "custom logits processors are not supported"),
+    "return_tokens_as_token_ids": ((False,), "logprobs give each token's text and bytes"),
+    "structural_tag": ((), "structural tags are not supported: give structured_outputs or "
+                           "response_format"),
+    # chat only: its text is the harmony parser's, its prompt harmony's
     "include_stop_str_in_output": ((False,), "chat leaves stop strings out of the content; "
                                              "/v1/completions keeps them on request"),
     "skip_special_tokens": ((True,), "chat parses the special tokens into reasoning, content "
                                      "and tool calls; /v1/completions returns them as text"),
+    "chat_template": ((), "tinyoss renders gpt-oss's harmony format itself"),
+    "add_generation_prompt": ((True,), "a chat prompt always ends by opening the assistant's "
+                                       "turn (/tokenize takes add_generation_prompt: false)"),
+    "continue_final_message": ((False,), "the reply is always a new assistant message"),
+    "echo": ((False,), "a chat reply never repeats the last message (/v1/completions echoes "
+                       "the prompt)"),
+    "documents": (([],), "gpt-oss's chat template reads no documents: put their text in a "
+                         "message"),
 }  # fmt: skip
-_COMPLETION_UNSUPPORTED = ("logit_bias", "prompt_logprobs",
+_VLLM_SAMPLING = ("bad_words", "allowed_token_ids", "truncate_prompt_tokens", "use_beam_search",
+                  "logits_processors", "return_tokens_as_token_ids", "structural_tag")
+_COMPLETION_UNSUPPORTED = ("logit_bias", "prompt_logprobs", *_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {

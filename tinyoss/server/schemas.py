@@ -283,6 +283,25 @@ class _Sampling(_Request):
     logit_bias: dict[str, StrictFloat] | None = Field(
         None, description="Not supported: refused unless empty."
     )
+    bad_words: list[StrictStr] | None = Field(
+        None, description="vLLM: not supported, refused unless empty."
+    )
+    allowed_token_ids: TokenIds | None = Field(None, description="vLLM: not supported.")
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, description="vLLM: not supported (a prompt too long is a 400)."
+    )
+    use_beam_search: StrictBool | None = Field(
+        False, description="vLLM: beam search is not supported; false only."
+    )
+    logits_processors: list[Any] | None = Field(
+        None, description="vLLM: not supported, refused unless empty."
+    )
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        False, description="vLLM: not supported; false only."
+    )
+    structural_tag: Any = Field(
+        None, description="vLLM: not supported (give structured_outputs or response_format)."
+    )
 
 
 class ChatInput(_Request):
@@ -332,6 +351,21 @@ class ChatCompletionRequest(_Sampling, ChatInput):
     prediction: dict[str, Any] | None = Field(None, description="Not supported ({} only).")
     web_search_options: dict[str, Any] | None = Field(
         None, description="Not supported ({} asks for a search)."
+    )
+    chat_template: StrictStr | None = Field(
+        None, description="vLLM: not supported (the prompt is always harmony's)."
+    )
+    add_generation_prompt: StrictBool | None = Field(
+        True, description="vLLM: true only (the prompt ends by opening the assistant's turn)."
+    )
+    continue_final_message: StrictBool | None = Field(
+        False, description="vLLM: false only (the reply is a new message)."
+    )
+    echo: StrictBool | None = Field(
+        False, description="vLLM: false only (/v1/completions echoes the prompt)."
+    )
+    documents: list[Any] | None = Field(
+        None, description="vLLM: not supported, refused unless empty (gpt-oss reads none)."
     )
 
 
