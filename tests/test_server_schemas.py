@@ -285,6 +285,54 @@ def test_vllm_fields_tinyoss_does_not_serve_are_refused(path, field, asks, defau
     assert f"{field}=" in e.value.message and "is not supported" in e.value.message
 
 
+def system_text(body: dict) -> str:
+    """The system message of the chat prompt `body` renders to."""
+    segments = parse_chat({"messages": HI, **body}, INFO).sources[0]
+    return segments[segments.index("system") + 2]  # system, <|message|>, its text
+
+
+def test_chat_template_kwargs_set_gpt_oss_template_variables():
+    """vLLM users set gpt-oss's reasoning_effort in chat_template_kwargs: it was ignored."""
+    assert "Reasoning: medium" in system_text({})
+    high = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    assert "Reasoning: high" in system_text(high)
+    assert "Reasoning: high" in system_text({**high, "reasoning_effort": "high"})
+    assert "Reasoning: low" in system_text({"chat_template_kwargs": {"reasoning_effort": None},
+                                            "reasoning_effort": "low"})  # fmt: skip
+    me = system_text({"chat_template_kwargs": {"model_identity": "You are Tiny."}})
+    assert me.startswith("You are Tiny.\n") and harmony.DEFAULT_IDENTITY not in me
+    assert "Reasoning: medium" in system_text({"chat_template_kwargs": {"builtin_tools": []}})
+
+
+@pytest.mark.parametrize("kwargs, top, param, words", [
+    ({"reasoning_effort": "high"}, {"reasoning_effort": "low"},
+     "chat_template_kwargs.reasoning_effort", "contradicts reasoning_effort='low'"),
+    ({"reasoning_effort": "max"}, {}, "chat_template_kwargs.reasoning_effort", "'high'"),
+    ({"model_identity": 3}, {}, "chat_template_kwargs.model_identity", "a string"),
+    ({"builtin_tools": ["browser"]}, {}, "chat_template_kwargs.builtin_tools",
+     "runs no browser or python tool"),
+    ({"enable_thinking": False}, {}, "chat_template_kwargs.enable_thinking",
+     "thinking_token_budget"),
+    ({"tools": []}, {}, "chat_template_kwargs.tools", "give the top-level tools"),
+    ({"custom": 1}, {}, "chat_template_kwargs.custom", "reads reasoning_effort, model_identity"),
+])  # fmt: skip
+def test_chat_template_kwargs_gpt_oss_does_not_read_are_refused(kwargs, top, param, words):
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": HI, "chat_template_kwargs": kwargs, **top}, INFO)
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message, e.value
+
+
+def test_chat_template_kwargs_over_http(srv):
+    """Chat and /tokenize render them alike (so /tokenize counts the chat's prompt)."""
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high", "model_identity": "Tiny."}}
+    count = ok(post(srv, "/tokenize", {"messages": HI, **kwargs}))["count"]
+    assert count < ok(post(srv, "/tokenize", {"messages": HI}))["count"]
+    answer = ok(post(srv, CHAT, {"messages": HI, "max_tokens": 1, **kwargs}))
+    assert answer["usage"]["prompt_tokens"] == count
+    err = error(post(srv, CHAT, {"messages": HI, "chat_template_kwargs": {"x": 1}}))
+    assert err["param"] == "chat_template_kwargs.x"
+
+
 def test_too_many_messages_are_refused_before_validation():
     """More messages than the context can hold are refused at a glance, before validating
     each (220,000 developer messages took seconds holding the GIL): leading system and

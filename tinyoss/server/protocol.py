@@ -216,9 +216,10 @@ _PATH = re.compile(r"[a-z_]+(?:\[\d+\]|\.[a-z_]+)*")
 
 
 def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
-    """The chat body's messages (with its tools, tool_choice, reasoning_effort) rendered to
-    harmony segments: the one path of /v1/chat/completions and /tokenize. `req` has checked
-    the types; harmony's checks (shared with the offline `LLM`) are what roles may hold."""
+    """The chat body's messages (with its tools, tool_choice, reasoning_effort and
+    chat_template_kwargs) rendered to harmony segments: the one path of /v1/chat/completions
+    and /tokenize. `req` has checked the types; harmony's checks (shared with the offline
+    `LLM`) are what roles may hold."""
     messages, tools = body["messages"], body.get("tools") or []
     choice = body.get("tool_choice") or req.tool_choice  # the JSON's, or the default
     for param, check in (
@@ -230,7 +231,7 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
             check()
         except ValueError as e:
             raise APIError(400, str(e), param=_path_in(str(e), param)) from e
-    options = {"tools": tools, "tool_choice": choice, "reasoning_effort": req.reasoning_effort}
+    options = {"tools": tools, "tool_choice": choice, **_template_options(req, body)}
     if isinstance(req.response_format, ResponseFormatJsonSchema):
         options["response_format"] = body["response_format"]["json_schema"]
     try:
@@ -240,6 +241,39 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
     return segments
+
+
+_TEMPLATE_HINTS = {"enable_thinking": "gpt-oss always reasons: lower reasoning_effort, or set "
+                                      "thinking_token_budget (0: no reasoning)"}
+
+
+def _template_options(req: ChatInput, body: dict) -> dict[str, Any]:
+    """Harmony's options from reasoning_effort and vLLM's chat_template_kwargs, where vLLM users
+    set gpt-oss's reasoning_effort. A key gpt-oss's template does not read would go unread: a
+    400 naming it."""
+    options: dict[str, Any] = {"reasoning_effort": req.reasoning_effort}
+    kwargs = req.chat_template_kwargs
+    if kwargs is None:
+        return options
+    for key, value in (kwargs.model_extra or {}).items():
+        where = f"chat_template_kwargs.{key[:64]}"
+        hint = _TEMPLATE_HINTS.get(key) or (
+            f"give the top-level {key}" if key in type(req).model_fields
+            else "it reads reasoning_effort, model_identity and builtin_tools")  # fmt: skip
+        _require(value is None, where, f"{where} is not read by gpt-oss's chat template: {hint}")
+    tools = "chat_template_kwargs.builtin_tools"
+    _require(not kwargs.builtin_tools, tools,
+             f"{tools}={harmony.short_repr(kwargs.builtin_tools)} is not supported: tinyoss runs "
+             "no browser or python tool; offer functions as tools")  # fmt: skip
+    effort, top = kwargs.reasoning_effort, body.get("reasoning_effort")
+    if effort is not None:
+        _require(top in (None, effort), "chat_template_kwargs.reasoning_effort",
+                 f"chat_template_kwargs.reasoning_effort={effort!r} contradicts "
+                 f"reasoning_effort={harmony.short_repr(top)}: give one of them")  # fmt: skip
+        options["reasoning_effort"] = effort
+    if kwargs.model_identity is not None:
+        options["model_identity"] = kwargs.model_identity
+    return options
 
 
 def parse_completion(body: dict, info: EngineInfo) -> Prepared:

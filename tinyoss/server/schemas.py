@@ -304,6 +304,21 @@ class _Sampling(_Request):
     )
 
 
+class ChatTemplateKwargs(_Body):
+    """vLLM's chat_template_kwargs: the variables gpt-oss's chat template reads (others: 400)."""
+
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="As the top-level reasoning_effort, which it must not contradict."
+    )
+    model_identity: StrictStr | None = Field(
+        None, description="The system message's first line (left out: ChatGPT's)."
+    )
+    builtin_tools: list[StrictStr] | None = Field(
+        None, description="Not supported, refused unless empty: tinyoss runs no browser or "
+        "python tool."
+    )  # fmt: skip
+
+
 class ChatInput(_Request):
     """What renders a chat to a prompt: /tokenize's messages form as chat completions."""
 
@@ -317,6 +332,9 @@ class ChatInput(_Request):
     )  # fmt: skip
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         "medium", description="How much gpt-oss reasons before answering."
+    )
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="vLLM: reasoning_effort, model_identity (other keys: 400)."
     )
     response_format: ResponseFormat = Field(
         None, description="OpenAI: the answer is JSON (following a schema, when one is given)."
