@@ -385,6 +385,43 @@ def test_completion_responses_match_the_models(srv):
     assert chunks[-1]["usage"]["completion_tokens"] == 16
 
 
+def test_return_token_ids(srv):
+    """vLLM's return_token_ids (it was ignored): the prompt's ids and each choice's, whole in an
+    answer, the new ones in each stream chunk (the prompt's on the first)."""
+    body = {"messages": user(ANSWER), "max_tokens": 64, "return_token_ids": True}
+    prompt = ok(post(srv, "/tokenize", {"messages": user(ANSWER)}))["tokens"]
+    answer = ok(post(srv, CHAT, body))
+    exact(schemas.ChatCompletion, answer)
+    ids = answer["choices"][0]["token_ids"]
+    assert answer["prompt_token_ids"] == prompt and len(ids) == answer["usage"]["completion_tokens"]
+    assert "<|channel|>final<|message|>Hello there, Paris!" in ok(post(
+        srv, "/detokenize", {"tokens": ids}))["prompt"]  # fmt: skip
+    chunks = events(post(srv, CHAT, {**body, "stream": True}))
+    for chunk in chunks:
+        exact(schemas.ChatCompletionChunk, chunk)
+    assert [c.get("prompt_token_ids") for c in chunks] == [prompt] + [None] * (len(chunks) - 1)
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == ids
+
+    body = {"prompt": ["Hello", [1, 2, 3]], "n": 2, "max_tokens": 4, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    hello = ok(post(srv, "/tokenize", {"prompt": "Hello"}))["tokens"]
+    answer = ok(post(srv, CMPL, body))
+    exact(schemas.Completion, answer)
+    choices = answer["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [hello, hello, [1, 2, 3], [1, 2, 3]]
+    assert all(len(c["token_ids"]) == 4 for c in choices)
+    chunks = events(post(srv, CMPL, {**body, "stream": True}))
+    for chunk in chunks:
+        exact(schemas.CompletionChunk, chunk)
+    for i in range(4):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == i]
+        assert mine[0]["prompt_token_ids"] == choices[i]["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert len(sum((c["token_ids"] for c in mine), [])) == 4
+    plain = ok(post(srv, CMPL, {"prompt": "a", "max_tokens": 2}))["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
 def test_other_responses_match_the_models(srv):
     tokens = ok(post(srv, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}))
     exact(schemas.TokenizeResponse, tokens)

@@ -129,9 +129,16 @@ class Run:
     """One API request: its engine requests feeding its choices."""
 
     def __init__(
-        self, state: ServerState, prep: Prepared, kind: str, choices: list[Choice]
+        self,
+        state: ServerState,
+        prep: Prepared,
+        kind: str,
+        choices: list[Choice],
+        top: dict | None = None,
     ) -> None:
+        """`top`: more fields of the answer, and of a stream's first chunk."""
         self.state, self.prep, self.kind, self.choices = state, prep, kind, choices
+        self.top = top or {}
         self.rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex
         self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
@@ -215,17 +222,25 @@ class Run:
         }
 
     def answer(self) -> dict:
-        return {**self.head, "choices": [c.final() for c in self.choices], "usage": self.usage()}
+        choices = [c.final() for c in self.choices]
+        return {**self.head, "choices": choices, "usage": self.usage(), **self.top}
 
     async def events(self) -> AsyncIterator[str]:
         head = {**self.head, "object": self.kind + ".chunk" if "chat" in self.kind else self.kind}
+        top = self.top  # on the first chunk only
+
+        def chunk(choices: list[dict]) -> str:
+            nonlocal top
+            text, top = _sse({**head, "choices": choices, **top}), {}
+            return text
+
         try:
             for c in self.choices:
                 if (opening := c.opening()) is not None:
-                    yield _sse({**head, "choices": [opening]})
+                    yield chunk([opening])
             async with contextlib.aclosing(self.updates()) as updates:
                 async for changed in updates:
-                    yield _sse({**head, "choices": changed})
+                    yield chunk(changed)
             if self.prep.include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage()})
         except Exception as e:  # the status line is sent: report in the stream
@@ -635,17 +650,20 @@ def create_app(
     async def chat(request: Request) -> Response:
         client, prep = await prepare(request, parse_chat)
         tok, lp = client.tokenizer, prep.params.logprobs
+        ids = prep.return_token_ids
         choices: list[Choice] = [  # tool call ids are random even under a seed: ids a client
-            ChatChoice(i, tok, prep.content_stop, lp is not None)  # keys history by are unique
-            for i in range(prep.params.n)
+            ChatChoice(i, tok, prep.content_stop, lp is not None, ids)  # keys history by are
+            for i in range(prep.params.n)  # unique
         ]
-        return await respond(request, Run(state, prep, "chat.completion", choices))
+        top = {"prompt_token_ids": prep.prompts[0]} if ids else None
+        return await respond(request, Run(state, prep, "chat.completion", choices, top))
 
     async def completions(request: Request) -> Response:
         client, prep = await prepare(request, parse_completion)
         tok, n, lp = client.tokenizer, prep.params.n, prep.params.logprobs
         choices: list[Choice] = [
-            TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None)
+            TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
+                       prep.prompts[p] if prep.return_token_ids else None)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

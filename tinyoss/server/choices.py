@@ -32,6 +32,19 @@ def _choice(index: int, finish_reason: str | None, **fields: Any) -> dict:
     return {"index": index, **fields, "finish_reason": finish_reason}
 
 
+class _TokenIds:
+    """A choice's token ids, for return_token_ids: a stream chunk carries those new since the
+    last chunk (a token may bring no chunk of its own: half a character, a harmony header)."""
+
+    def __init__(self) -> None:
+        self.all: list[int] = []
+        self.sent = 0
+
+    def new(self) -> list[int]:
+        ids, self.sent = self.all[self.sent :], len(self.all)
+        return ids
+
+
 class ChatChoice:
     """One chat choice: generated tokens through the harmony parser into message fields.
 
@@ -46,8 +59,10 @@ class ChatChoice:
         tokenizer: Tokenizer,
         stops: list[str],
         logprobs: bool,
+        token_ids: bool = False,
     ) -> None:
         self.index, self.tokenizer = index, tokenizer
+        self.ids = _TokenIds() if token_ids else None
         self.parser = harmony.HarmonyStreamParser(
             tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
         )
@@ -87,11 +102,14 @@ class ChatChoice:
             while self.held and self.held[0][0] < self.shown:
                 lps += [self._logprob(out.logprobs[at]) for at in self.held.popleft()[1]]
             self.logprobs += lps
+        if self.ids is not None:
+            self.ids.all += out.token_ids[start : self.num_tokens]
         delta = _delta(deltas)
         if not (delta or self.finish_reason):
             return None
         lps_field = {"content": lps, "refusal": None} if lps else None
-        return _choice(self.index, self.finish_reason, delta=delta, logprobs=lps_field)
+        choice = _choice(self.index, self.finish_reason, delta=delta, logprobs=lps_field)
+        return choice if self.ids is None else {**choice, "token_ids": self.ids.new()}
 
     def final(self) -> dict:
         content, reasoning = ("".join(self.parts[k]) or None for k in ("content", "reasoning"))
@@ -106,7 +124,8 @@ class ChatChoice:
         logprobs = None
         if self.logprobs is not None:  # null like the content when there is none
             logprobs = {"content": None if content is None else self.logprobs, "refusal": None}
-        return _choice(self.index, self.finish_reason, message=message, logprobs=logprobs)
+        choice = _choice(self.index, self.finish_reason, message=message, logprobs=logprobs)
+        return choice if self.ids is None else {**choice, "token_ids": self.ids.all}
 
     def _keep(self, deltas: list[harmony.Delta], final: bool = False) -> list[harmony.Delta]:
         """Records deltas into the message; with stop strings, cuts the answer at the first."""
@@ -166,10 +185,20 @@ def _delta(deltas: list[harmony.Delta]) -> dict:
 
 
 class TextChoice:
-    """One completions choice: the engine's text (it applies stop strings itself)."""
+    """One completions choice: the engine's text (it applies stop strings itself).
+    `prompt_ids`, given with return_token_ids, are its prompt's."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, echo: str | None, logprobs: bool) -> None:
+    def __init__(
+        self,
+        index: int,
+        tokenizer: Tokenizer,
+        echo: str | None,
+        logprobs: bool,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
         self.index, self.tokenizer = index, tokenizer
+        self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
+        self.ids = None if prompt_ids is None else _TokenIds()
         self.prefix = echo or ""  # sent with the first update
         self.parts: list[str] = []  # the echo and the engine's text so far
         self.seen = 0  # pieces of the engine's text already taken
@@ -188,6 +217,8 @@ class TextChoice:
         self.prefix, self.seen = "", len(out.pieces)
         self.parts.append(new)
         start, self.num_tokens = self.num_tokens, len(out.token_ids)
+        if self.ids is not None:
+            self.ids.all += out.token_ids[start:]
         lps = None
         if self.logprobs is not None and out.logprobs is not None:
             lps = _text_logprobs()
@@ -202,11 +233,19 @@ class TextChoice:
         self.finish_reason = out.finish_reason
         if not (new or lps and lps["tokens"] or self.finish_reason):
             return None
-        return _choice(self.index, self.finish_reason, text=new, logprobs=lps)
+        choice = _choice(self.index, self.finish_reason, text=new, logprobs=lps)
+        if self.ids is None:
+            return choice
+        first = {} if self.opened else {"prompt_token_ids": self.prompt_ids}
+        self.opened = True
+        return {**choice, **first, "token_ids": self.ids.new()}
 
     def final(self) -> dict:
         text = "".join(self.parts)
-        return _choice(self.index, self.finish_reason, text=text, logprobs=self.logprobs)
+        choice = _choice(self.index, self.finish_reason, text=text, logprobs=self.logprobs)
+        if self.ids is None:
+            return choice
+        return {**choice, "prompt_token_ids": self.prompt_ids, "token_ids": self.ids.all}
 
 
 def _text_logprobs() -> dict:

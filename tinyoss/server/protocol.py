@@ -155,6 +155,7 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     echo: list[str] | None = None  # completions: text put before each prompt's choices
+    return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
     prompts: list[list[int]] = field(default_factory=list)
 
@@ -202,7 +203,8 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         params.stop_token_ids += [t for t in harmony.STOP_TOKENS if t not in params.stop_token_ids]
     stops, params.stop = params.stop, []
     _check_chars([segments], info.max_model_len, "messages")
-    return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops)
+    return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
+                    return_token_ids=bool(req.return_token_ids))
 
 
 def _path_in(message: str, field: str) -> str:
@@ -315,7 +317,8 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
         sources.append([p] if isinstance(p, str) else p)
     _check_chars(sources, info.max_model_len, "prompt")
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
-    return Prepared(sources, "prompt", params, *_streaming(req), echo=texts)
+    return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
+                    return_token_ids=bool(req.return_token_ids))
 
 
 def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:

@@ -274,6 +274,10 @@ class _Sampling(_Request):
         False, description="Send the answer as server-sent events, as it is generated."
     )
     stream_options: StreamOptions | None = Field(None, description="Options of a stream.")
+    return_token_ids: StrictBool | None = Field(
+        False, description="vLLM: return the prompt's token ids (prompt_token_ids) and each "
+        "choice's (token_ids; in a stream, each chunk's new ones)."
+    )  # fmt: skip
     structured_outputs: StructuredOutputs = Field(
         None, description="vLLM: a grammar the output follows (or give response_format)."
     )
@@ -752,6 +756,7 @@ class ChatChoice(_Out):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: all of them.")
 
 
 class ChatCompletion(_Out):
@@ -761,6 +766,7 @@ class ChatCompletion(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class FunctionCallDelta(_Out):
@@ -788,6 +794,9 @@ class ChatChunkChoice(_Out):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(
+        None, description="With return_token_ids: those new since the last chunk."
+    )
 
 
 class ChatCompletionChunk(_Out):
@@ -797,6 +806,9 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, description="On the last chunk, with include_usage.")
+    prompt_token_ids: list[int] | None = Field(
+        None, description="On the first chunk, with return_token_ids."
+    )
 
 
 class CompletionLogprobs(_Out):
@@ -811,6 +823,12 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="With return_token_ids (in a stream, on the choice's first chunk)."
+    )
+    token_ids: list[int] | None = Field(
+        None, description="With return_token_ids (in a stream, those new since the last chunk)."
+    )
 
 
 class Completion(_Out):
