@@ -118,6 +118,8 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "stream": True, "stream_options": {"include_usage": "y"}},
          "stream_options.include_usage", "boolean"),
         (CHAT, {"messages": HI, "stream_options": []}, "stream_options", "an object"),
+        (CMPL, {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+         "stream_options.continuous_usage_stats", "boolean"),
         (CHAT, {"messages": HI, "stop": ["a", 1]}, "stop", "a string or a list of strings"),
         (CHAT, {"messages": HI, "tools": {"name": "f"}}, "tools", "must be a list"),
         (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools[0].function",
@@ -420,6 +422,24 @@ def test_return_token_ids(srv):
         assert len(sum((c["token_ids"] for c in mine), [])) == 4
     plain = ok(post(srv, CMPL, {"prompt": "a", "max_tokens": 2}))["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_continuous_usage_stats(srv):
+    """vLLM's stream_options.continuous_usage_stats (it was ignored, and bench/serve.py counts
+    each chunk's tokens by it): every chunk carries the usage so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": user(ANSWER), "max_tokens": 64, "stream": True, "stream_options": options}
+    chunks = events(post(srv, CHAT, body))
+    for chunk in chunks:
+        exact(schemas.ChatCompletionChunk, chunk)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-2] == counts[-1] > 0
+    assert chunks[-1]["choices"] == [] and len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+    body = {"prompt": "a", "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    chunks = events(post(srv, CMPL, body))
+    assert all(c["choices"] for c in chunks)  # no last usage chunk without include_usage
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 def test_other_responses_match_the_models(srv):

@@ -231,8 +231,10 @@ class Run:
 
         def chunk(choices: list[dict]) -> str:
             nonlocal top
-            text, top = _sse({**head, "choices": choices, **top}), {}
-            return text
+            body, top = {**head, "choices": choices, **top}, {}
+            if self.prep.continuous_usage:
+                body["usage"] = self.usage()
+            return _sse(body)
 
         try:
             for c in self.choices:

@@ -154,6 +154,7 @@ class Prepared:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # the usage so far on every chunk
     echo: list[str] | None = None  # completions: text put before each prompt's choices
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
@@ -430,11 +431,15 @@ def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
         )
 
 
-def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
-    stream = bool(req.stream)
-    _require(stream or req.stream_options is None, "stream_options",
+def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool, bool]:
+    """stream, include_usage (a last chunk of usage), continuous_usage_stats (usage on every
+    chunk: vLLM's, which its benchmarks use to count each chunk's tokens)."""
+    stream, options = bool(req.stream), req.stream_options
+    _require(stream or options is None, "stream_options",
              "stream_options is only allowed with stream: true")
-    return stream, stream and req.stream_options is not None and req.stream_options.include_usage
+    if options is None:
+        return stream, False, False
+    return stream, options.include_usage, options.continuous_usage_stats
 
 
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # each stop string is searched for at every token

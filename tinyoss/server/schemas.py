@@ -204,6 +204,9 @@ class StreamOptions(_Body):
     include_usage: StrictBool = Field(
         False, description="Send a last chunk with the usage (and no choices)."
     )
+    continuous_usage_stats: StrictBool = Field(
+        False, description="vLLM: every chunk carries the usage so far."
+    )
 
 
 Stop = _either(StrictStr | list[StrictStr], "a string or a list of strings")
@@ -805,7 +808,10 @@ class ChatCompletionChunk(_Out):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, description="On the last chunk, with include_usage.")
+    usage: Usage | None = Field(
+        None, description="On the last chunk, with include_usage; on every chunk (so far), "
+        "with continuous_usage_stats."
+    )  # fmt: skip
     prompt_token_ids: list[int] | None = Field(
         None, description="On the first chunk, with return_token_ids."
     )
@@ -846,7 +852,10 @@ class CompletionChunk(_Out):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, description="On the last chunk, with include_usage.")
+    usage: Usage | None = Field(
+        None, description="On the last chunk, with include_usage; on every chunk (so far), "
+        "with continuous_usage_stats."
+    )  # fmt: skip
 
 
 class TokenizeResponse(_Out):
