@@ -357,6 +357,21 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "stream": "yes"}, "stream", "bool"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": 1}]},
          "tools[0].parameters", "JSON schema"),
+        # vLLM's and chat's fields were ignored too: refused by name, or passed on to chat
+        ({"input": "hi", "reasoning_effort": "high"}, "reasoning_effort", "reasoning.effort"),
+        ({"input": "hi", "chat_template_kwargs": {"reasoning_effort": "high"}},
+         "chat_template_kwargs", "give reasoning.effort"),
+        ({"input": "hi", "return_token_ids": True}, "return_token_ids", "not served here"),
+        ({"input": "hi", "structured_outputs": {"regex": "a"}}, "structured_outputs",
+         "give text.format"),
+        ({"input": "hi", "logprobs": True}, "logprobs", "not supported on /v1/responses"),
+        ({"input": "hi", "ignore_eos": True}, "ignore_eos", "harmony's end tokens"),
+        ({"input": "hi", "bad_words": ["x"]}, "bad_words", "bans no words"),
+        ({"input": "hi", "use_beam_search": True}, "use_beam_search", "beam search"),
+        ({"input": "hi", "echo": True}, "echo", "not supported"),
+        ({"input": "hi", "logit_bias": {"1": 2}}, "logit_bias", "not supported"),
+        ({"input": "hi", "top_k": -5}, "top_k", "top_k=-5 is invalid"),
+        ({"input": "hi", "seed": "x"}, "seed", "an integer"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field(srv, body, param, words):
@@ -409,6 +424,16 @@ def test_the_store_holds_a_bounded_number_of_bytes():
     assert len(store) == 1 and store.bytes == 30
     store.delete("resp_4")
     assert store.bytes == 0 and len(store) == 0
+
+
+def test_sampling_fields_reach_chat():
+    """vLLM's sampling fields (it serves top_k, seed, repetition_penalty on /v1/responses) were
+    ignored; values that ask for nothing pass."""
+    given = {"top_k": 5, "min_p": 0.1, "seed": 7, "presence_penalty": 0.5,
+             "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 2}  # fmt: skip
+    req = translate({"input": "hi", **given, "bad_words": [], "use_beam_search": False,
+                     "logit_bias": {}}, lambda _: [])  # fmt: skip
+    assert {k: req.chat[k] for k in given} == given
 
 
 def test_items_become_chat_messages():

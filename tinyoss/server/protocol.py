@@ -171,7 +171,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         if (least := _least_tokens(messages)) > info.max_model_len:
             _too_long(f"at least {least}", info.max_model_len, "messages")
     req = validate(ChatCompletionRequest, body)
-    _refuse_unsupported(body, tuple(_UNSUPPORTED))
+    refuse_unsupported(body)
     segments = _render_chat(req, body)
     needs = "top_logprobs needs logprobs: true"
     _require(req.top_logprobs is None or req.logprobs, "top_logprobs", needs)
@@ -282,7 +282,7 @@ def _template_options(req: ChatInput, body: dict) -> dict[str, Any]:
 def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     """A completions body: one engine request per prompt (read as parse_chat reads its body)."""
     req = validate(CompletionRequest, body)
-    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
+    refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
     _require(not req.suffix, "suffix", "suffix is not supported: gpt-oss has no FIM mode")
     _require(
         not req.echo or req.logprobs is None, "echo", "echo with logprobs is not supported"
@@ -418,9 +418,10 @@ def _require(ok: object, param: str, message: str) -> None:
         raise APIError(400, message, param=param)
 
 
-def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
+def refuse_unsupported(body: dict, names: tuple[str, ...] = tuple(_UNSUPPORTED)) -> None:
     """400 naming the first of `names` whose value asks for something: a harmless value
-    matches in JSON's terms, its type too ([] is not {}, false is not 0)."""
+    matches in JSON's terms, its type too ([] is not {}, false is not 0). /v1/responses reads
+    none of them, so it refuses them all."""
     for name in names:
         value = body.get(name)
         harmless, why = _UNSUPPORTED[name]

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from tinyoss import harmony
 from tinyoss.engine.core_client import OutputStream
 from tinyoss.engine.output_processor import CompletionOutput
-from tinyoss.server.protocol import APIError, validate
+from tinyoss.server.protocol import APIError, refuse_unsupported, validate
 from tinyoss.server.schemas import ResponseCreateRequest
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -102,7 +102,17 @@ _CHAT_FIELDS = {
     "response_format": "give text.format",
     "n": "a request makes one response",
     "stop": "stop sequences are not supported here (use /v1/chat/completions)",
+    "reasoning_effort": "give reasoning.effort",
+    "chat_template_kwargs": "give reasoning.effort",
+    "structured_outputs": "give text.format",
+    "logprobs": "logprobs are not supported on /v1/responses yet (use /v1/chat/completions)",
+    "return_token_ids": "token ids are not served here (use /v1/chat/completions)",
+    "ignore_eos": "a response ends at harmony's end tokens (use /v1/chat/completions)",
+    "stop_token_ids": "a response ends at harmony's end tokens (use /v1/chat/completions)",
 }
+# Chat's sampling fields (vLLM's), passed on as they are
+_SAMPLING = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_tokens")
 
 
 def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesRequest:
@@ -125,6 +135,7 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
     for name, why in _CHAT_FIELDS.items():  # ignored, they would change the answer unseen
         _need(name not in body, name, f"{name} is a chat completions field, not one of "
               f"/v1/responses: {why}")
+    refuse_unsupported(body)
     _need(
         req.truncation in (None, "disabled"),
         "truncation",
@@ -163,7 +174,8 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         )
     for ours, theirs in (("max_output_tokens", "max_completion_tokens"),
                          ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("thinking_token_budget", "thinking_token_budget")):  # fmt: skip
+                         ("thinking_token_budget", "thinking_token_budget"),
+                         *((name, name) for name in _SAMPLING)):  # fmt: skip
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if fmt["type"] == "json_schema":

@@ -670,6 +670,23 @@ class ResponseCreateRequest(_Request):
     )
     temperature: StrictFloat | None = Field(None, description="Sampling temperature (1).")
     top_p: StrictFloat | None = Field(None, description="Nucleus sampling (1: off).")
+    top_k: StrictInt | None = Field(None, description="vLLM: only the k most likely tokens.")
+    min_p: StrictFloat | None = Field(
+        None, description="vLLM: drop tokens less likely than min_p x the top one's."
+    )
+    seed: StrictInt | None = Field(None, description="vLLM: makes sampling reproducible.")
+    presence_penalty: StrictFloat | None = Field(
+        None, description="Penalizes tokens already generated, once each."
+    )
+    frequency_penalty: StrictFloat | None = Field(
+        None, description="Penalizes tokens by how often they were generated."
+    )
+    repetition_penalty: StrictFloat | None = Field(
+        None, description="vLLM: divides the logits of tokens in the prompt or output (1: off)."
+    )
+    min_tokens: StrictInt | None = Field(
+        None, description="vLLM: end tokens are held back until this many."
+    )
     thinking_token_budget: StrictInt | None = Field(
         None, description="vLLM: tokens of reasoning at most (enforced by a grammar)."
     )
