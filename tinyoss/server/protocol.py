@@ -334,6 +334,7 @@ def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:
     req: TokenizeChatRequest | TokenizeCompletionRequest
     if messages is not None:
         req = validate(TokenizeChatRequest, body)
+        refuse_unsupported(body, ("chat_template", "continue_final_message"))
         segments = _render_chat(req, body)
         if not req.add_generation_prompt:  # without the closing `<|start|>assistant`
             segments = segments[:-2]

@@ -415,6 +415,12 @@ class TokenizeChatRequest(ChatInput):
     add_generation_prompt: StrictBool | None = Field(
         True, description="End with the assistant's turn opening, as chat completions do."
     )
+    continue_final_message: StrictBool | None = Field(
+        False, description="vLLM: false only (as in chat completions)."
+    )
+    chat_template: StrictStr | None = Field(
+        None, description="vLLM: not supported (the prompt is always harmony's)."
+    )
     add_special_tokens: StrictBool | None = Field(
         True, description="Accepted; gpt-oss prompts get no BOS or EOS."
     )
