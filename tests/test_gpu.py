@@ -363,14 +363,27 @@ def test_piecewise_graphs_match_eager_prefill(tiny_dir):
         assert (a - b).abs().max().item() < 0.05, (a - b).abs().max().item()
 
 
-def test_structured_outputs_under_graphs_and_async_scheduling(tiny_dir):
+def test_structured_outputs_under_graphs_and_async_scheduling(tiny_dir, monkeypatch):
     """JSON-schema constrained decoding on the GPU path (decode graphs, piecewise prefill
     graphs): valid documents, and the same tokens with async scheduling on (the sampling of a
-    chained step waits for the previous tokens' masks) and off."""
+    chained step waits for the previous tokens' masks) and off. Matchers are built off the step
+    loop and their requests join when built, so the free row could run alone for a step or two
+    in one run and not the other (a batch of another size, other bf16 sums, another greedy
+    token): the first step here waits for every build, so both runs batch alike."""
     import json
+    from concurrent.futures import wait
 
     from tinyoss import LLM, SamplingParams
+    from tinyoss.engine.core import EngineCore
     from tinyoss.sampling_params import StructuredOutputs
+
+    admit = EngineCore._admit_built
+
+    def admit_all_built(core: EngineCore) -> None:
+        wait([future for future, _ in core._building])
+        admit(core)
+
+    monkeypatch.setattr(EngineCore, "_admit_built", admit_all_built)
 
     so = StructuredOutputs(json={
         "type": "object",
