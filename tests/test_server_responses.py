@@ -273,9 +273,15 @@ def test_cancel_and_disconnect_abort_the_engine_request(srv, client):
     next(e for e in events if e.type == "response.reasoning_text.delta")
     assert srv.client.stats.num_requests_running == 1
     assert client.responses.cancel(rid).status == "cancelled"
-    last = list(events)[-1]
+    rest = list(events)
+    last = rest[-1]
     assert last.type == "response.failed" and last.response.status == "cancelled"
+    # a response.failed says why (its error was null: a client reading error.message broke),
+    # and is what the store keeps; no `error` event: nothing failed
+    assert last.response.error.code == "cancelled" and "/cancel" in last.response.error.message
+    assert "error" not in [e.type for e in rest]
     wait_idle(srv)
+    assert client.responses.retrieve(rid).model_dump() == last.response.model_dump()
     err = error(srv, None, path=f"/{rid}/cancel")
     assert "only a response in progress can be cancelled" in err["message"]
     body = {"input": slow, "stream": True}
@@ -286,7 +292,9 @@ def test_cancel_and_disconnect_abort_the_engine_request(srv, client):
         next(e for e in data if e["type"] == "response.reasoning_text.delta")
         assert srv.client.stats.num_requests_running == 1
     wait_idle(srv)
-    assert client.responses.retrieve(rid).status == "cancelled"
+    gone = client.responses.retrieve(rid)
+    assert gone.status == "cancelled" and gone.error.code == "cancelled"
+    assert "closed the connection" in gone.error.message
 
 
 @pytest.mark.parametrize(

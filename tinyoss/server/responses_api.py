@@ -338,6 +338,12 @@ class Cancelled(Exception):
     """Put into a running response's engine streams by POST /v1/responses/{id}/cancel."""
 
 
+def _cancelled(why: str) -> dict:
+    """A cancelled response's error. OpenAI's stream has no cancelled event: such a stream ends
+    with response.failed, whose clients read `error.message` (it was null)."""
+    return {"code": "cancelled", "message": f"the response was cancelled: {why}"}
+
+
 @dataclass
 class Item:
     """One output item as it is generated; `render` gives its API form."""
@@ -536,6 +542,7 @@ class ResponseRun:
                 param="response_id",
             )
         self.status = "cancelled"
+        self.error = _cancelled(f"POST /v1/responses/{self.id}/cancel")
         for stream in self.run.streams:
             stream.fail(Cancelled("cancelled"))
 
@@ -568,7 +575,7 @@ class ResponseRun:
             error = e
         finally:
             self._end(error)  # a client that left: cancelled
-        if self.error is not None and not isinstance(error, Cancelled):
+        if self.status == "failed":
             yield self._event("error", **{k: self.error[k] for k in ("code", "message")},
                               param=None)  # fmt: skip
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
@@ -587,7 +594,7 @@ class ResponseRun:
             return
         finish = output.finish_reason
         if self.status == "cancelled" or isinstance(error, Cancelled):
-            self.status = "cancelled"
+            self.status = "cancelled"  # by cancel(), which set the error
         elif error is not None:
             err = self.error_of(error)
             self.status, self.error = "failed", {"code": err.code or "server_error",
@@ -595,7 +602,8 @@ class ResponseRun:
         elif finish in ("stop", "length"):
             self.status = "completed" if finish == "stop" else "incomplete"
         elif finish is None or finish == "abort":
-            self.status = "cancelled"  # the client left
+            self.status = "cancelled"
+            self.error = _cancelled("its client closed the connection before it ended")
         else:
             self.status = "failed"
             self.error = {"code": "server_error", "message": f"generation ended: {finish}"}

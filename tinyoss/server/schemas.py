@@ -1030,7 +1030,7 @@ class ResponseObject(_Out):
     status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
     background: bool
     completed_at: int | None
-    error: ResponseError | None = Field(description="Why it failed.")
+    error: ResponseError | None = Field(description="Why it failed or was cancelled.")
     incomplete_details: IncompleteDetails | None
     model: str
     output: list[OutputItem] = Field(description="Items in the order the model wrote them.")
