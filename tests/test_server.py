@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -99,14 +100,14 @@ def wait_healthy(served: Served, timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def scripted_server(folder: Path):
+def scripted_server(folder: Path, **app_kwargs: Any):
     """A live tiny server whose core runs the `scripted` hook; `prompts()` lists the decoded
-    prompts of scripted requests."""
+    prompts of scripted requests. `app_kwargs` go to create_app."""
     prompts = folder / "prompts.jsonl"
     prompts.touch()
     # the whole module long: a restarted core must find its hook too
     with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
-        app = create_app(TINY, model_name="tiny", api_key=KEY)
+        app = create_app(TINY, model_name="tiny", api_key=KEY, **app_kwargs)
         served = Served(app)
         wait_healthy(served)
         served.state = app.state.server

@@ -266,6 +266,19 @@ def test_get_delete_and_store_false(srv, client):
     assert httpx.get(srv.url + f"/v1/responses/{r.id}").status_code == 401
 
 
+def test_with_storing_off_a_response_says_store_false(tmp_path):
+    """--max-stored-responses 0 kept nothing yet echoed store: true; GET's 404 says why."""
+    with scripted_server(tmp_path, max_stored_responses=0) as off:
+        client = openai.OpenAI(base_url=off.url + "/v1", api_key=KEY, max_retries=0)
+        r = create(client, input="hi", max_output_tokens=3)
+        assert r.store is False
+        events = list(create(client, input="hi", max_output_tokens=3, stream=True))
+        assert {e.response.store for e in events if e.type.startswith("response.")
+                and hasattr(e, "response")} == {False}  # fmt: skip
+        err = error(off, None, 404, "GET", f"/{r.id}")
+        assert "storing is off" in err["message"] and "newest 0" not in err["message"]
+
+
 def test_cancel_and_disconnect_abort_the_engine_request(srv, client):
     slow = [{"role": "user", "content": m} for m in (SLOW, ANSWER)]  # 20 ms a scripted step
     events = iter(create(client, input=slow, stream=True))

@@ -681,6 +681,8 @@ def create_app(
             req = await asyncio.to_thread(translate, body, lambda _: items)
         else:
             req = translate(body, store.conversation)
+        if not store.size:  # nothing is kept: the response says so, as OpenAI echoes the value
+            req.store = req.echo["store"] = False
         try:  # every check of chat, its errors naming the Responses fields
             prep = await _parse(parse_chat, req.chat, client.info, request.state.body_bytes)
             prep.what = "input"

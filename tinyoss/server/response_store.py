@@ -48,13 +48,17 @@ class ResponseStore:
         """The response (now the most recently used), or a 404 naming it."""
         kept = self._runs.get(response_id)
         if kept is None:
-            why = "" if self.size else " (storing is off: --max-stored-responses 0)"
+            why = (
+                f"responses are kept in memory, the newest {self.size}, and only those created "
+                "with store: true"
+                if self.size
+                else "storing is off on this server (--max-stored-responses 0): no response is "
+                "kept"
+            )
             what = "Previous response" if param == "previous_response_id" else "Response"
             raise APIError(
                 404,
-                f"{what} with id {_clip(response_id)!r} not found{why}. Responses are kept in "
-                "memory, "
-                f"the newest {self.size}, and only those created with store: true.",
+                f"{what} with id {_clip(response_id)!r} not found: {why}.",
                 param=param,
                 code="previous_response_not_found" if param else "not_found",
             )

@@ -700,7 +700,8 @@ class ResponseCreateRequest(_Request):
         False, description="Send the response as server-sent events, as it is generated."
     )
     store: StrictBool | None = Field(
-        True, description="Keep the response for GET and previous_response_id."
+        True, description="Keep the response for GET and previous_response_id (the response "
+        "says false when the server keeps none: --max-stored-responses 0)."
     )
     metadata: Metadata | None = Field(None, description="Echoed: up to 16 string pairs.")
     user: StrictStr | None = Field(None, description="Echoed.")
