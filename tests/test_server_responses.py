@@ -275,8 +275,47 @@ def test_with_storing_off_a_response_says_store_false(tmp_path):
         events = list(create(client, input="hi", max_output_tokens=3, stream=True))
         assert {e.response.store for e in events if e.type.startswith("response.")
                 and hasattr(e, "response")} == {False}  # fmt: skip
-        err = error(off, None, 404, "GET", f"/{r.id}")
-        assert "storing is off" in err["message"] and "newest 0" not in err["message"]
+        for path in ("", "/input_items"):
+            err = error(off, None, 404, "GET", f"/{r.id}{path}")
+            assert "storing is off" in err["message"] and "newest 0" not in err["message"]
+
+
+def test_input_items_list_the_conversation(srv, client):
+    """GET /v1/responses/{id}/input_items (was a 404): the items the response was generated
+    from, as OpenAI lists them (each with an id, a message's content as parts), newest first
+    by default, in pages of `limit` after the item `after`."""
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": ANSWER}]}]  # fmt: skip
+    first = create(client, input=items, max_output_tokens=64)
+    second = create(client, previous_response_id=first.id, input="And?", max_output_tokens=8)
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert listed.object == "list" and listed.has_more is False
+    assert [(i.type, getattr(i, "role", None)) for i in listed.data] == [
+        ("message", "developer"), ("message", "user"), ("reasoning", None),
+        ("message", "assistant"), ("message", "user"),
+    ]  # fmt: skip
+    assert [i.id for i in listed.data[2:4]] == [o.id for o in first.output]
+    assert all(i.id and i.status == "completed" for i in listed.data)
+    assert len({i.id for i in listed.data}) == 5
+    assert (listed.first_id, listed.last_id) == (listed.data[0].id, listed.data[-1].id)
+    assert [(p.type, p.text) for p in listed.data[0].content] == [("input_text", "Be brief.")]
+    assert [(p.type, p.text) for p in listed.data[-1].content] == [("input_text", "And?")]
+    assert listed.data[3].content[0].text == ANSWER_TEXT
+    ids = [i.id for i in listed.data]
+    again = client.responses.input_items.list(first.id, order="asc")  # the same items' ids
+    assert [i.id for i in again.data] == ids[:2]
+    page = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in page.data] == ids[::-1][:2] and page.has_more
+    assert [i.id for i in page] == ids[::-1]  # the client pages on with after=last_id
+    after = client.responses.input_items.list(second.id, order="asc", after=ids[3])
+    assert [i.id for i in after.data] == ids[4:] and not after.has_more
+    with pytest.raises(openai.NotFoundError, match="resp_nope"):
+        client.responses.input_items.list("resp_nope")
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=msg_nope", "after")):  # fmt: skip
+        err = error(srv, None, 400, "GET", f"/{second.id}/input_items?{query}")
+        assert err["param"] == param, err
 
 
 def test_cancel_and_disconnect_abort_the_engine_request(srv, client):

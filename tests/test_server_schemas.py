@@ -561,7 +561,8 @@ def test_openapi_documents_the_responses_api(srv):
     doc = ok(httpx.get(srv.url + "/openapi.json"))
     check_refs_and_schemas(doc)
     routes = {"/v1/responses": ("post",), "/v1/responses/{id}": ("get", "delete"),
-              "/v1/responses/{id}/cancel": ("post",)}  # fmt: skip
+              "/v1/responses/{id}/cancel": ("post",),
+              "/v1/responses/{id}/input_items": ("get",)}  # fmt: skip
     for path, methods in routes.items():
         for method in methods:
             op = doc["paths"][path][method]
@@ -592,5 +593,8 @@ def test_openapi_documents_the_responses_api(srv):
     headers = {"Authorization": f"Bearer {KEY}"}
     url = srv.url + "/v1/responses/" + answer["id"]
     exact(schemas.ResponseObject, ok(httpx.get(url, headers=headers)))
+    listed = ok(httpx.get(url + "/input_items", headers=headers))
+    exact(schemas.ResponseItemList, listed)
+    jsonschema.validate(listed, {"$ref": "#/components/schemas/ResponseItemList", **doc})
     exact(schemas.ResponseDeleted, ok(httpx.delete(url, headers=headers)))
     error(httpx.get(url, headers=headers), 404)

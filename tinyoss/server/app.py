@@ -708,6 +708,13 @@ def create_app(
     async def response_get(request: Request) -> Response:
         return JSONResponse(store.get(request.path_params["id"]).snapshot())
 
+    async def response_input_items(request: Request) -> Response:
+        resp, query = store.get(request.path_params["id"]), request.query_params
+        include = query.getlist("include") + query.getlist("include[]")  # the client's spelling
+        page = resp.input_items(query.get("after"), query.get("limit"), query.get("order"),
+                                include)  # fmt: skip
+        return JSONResponse(page)
+
     async def response_delete(request: Request) -> Response:
         store.delete(rid := request.path_params["id"])
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
@@ -802,6 +809,7 @@ def create_app(
         Route("/v1/responses/{id}", endpoint(response_get), methods=["GET"]),
         Route("/v1/responses/{id}", endpoint(response_delete), methods=["DELETE"]),
         Route("/v1/responses/{id}/cancel", endpoint(response_cancel), methods=["POST"]),
+        Route("/v1/responses/{id}/input_items", endpoint(response_input_items), methods=["GET"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/v1/models/{id:path}", endpoint(model), methods=["GET"]),
         Route("/tokenize", endpoint(tokenize_), methods=["POST"]),

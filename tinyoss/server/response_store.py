@@ -1,10 +1,10 @@
-"""The responses kept for GET /v1/responses/{id} and `previous_response_id`: in memory, the
-newest `size` of them and at most MAX_BYTES of their request bodies (as parsed: the server
-counts a body's footprint, not its length), the least recently used evicted first. A response
-keeps its input and output items (continuations share the item objects of the responses they
-continue), not its engine run. The byte bound is what holds memory: `size` alone allowed 1000
-bodies of up to --max-request-bytes (16 MiB) each, and a client reached gigabytes in minutes
-(a hostile-traffic trial)."""
+"""The responses kept for GET /v1/responses/{id} (and its input_items) and
+`previous_response_id`: in memory, the newest `size` of them and at most MAX_BYTES of their
+request bodies (as parsed: the server counts a body's footprint, not its length), the least
+recently used evicted first. A response keeps its input and output items (continuations share
+the item objects of the responses they continue), not its engine run. The byte bound is what
+holds memory: `size` alone allowed 1000 bodies of up to --max-request-bytes (16 MiB) each, and
+a client reached gigabytes in minutes (a hostile-traffic trial)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ A Responses request is translated into a chat-completions body (input items to m
 applies alike; errors are renamed back to the Responses fields. Generated tokens go through
 the harmony parser into output items (reasoning, message, function_call) in the order the model
 wrote them, and into the stream events that build them. Responses are kept in a bounded LRU
-store (`response_store.py`) for GET and `previous_response_id`.
+store (`response_store.py`) for GET (of a response, and of its input items) and
+`previous_response_id`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ _RENAMES = (
     ("messages", "input"),
 )
 _MESSAGE_PATH = re.compile(r"\bmessages\[(\d+)\]")
+# id prefixes of the items of each type, in output and in input_items' listing
+_PREFIX = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_",
+           "function_call_output": "fco_"}  # fmt: skip
+_MOST_LISTED = 100  # OpenAI's bound on input_items' limit
 
 
 def _new_id(prefix: str) -> str:
@@ -261,9 +266,11 @@ def _tool_choice(choice: str | dict | None, tools: list[dict]) -> str | dict | N
 
 
 def _input(value: str | list[dict]) -> list[dict]:
-    """The input items (a string is one user message); reasoning must come as plain text."""
+    """The input items (a string is one user message); reasoning must come as plain text. An
+    item without an id gets one, as input_items lists it: the responses that continue this one
+    share the item, and so its id."""
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
+        value = [{"type": "message", "role": "user", "content": value}]
     for i, item in enumerate(value):
         _need(
             item.get("type") != "reasoning" or item.get("encrypted_content") is None,
@@ -271,6 +278,8 @@ def _input(value: str | list[dict]) -> list[dict]:
             f"input[{i}].encrypted_content is not supported: send the reasoning as content "
             '[{"type": "reasoning_text", "text": ...}], as this server returns it',
         )
+        if not isinstance(item.get("id"), str):
+            item["id"] = _new_id(_PREFIX[item.get("type", "message")])
     return value
 
 
@@ -375,7 +384,6 @@ class Item:
 
 _DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
 _DONE = {"reasoning": "response.reasoning_text.done", "message": "response.output_text.done"}
-_PREFIX = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}
 
 
 class Output:
@@ -472,6 +480,19 @@ class Output:
         return events
 
 
+def _listed(item: dict) -> dict:
+    """An input item as input_items lists it: with its type and status, and a message's text as
+    one part (input_text, or output_text for the assistant's)."""
+    listed = {**item, "type": item.get("type", "message"), "status": item.get("status") or
+              "completed"}  # fmt: skip
+    if listed["type"] == "message" and isinstance(item["content"], str):
+        part = {"type": "input_text", "text": item["content"]}
+        if item["role"] == "assistant":
+            part = {"type": "output_text", "text": item["content"], "annotations": []}
+        listed["content"] = [part]
+    return listed
+
+
 class EngineRun(Protocol):
     """What a response needs of the server's `Run`."""
 
@@ -531,6 +552,39 @@ class ResponseRun:
     def conversation(self) -> list[dict]:
         """Input and output items, for a request that continues from this response."""
         return self.input + [item.render() for item in self.items]
+
+    def input_items(
+        self, after: str | None, limit: str | None, order: str | None, include: list[str]
+    ) -> dict:
+        """GET /v1/responses/{id}/input_items: the items the response was generated from (those
+        of the response it continues, then its input), a page of them as OpenAI lists them."""
+        _need(
+            limit is None or limit.isdecimal() and 1 <= int(limit) <= _MOST_LISTED,
+            "limit",
+            f"limit={harmony.short_repr(limit)} is invalid: must be 1 to {_MOST_LISTED}",
+        )
+        _need(
+            order in (None, "asc", "desc"),
+            "order",
+            f"order={harmony.short_repr(order)} is invalid: must be 'asc' or 'desc' (newest first, "
+            "the default)",
+        )
+        _check_include(include)
+        items = self.input if order == "asc" else self.input[::-1]
+        start = 0
+        if after is not None:
+            start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), -1)
+            _need(start >= 0, "after", f"after={harmony.short_repr(after)} is not the id of an "
+                  f"input item of response {self.id!r}")  # fmt: skip
+        end = start + int(limit or 20)
+        data = [_listed(item) for item in items[start:end]]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": end < len(items),
+        }
 
     def cancel(self) -> None:
         """Aborts the response in progress (its engine requests end at once)."""

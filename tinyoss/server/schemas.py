@@ -1055,6 +1055,19 @@ class ResponseObject(_Out):
     usage: ResponseUsage | None = Field(description="Once the response has ended.")
 
 
+class ResponseItemList(_Out):
+    """GET /v1/responses/{id}/input_items: a page of the items a response was generated from."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]] = Field(
+        description="Input items (message, function_call, function_call_output, reasoning) as "
+        "they were given, each with its id, type and status; a message's text as one part."
+    )
+    first_id: str | None
+    last_id: str | None
+    has_more: bool = Field(description="Whether more follow: ask again with after=last_id.")
+
+
 class ResponseDeleted(_Out):
     id: str
     object: Literal["response.deleted"]
@@ -1211,6 +1224,23 @@ def _responses_paths() -> dict[str, dict]:
             "delete": {"summary": "Forgets a stored response",
                        "responses": {"200": _json(_ref("ResponseDeleted")), **unknown}},
         },
+        "/v1/responses/{id}/input_items": {
+            "parameters": rid + [
+                {"name": "after", "in": "query", "schema": {"type": "string"},
+                 "description": "List the items after the one of this id."},
+                {"name": "limit", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+                 "description": "Items at most."},
+                {"name": "order", "in": "query",
+                 "schema": {"enum": ["asc", "desc"], "default": "desc"},
+                 "description": "desc: newest first."},
+            ],
+            "get": {"summary": "The items a stored response was generated from", "responses": {
+                "200": _json(_ref("ResponseItemList")),
+                "400": _json(_ref("ErrorResponse"), "A bad limit, order or after"),
+                **unknown,
+            }},
+        },
         "/v1/responses/{id}/cancel": {
             "parameters": rid,
             "post": {"summary": "Cancels a response in progress", "responses": {
@@ -1228,6 +1258,7 @@ def openapi_json() -> bytes:
     doc = build_openapi(
         _responses_paths(),
         extra_requests=(ResponseCreateRequest,),
-        extra_responses=(ResponseObject, ResponseDeleted, ResponseStreamEvent),
+        extra_responses=(ResponseObject, ResponseDeleted, ResponseItemList,
+                         ResponseStreamEvent),
     )
     return json.dumps(doc).encode()
