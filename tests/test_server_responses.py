@@ -318,6 +318,32 @@ def test_input_items_list_the_conversation(srv, client):
         assert err["param"] == param, err
 
 
+def test_output_text_logprobs_are_the_answers_tokens(client):
+    """include message.output_text.logprobs (and top_logprobs) fill output_text's logprobs
+    with the answer's tokens, as chat's logprobs.content (they were refused); left out: []."""
+    kw = {"input": ANSWER, "max_output_tokens": 64, "top_logprobs": 2,
+          "include": ["message.output_text.logprobs"]}  # fmt: skip
+    r = create(client, **kw)
+    part = r.output[1].content[0]
+    assert [e.token for e in part.logprobs] == ["Hello", " there", ",", " Paris", "!"]
+    assert bytes(b for e in part.logprobs for b in e.bytes).decode() == part.text
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in part.logprobs)
+    assert r.top_logprobs == 2
+    events = list(create(client, stream=True, **kw))
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta"
+              for lp in e.logprobs]  # fmt: skip
+    done = next(e for e in events if e.type == "response.output_text.done")
+    added = [e.part for e in events if e.type == "response.content_part.added"]
+    assert added[1].logprobs == []  # sent before any token (a list shared with later ones)
+    assert deltas == [lp.token for lp in done.logprobs] == [e.token for e in part.logprobs]
+    final = events[-1].response.output[1].content[0]
+    assert [e.token for e in final.logprobs] == deltas
+    alone = create(client, input=ANSWER, max_output_tokens=64, top_logprobs=1)
+    assert len(alone.output[1].content[0].logprobs) == 5
+    plain = create(client, input=ANSWER, max_output_tokens=64)
+    assert plain.output[1].content[0].logprobs == [] and plain.top_logprobs == 0
+
+
 def test_cancel_and_disconnect_abort_the_engine_request(srv, client):
     slow = [{"role": "user", "content": m} for m in (SLOW, ANSWER)]  # 20 ms a scripted step
     events = iter(create(client, input=slow, stream=True))
@@ -424,7 +450,8 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "return_token_ids": True}, "return_token_ids", "not served here"),
         ({"input": "hi", "structured_outputs": {"regex": "a"}}, "structured_outputs",
          "give text.format"),
-        ({"input": "hi", "logprobs": True}, "logprobs", "not supported on /v1/responses"),
+        ({"input": "hi", "logprobs": True}, "logprobs", "message.output_text.logprobs"),
+        ({"input": "hi", "top_logprobs": 21}, "top_logprobs", "20"),
         ({"input": "hi", "ignore_eos": True}, "ignore_eos", "harmony's end tokens"),
         ({"input": "hi", "bad_words": ["x"]}, "bad_words", "bans no words"),
         ({"input": "hi", "use_beam_search": True}, "use_beam_search", "beam search"),

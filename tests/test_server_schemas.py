@@ -585,6 +585,9 @@ def test_openapi_documents_the_responses_api(srv):
 
     answer = respond({"input": ANSWER, "max_output_tokens": 64, "metadata": {"k": "v"}})
     assert [o["type"] for o in answer["output"]] == ["reasoning", "message"]
+    lps = respond({"input": ANSWER, "max_output_tokens": 64, "top_logprobs": 1,
+                   "include": ["message.output_text.logprobs"]})  # fmt: skip
+    assert lps["output"][1]["content"][0]["logprobs"][0]["top_logprobs"]
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     calls = respond({"input": WEATHER, "tools": tools, "max_output_tokens": 64})
     assert calls["output"][-1]["type"] == "function_call"

@@ -690,7 +690,7 @@ def create_app(
             _check_limits(prep, limits, client.info.max_model_len)
         except APIError as e:
             raise req.renamed(e) from None
-        output = Output(client.tokenizer)
+        output = Output(client.tokenizer, prep.params.logprobs is not None)
         run = Run(state, prep, "response", [output])
         resp = ResponseRun(req, state.model_name, run, output, _error)
         if req.store:

@@ -28,6 +28,18 @@ def _lp(value: float) -> float:
     return max(value, _FLOOR)
 
 
+def token_logprob(tokenizer: Tokenizer, e: TokenLogprob) -> dict:
+    """A token's logprob entry as chat's logprobs.content and Responses' output_text give it."""
+    token, raw = _token(tokenizer, e.token_id)
+    top = [_token(tokenizer, t) + (lp,) for t, lp in e.top]
+    return {
+        "token": token,
+        "logprob": _lp(e.logprob),
+        "bytes": raw,
+        "top_logprobs": [{"token": t, "logprob": _lp(lp), "bytes": b} for t, b, lp in top],
+    }
+
+
 def _choice(index: int, finish_reason: str | None, **fields: Any) -> dict:
     return {"index": index, **fields, "finish_reason": finish_reason}
 
@@ -100,7 +112,8 @@ class ChatChoice:
         lps = []
         if self.logprobs is not None and out.logprobs is not None:
             while self.held and self.held[0][0] < self.shown:
-                lps += [self._logprob(out.logprobs[at]) for at in self.held.popleft()[1]]
+                lps += [token_logprob(self.tokenizer, out.logprobs[at])
+                        for at in self.held.popleft()[1]]  # fmt: skip
             self.logprobs += lps
         if self.ids is not None:
             self.ids.all += out.token_ids[start : self.num_tokens]
@@ -152,16 +165,6 @@ class ChatChoice:
             if self.finish_reason is not None:
                 break
         return kept
-
-    def _logprob(self, e: TokenLogprob) -> dict:
-        token, raw = _token(self.tokenizer, e.token_id)
-        top = [_token(self.tokenizer, t) + (lp,) for t, lp in e.top]
-        return {
-            "token": token,
-            "logprob": _lp(e.logprob),
-            "bytes": raw,
-            "top_logprobs": [{"token": t, "logprob": _lp(lp), "bytes": b} for t, b, lp in top],
-        }
 
 
 def _delta(deltas: list[harmony.Delta]) -> dict:

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 from tinyoss import harmony
 from tinyoss.engine.core_client import OutputStream
 from tinyoss.engine.output_processor import CompletionOutput
+from tinyoss.engine.step import TokenLogprob
+from tinyoss.server.choices import token_logprob
 from tinyoss.server.protocol import APIError, refuse_unsupported, validate
 from tinyoss.server.schemas import ResponseCreateRequest
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -37,11 +39,10 @@ _VACUOUS_INCLUDES = (
     "computer_call_output.output.image_url",
     "code_interpreter_call.outputs",
 )
+_LOGPROBS = "message.output_text.logprobs"  # output_text's logprobs: the answer's tokens'
 _REFUSED_INCLUDES = {
     "reasoning.encrypted_content": "reasoning is not encrypted here: reasoning items carry it "
     "as plain reasoning_text; send them back as they are, or use previous_response_id",
-    "message.output_text.logprobs": "logprobs are not supported on /v1/responses yet (use "
-    "/v1/chat/completions with logprobs)",
 }
 # chat fields (in parse_chat's errors) -> the Responses fields they came from
 _RENAMES = (
@@ -110,7 +111,7 @@ _CHAT_FIELDS = {
     "reasoning_effort": "give reasoning.effort",
     "chat_template_kwargs": "give reasoning.effort",
     "structured_outputs": "give text.format",
-    "logprobs": "logprobs are not supported on /v1/responses yet (use /v1/chat/completions)",
+    "logprobs": f'give include: ["{_LOGPROBS}"] (and top_logprobs for alternatives)',
     "return_token_ids": "token ids are not served here (use /v1/chat/completions)",
     "ignore_eos": "a response ends at harmony's end tokens (use /v1/chat/completions)",
     "stop_token_ids": "a response ends at harmony's end tokens (use /v1/chat/completions)",
@@ -147,11 +148,6 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         f"truncation={harmony.short_repr(req.truncation)} is not supported: an input longer "
         "than the context is a 400; leave truncation out (or 'disabled')",
     )
-    _need(
-        not req.top_logprobs,
-        "top_logprobs",
-        "top_logprobs is not supported on /v1/responses yet (use /v1/chat/completions)",
-    )
     _check_include(req.include or [])
     effort, summary = _reasoning(body.get("reasoning") or {})
     fmt = _text_format(body.get("text") or {})
@@ -183,6 +179,8 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
                          *((name, name) for name in _SAMPLING)):  # fmt: skip
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
+    if _LOGPROBS in (req.include or ()) or req.top_logprobs:  # top_logprobs: asks for them too
+        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs or 0
     if fmt["type"] == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
@@ -201,6 +199,7 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         "text": {"format": fmt, "verbosity": "medium"},
         "tool_choice": "auto" if choice is None else choice,
         "tools": tools,
+        "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
         "user": req.user,
     }
@@ -216,7 +215,7 @@ def _check_include(include: list[str]) -> None:
             f"include[{i}]={value!r} is not supported: {_REFUSED_INCLUDES.get(value)}",
         )
         _need(
-            value in _VACUOUS_INCLUDES,
+            value in _VACUOUS_INCLUDES or value == _LOGPROBS,
             f"include[{i}]",
             f"include[{i}]={harmony.short_repr(value)} is not a known include value",
         )
@@ -363,6 +362,7 @@ class Item:
     name: str = ""
     call_id: str = ""
     status: str = "in_progress"
+    logprobs: list[dict] = field(default_factory=list)  # a message's, when asked for
 
     def render(self, opening: bool = False) -> dict:
         text = "".join(self.text)
@@ -377,9 +377,11 @@ class Item:
                 "content": content}  # fmt: skip
 
     def part(self, text: str) -> dict:
+        """A content part; its logprobs are a copy (the events of an update go out after it)."""
         if self.type == "reasoning":
             return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": list(self.logprobs)}  # fmt: skip
 
 
 _DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
@@ -390,10 +392,13 @@ class Output:
     """Generated tokens to output items through the harmony parser; used as the engine run's one
     choice. `update` returns the stream events (without sequence numbers) of what it adds."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool = False) -> None:
+        self.tokenizer = tokenizer
         self.parser = harmony.HarmonyStreamParser(
             tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
         )
+        self.logprobs = logprobs  # output_text's logprobs: the message text's tokens'
+        self._lps: list[TokenLogprob] | None = None  # the engine's, of every token so far
         self.items: list[Item] = []
         self.open: Item | None = None
         self.num_tokens = 0
@@ -404,6 +409,7 @@ class Output:
         events: list[dict] = []
         if self.finish_reason is not None:
             return events
+        self._lps = out.logprobs if self.logprobs else None
         for token in out.token_ids[self.num_tokens :]:
             self.num_tokens += 1
             for d in self.parser.add(token):
@@ -428,7 +434,7 @@ class Output:
         if item.type == "function_call":
             return [{"type": "response.function_call_arguments.done", **at, "arguments": text},
                     done]  # fmt: skip
-        extra = {"logprobs": []} if item.type == "message" else {}
+        extra = {"logprobs": list(item.logprobs)} if item.type == "message" else {}
         return [
             {"type": _DONE[item.type], **at, "content_index": 0, "text": text, **extra},
             {"type": "response.content_part.done", **at, "content_index": 0,
@@ -474,7 +480,12 @@ class Output:
                 events.append({"type": "response.function_call_arguments.delta", **at,
                                "delta": text})  # fmt: skip
             else:
-                extra = {"logprobs": []} if kind == "message" else {}
+                extra = {}
+                if kind == "message":  # the logprobs of the text's tokens, when asked for
+                    lps, tok = self._lps, self.tokenizer
+                    new = [] if lps is None else [token_logprob(tok, lps[at]) for at in d.tokens]
+                    item.logprobs += new
+                    extra = {"logprobs": new}
                 events.append({"type": _DELTA[kind], **at, "content_index": 0, "delta": text,
                                **extra})  # fmt: skip
         return events
@@ -543,7 +554,6 @@ class ResponseRun:
             "output": [item.render() for item in self.items],
             "max_tool_calls": None,
             "service_tier": "default",
-            "top_logprobs": 0,
             "truncation": "disabled",
             **self.echo,
             "usage": self.usage,

@@ -714,7 +714,10 @@ class ResponseCreateRequest(_Request):
     truncation: StrictStr | None = Field(
         None, description="disabled only: an input longer than the context is a 400."
     )
-    top_logprobs: StrictInt | None = Field(None, description="Not supported: 0 only.")
+    top_logprobs: StrictInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="The top alternatives of each token of "
+        "output_text's logprobs (asks for them, as include message.output_text.logprobs does)."
+    )
     conversation: Any = Field(None, description="Not supported: use previous_response_id.")
     prompt: Any = Field(None, description="Prompt templates are not supported.")
 
@@ -953,7 +956,10 @@ class OutputText(_Out):
     type: Literal["output_text"]
     text: str
     annotations: list[dict[str, Any]] = Field(description="Always empty.")
-    logprobs: list[dict[str, Any]] = Field(description="Always empty.")
+    logprobs: list[TokenLogprob] = Field(
+        description="With include message.output_text.logprobs or top_logprobs: the text's "
+        "tokens (their bytes join to it); else empty."
+    )
 
 
 class OutputMessage(_Out):
