@@ -2,7 +2,8 @@
 `message.content`, so joining their bytes gives it back): never a harmony header, reasoning or a
 tool call's arguments. Driven through the server's `ChatChoice` with chosen harmony tokens on
 the real tokenizer, a token an update as a stream gets them; end to end on the tiny model in
-tests/test_server.py."""
+tests/test_server.py. Completions logprobs (`TextChoice`) list every token, their text_offset
+indexing the returned text."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 
 from tests.core_hooks import harmony_ids
 from tinyoss.engine.builder import load_tokenizer
-from tinyoss.engine.output_processor import CompletionOutput
+from tinyoss.engine.core import SeqDelta
+from tinyoss.engine.output_processor import CompletionOutput, OutputProcessor
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
-from tinyoss.server.choices import ChatChoice
+from tinyoss.sampling_params import SamplingParams
+from tinyoss.server.choices import ChatChoice, TextChoice
 from tinyoss.tools.make_checkpoint import ensure_tiny
 
 THINK = (CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant")
@@ -141,3 +144,54 @@ def test_two_answer_messages(tok):
     _, final = run(tok, ids)
     assert final["message"]["content"] == "One.\nTwo."
     assert text_of(final["logprobs"]["content"]) == "One.Two."
+
+
+# ---------------------------------------------------------------- /v1/completions logprobs
+
+
+def completion(tok, ids: list[int], stop: str | None = None, skip_special: bool = True):
+    """(stream chunks' logprobs, the final choice) of `ids` through the engine's output
+    processor (text, stop strings) and a `TextChoice`, a token an update."""
+    params = SamplingParams(logprobs=0, stop=stop, skip_special_tokens=skip_special)
+    processor = OutputProcessor(tok)
+    processor.add("r", None, [1], params)
+    choice = TextChoice(0, tok, None, logprobs=True, skip_special_tokens=skip_special)
+    chunks = []
+    for at, token in enumerate(ids):
+        end = "stop" if at == len(ids) - 1 else None
+        lp = TokenLogprob(token, logprob(at), [(token, logprob(at))])
+        for out in processor.process([SeqDelta("r", 0, [token], [lp], finish_reason=end)])[0]:
+            if (chunk := choice.update(out.outputs[0])) is not None:
+                chunks.append(chunk["logprobs"])
+        if choice.finish_reason is not None:
+            break
+    joined = {k: [x for c in chunks for x in c[k]] for k in chunks[0]}
+    return joined, choice.final()
+
+
+@pytest.mark.parametrize("skip_special, text, offsets", [
+    # 🦜 is three tokens, the first with the space: each points at the character its first
+    # byte is in; <|return|>, kept as vLLM keeps the stop token, at the end of the text
+    (True, "finalHi 🦜!", [0, 0, 5, 5, 7, 8, 8, 9, 10]),
+    (False, "<|channel|>final<|message|>Hi 🦜!<|return|>", [0, 11, 16, 27, 29, 30, 30, 31, 32]),
+])  # fmt: skip
+def test_completion_text_offsets_index_the_text(tok, skip_special, text, offsets):
+    """text_offset counted each token's text as U+FFFD for part of a character, and a skipped
+    special token as its name: offsets drifted past the text."""
+    ids = harmony_ids(tok, *FINAL, "Hi 🦜!", RETURN)
+    streamed, final = completion(tok, ids, skip_special=skip_special)
+    lps = final["logprobs"]
+    assert final["text"] == text and lps["text_offset"] == offsets
+    assert lps["tokens"][-1] == "<|return|>" and len(lps["tokens"]) == len(ids)
+    assert lps["token_logprobs"] == [logprob(at) for at in range(len(ids))]
+    assert streamed == lps
+
+
+def test_completion_text_offsets_end_at_a_stop_string(tok):
+    """The tokens that made the stop string stay (as vLLM keeps them), pointing no further than
+    the end of the text the stop string cut."""
+    ids = harmony_ids(tok, "Hello there, Paris!")
+    _, final = completion(tok, ids, stop="ere,")
+    lps = final["logprobs"]
+    assert final["text"] == "Hello th" and final["finish_reason"] == "stop"
+    assert lps["tokens"] == ["Hello", " there", ","] and lps["text_offset"] == [0, 5, 8]

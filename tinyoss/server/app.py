@@ -665,7 +665,8 @@ def create_app(
         tok, n, lp = client.tokenizer, prep.params.n, prep.params.logprobs
         choices: list[Choice] = [
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
-                       prep.prompts[p] if prep.return_token_ids else None)
+                       prep.prompts[p] if prep.return_token_ids else None,
+                       prep.params.skip_special_tokens)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

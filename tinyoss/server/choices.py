@@ -189,7 +189,12 @@ def _delta(deltas: list[harmony.Delta]) -> dict:
 
 class TextChoice:
     """One completions choice: the engine's text (it applies stop strings itself).
-    `prompt_ids`, given with return_token_ids, are its prompt's."""
+    `prompt_ids`, given with return_token_ids, are its prompt's.
+
+    A logprobs `text_offset` is where the token's text starts in `text`: the characters the
+    tokens before it complete (decoded as the engine decodes them), so part of a character
+    points at that character and a skipped special token adds nothing. Tokens past a stop
+    string, and the end token (kept, as vLLM keeps it), point at the end of the text."""
 
     def __init__(
         self,
@@ -198,6 +203,7 @@ class TextChoice:
         echo: str | None,
         logprobs: bool,
         prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.index, self.tokenizer = index, tokenizer
         self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
@@ -206,7 +212,8 @@ class TextChoice:
         self.parts: list[str] = []  # the echo and the engine's text so far
         self.seen = 0  # pieces of the engine's text already taken
         self.num_tokens = 0
-        self.offset = 0
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)  # for text_offset
+        self.offset = 0  # characters the tokens so far complete
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
         self.finish_reason: str | None = None
 
@@ -232,8 +239,12 @@ class TextChoice:
                 for key, value in zip(lps, (token, _lp(e.logprob), top, self.offset)):
                     lps[key].append(value)
                     self.logprobs[key].append(value)
-                self.offset += len(token)
+                self.offset += len(self.detok.add((e.token_id,)))
         self.finish_reason = out.finish_reason
+        if lps is not None and self.finish_reason is not None:  # a stop string cut the text
+            end = sum(map(len, self.parts))
+            for d in (lps, self.logprobs):
+                d["text_offset"] = [min(at, end) for at in d["text_offset"]]
         if not (new or lps and lps["tokens"] or self.finish_reason):
             return None
         choice = _choice(self.index, self.finish_reason, text=new, logprobs=lps)
