@@ -25,6 +25,7 @@ from tinyoss.server.protocol import APIError, parse_chat, parse_completion
 
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 HI = user("hi")
+CALLED = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,13 @@ def events(r: httpx.Response) -> list[dict]:
          "only allowed with stream"),
         (CMPL, {"prompt": "a", "best_of": 3}, "best_of", "best_of equal to n"),
         ("/detokenize", {"tokens": [-1]}, "tokens", "outside the vocabulary"),
+        # a tool result names its call, by an id an earlier call has (OpenAI requires it)
+        (CHAT, {"messages": [*HI, CALLED, {"role": "tool", "content": "x"}]},
+         "messages[2].tool_call_id", "messages[2].tool_call_id is required"),
+        (CHAT, {"messages": [*HI, CALLED, {"role": "tool", "tool_call_id": "c2", "content": "x"}]},
+         "messages[2].tool_call_id", "no earlier assistant tool call"),
+        ("/tokenize", {"messages": [*HI, CALLED, {"role": "tool", "content": "x"}]},
+         "messages[2].tool_call_id", "is required"),
     ],
 )  # fmt: skip
 def test_errors_name_the_field(srv, path, body, param, words):

@@ -331,9 +331,8 @@ def _render_turns(out: list[Segment], messages: list[Message], first: int = 0) -
         elif role == "tool":
             call_id = m.get("tool_call_id")
             if call_id is not None and call_id not in names:
-                raise ValueError(f"messages[{first + i}] (a tool result) has tool_call_id "
-                                 f"{repr(call_id)[:80]}, which no earlier assistant tool call "
-                                 "has")
+                raise ValueError(f"messages[{first + i}].tool_call_id={short_repr(call_id)} is "
+                                 "the id of no earlier assistant tool call")
             name = names.get(call_id) or m.get("name") or last_call
             if not name:
                 raise ValueError(f"messages[{first + i}] is a tool result without a tool call "

@@ -234,6 +234,10 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
             check()
         except ValueError as e:
             raise APIError(400, str(e), param=_path_in(str(e), param)) from e
+    for i, m in enumerate(messages):  # OpenAI's rule; harmony (offline chat) takes a name too
+        at = f"messages[{i}].tool_call_id"
+        _require(m["role"] != "tool" or m.get("tool_call_id") is not None, at,
+                 f"{at} is required: a tool message answers the assistant's tool call of that id")
     options = {"tools": tools, "tool_choice": choice, **_template_options(req, body)}
     if isinstance(req.response_format, ResponseFormatJsonSchema):
         options["response_format"] = body["response_format"]["json_schema"]
@@ -242,7 +246,7 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
     except RecursionError as e:
         raise APIError(400, "the tool schemas are nested too deeply", param="tools") from e
     except (KeyError, ValueError, TypeError, AttributeError) as e:
-        raise APIError(400, f"invalid messages: {e}", param="messages") from e
+        raise APIError(400, f"invalid messages: {e}", param=_path_in(str(e), "messages")) from e
     return segments
 
 

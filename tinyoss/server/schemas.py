@@ -114,7 +114,9 @@ class ChatMessage(_Body):
         'a string or a list of text parts [{"type": "text", "text": ...}]',
     ) = Field(None, description="The text, or text parts; null only on an assistant message.")
     name: StrictStr | None = Field(None, description="A tool message's function name.")
-    tool_call_id: StrictStr | None = Field(None, description="The call a tool message answers.")
+    tool_call_id: StrictStr | None = Field(
+        None, description="The call a tool message answers (required on a tool message)."
+    )
     tool_calls: list[ToolCallIn] | None = Field(
         None, description="An assistant message's tool calls."
     )
