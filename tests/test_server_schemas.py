@@ -276,6 +276,18 @@ def test_unsupported_fields_are_refused_when_they_ask(field, value):
     assert "is not supported" in e.value.message and "leave the field out" in e.value.message
 
 
+def test_a_refusal_part_of_an_assistant_message_is_its_text():
+    """OpenAI's assistant messages may hold refusal parts: they had been refused as non-text."""
+    said = [{"type": "refusal", "refusal": "I can't help with that."}]
+    body = {"messages": [*HI, {"role": "assistant", "content": said}, *user("why?")]}
+    segments = parse_chat(body, INFO).sources[0]
+    at = segments.index("final")  # the past answer: <|channel|>final<|message|>text<|end|>
+    assert segments[at + 2] == "I can't help with that."
+    with pytest.raises(APIError) as e:  # a user's message holds no refusal
+        parse_chat({"messages": user("x") + [{"role": "user", "content": said}]}, INFO)
+    assert e.value.param == "messages[1].content[0]"
+
+
 # vLLM's fields that change the result, as a value that asks for it and one that does not
 VLLM_SAMPLING = [("bad_words", ["x"], []), ("allowed_token_ids", [1, 2], None),
                  ("truncate_prompt_tokens", 8, None), ("use_beam_search", True, False),

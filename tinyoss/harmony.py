@@ -80,6 +80,11 @@ def check_messages(messages: Any, where: str = "messages") -> None:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "refusal" and role == "assistant":  # OpenAI's: read as its text
+                    _need(isinstance(part.get("refusal"), str),
+                          f"{at}.content[{j}] must be {{\"type\": \"refusal\", \"refusal\": "
+                          f"str}}, not {short_repr(part)}")
+                    continue
                 _need(
                     kind in TEXT_PARTS or not isinstance(part, dict),
                     f"{at}.content[{j}] of type {short_repr(kind)} is not supported: gpt-oss reads "
@@ -281,7 +286,9 @@ def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(
-        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS
+        p["refusal"] if p.get("type") == "refusal" else p.get("text", "")
+        for p in content
+        if isinstance(p, dict) and p.get("type") in (*TEXT_PARTS, "refusal")
     )
 
 

@@ -82,10 +82,16 @@ class _Request(_Body):
 
 
 class ContentPart(_Body):
-    """A part of a message's content: gpt-oss reads text parts only."""
+    """A part of a message's content: gpt-oss reads text parts only (a refusal is text)."""
 
-    type: StrictStr = Field(description='"text" (or "input_text", "output_text"); others: 400')
+    type: StrictStr = Field(
+        description='"text" (or "input_text", "output_text"; "refusal" on an assistant '
+        "message); others: 400"
+    )
     text: StrictStr | None = Field(None, description="The part's text.")
+    refusal: StrictStr | None = Field(
+        None, description="A refusal part's text: the assistant's answer, as it said it."
+    )
 
 
 class FunctionCallIn(_Body):
