@@ -434,6 +434,8 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "reasoning": {"effort": "minimal"}}, "reasoning.effort", "low"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]", "encrypted"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format", "schema"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+         "text.format.name", "text.format.name='a b' is invalid: must be 1 to 64 letters"),
         ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "x"}},
          "tool_choice", "naming one of the tools"),
         ({"input": "hi", "metadata": {"k": 1}}, "metadata", "metadata"),

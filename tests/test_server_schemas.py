@@ -196,6 +196,12 @@ def events(r: httpx.Response) -> list[dict]:
          "messages[2].tool_call_id", "no earlier assistant tool call"),
         ("/tokenize", {"messages": [*HI, CALLED, {"role": "tool", "content": "x"}]},
          "messages[2].tool_call_id", "is required"),
+        # OpenAI's rule for a schema's name
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a b", "schema": {"type": "object"}}}}, "response_format.json_schema.name",
+         "1 to 64 letters, digits, '_' or '-'"),
+        (CMPL, {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x" * 65}}}, "response_format.json_schema.name", "1 to 64"),
     ],
 )  # fmt: skip
 def test_errors_name_the_field(srv, path, body, param, words):

@@ -13,6 +13,7 @@ reasoning. The grammar is llguidance's Lark dialect (`engine/grammar.py` enforce
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from tinyoss import harmony
@@ -31,6 +32,7 @@ class ConstraintError(ValueError):
 
 
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 def answer_constraint(response_format: Any = None, structured_outputs: Any = None) -> (
@@ -79,6 +81,12 @@ def answer_constraint(response_format: Any = None, structured_outputs: Any = Non
             "response_format",
             'response_format.json_schema must be an object {"name": N, "schema": SCHEMA}, '
             "SCHEMA a JSON schema object",
+        )
+    if kind == "json_schema" and not _SCHEMA_NAME.fullmatch(spec["name"]):
+        raise ConstraintError(
+            "response_format.json_schema.name",
+            f"response_format.json_schema.name={harmony.short_repr(spec['name'])} is invalid: "
+            "must be 1 to 64 letters, digits, '_' or '-'",
         )
     return StructuredOutputs(json=schema) if schema is not None else StructuredOutputs(
         json_object=True

@@ -49,6 +49,7 @@ _RENAMES = (
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
     ("reasoning_effort", "reasoning.effort"),
+    ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
     (".function.parameters", ".parameters"),
     ("messages", "input"),

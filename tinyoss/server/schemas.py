@@ -158,7 +158,9 @@ class NamedToolChoice(_Body):
 
 
 class JsonSchemaSpec(_Body):
-    name: StrictStr | None = Field(None, description="The schema's name.")
+    name: StrictStr | None = Field(
+        None, description="The schema's name (required): 1 to 64 letters, digits, '_' or '-'."
+    )
     description: StrictStr | None = Field(None, description="What the answer is, for the model.")
     schema_: dict[str, Any] | None = Field(
         None, alias="schema", description="The JSON schema the answer follows."
