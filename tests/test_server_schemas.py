@@ -492,6 +492,18 @@ def test_other_responses_match_the_models(srv):
     error(post(srv, CHAT, {"messages": HI, "model": "gpt-5"}), 404)
 
 
+@pytest.mark.parametrize("method, path, allow", [
+    ("GET", CHAT, "POST"), ("PUT", CMPL, "POST"), ("POST", "/v1/models", "GET, HEAD"),
+    ("POST", "/v1/responses/resp_x", "DELETE, GET, HEAD"),  # two routes share the path
+    ("DELETE", "/ping", "GET, HEAD, POST"),
+])  # fmt: skip
+def test_a_405_says_which_methods_are_allowed(srv, method, path, allow):
+    """RFC 9110: a 405 carries an Allow header; the error handler had dropped it."""
+    r = httpx.request(method, srv.url + path, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.headers.get("allow") == allow
+    assert error(r, 405)["message"].startswith(f"{path}: Method Not Allowed")
+
+
 def test_a_drift_is_caught():
     """A field the server sent and the models lack fails the check (as a missing one does)."""
     detok = {"prompt": "x"}

@@ -28,7 +28,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from tinyoss import __version__
 from tinyoss.config import EngineConfig
@@ -793,7 +793,14 @@ def create_app(
         keyed = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
         if state.api_key and keyed and not authorized(request):
             return _error_response(_unauthorized())  # no probing of /v1 without the key
-        return _error_response(APIError(exc.status_code, f"{request.url.path}: {exc.detail}"))
+        headers = None
+        if exc.status_code == 405:  # RFC 9110: say which methods the path takes, on all routes
+            methods = {m for r in request.app.router.routes
+                       if r.matches(request.scope)[0] is not Match.NONE
+                       for m in getattr(r, "methods", None) or ()}
+            headers = {"Allow": ", ".join(sorted(methods))}
+        message = f"{request.url.path}: {exc.detail}"
+        return _error_response(APIError(exc.status_code, message, headers=headers))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
