@@ -274,12 +274,14 @@ def test_unsupported_fields_pass_when_they_ask_for_nothing(field, value):
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
     ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
     ("modalities", ["text", "audio"]), ("modalities", []), ("function_call", "auto"),
+    ("logit_bias", {"1": 5}),
 ])  # fmt: skip
 def test_unsupported_fields_are_refused_when_they_ask(field, value):
     with pytest.raises(APIError) as e:
         parse_chat({"messages": HI, field: value}, INFO)
     assert (e.value.status, e.value.param) == (400, field)
     assert "is not supported" in e.value.message and "leave the field out" in e.value.message
+    assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
 
 
 def test_a_refusal_part_of_an_assistant_message_is_its_text():
@@ -317,6 +319,7 @@ def test_vllm_fields_tinyoss_does_not_serve_are_refused(path, field, asks, defau
         parse({**body, field: asks}, INFO)
     assert (e.value.status, e.value.param) == (400, field)
     assert f"{field}=" in e.value.message and "is not supported" in e.value.message
+    assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
 
 
 def system_text(body: dict) -> str:

@@ -55,14 +55,14 @@ _PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a f
 # Fields with a meaning tinyoss does not implement: refused, never ignored. `None` and the
 # listed values, which ask for nothing, pass (`web_search_options: {}` asks for a search).
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "functions": (([],), "the legacy `functions` field is not supported: use `tools`"),
-    "function_call": (("none",), "the legacy `function_call` field is not supported: use "
-                                 "`tool_choice`"),
-    "audio": (({},), "audio output is not supported: gpt-oss reads and writes text"),
-    "modalities": ((["text"],), "only the text modality is supported"),
-    "prediction": (({},), "predicted outputs are not supported"),
-    "web_search_options": ((), "web search is not supported"),
+    "logit_bias": (({},), "tinyoss's sampler biases no tokens"),
+    "functions": (([],), "`tools` replaced it"),
+    "function_call": (("none",), "`tool_choice` replaced it"),
+    "audio": (({},), "gpt-oss reads and writes text"),
+    "modalities": ((["text"],), "gpt-oss reads and writes text only"),
+    "prediction": (({},), "tinyoss takes no predicted outputs (its speculative decoding "
+                          "drafts its own)"),
+    "web_search_options": ((), "tinyoss runs no web search"),
     "prompt_logprobs": ((), "prompt logprobs are not served over HTTP (the Python API returns "
                             "them: SamplingParams(prompt_logprobs=k))"),
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
@@ -74,11 +74,11 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                               "structured_outputs (choice, regex) limits what the text may be"),
     "truncate_prompt_tokens": ((), "prompts are never truncated: one longer than the context "
                                    "is a 400, so shorten it"),
-    "use_beam_search": ((False,), "beam search is not supported: n samples choices "
+    "use_beam_search": ((False,), "tinyoss has no beam search: n samples choices "
                                   "independently"),
-    "logits_processors": (([],), "custom logits processors are not supported"),
+    "logits_processors": (([],), "tinyoss runs no custom logits processors"),
     "return_tokens_as_token_ids": ((False,), "logprobs give each token's text and bytes"),
-    "structural_tag": ((), "structural tags are not supported: give structured_outputs or "
+    "structural_tag": ((), "tinyoss enforces no structural tags: give structured_outputs or "
                            "response_format"),
     # chat only: its text is the harmony parser's, its prompt harmony's
     "include_stop_str_in_output": ((False,), "chat leaves stop strings out of the content; "
