@@ -92,6 +92,24 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llm, tiny_dir):
     assert kv.hit_blocks - hits <= full_blocks + window_blocks
 
 
+def test_cache_salt_keeps_prefixes_apart(tiny_llm):
+    """vLLM's cache_salt: prompts of different salts share no cached block, of equal salts do
+    (the salt seeds the first block's hash, so every later block differs too)."""
+    prompt = prompts(1, seed=12, lo=100, hi=101)[0]
+    kv = tiny_llm.engine.scheduler.kv
+
+    def cached(salt: str | None) -> int:
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt=salt)
+        return tiny_llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("alice") == 0
+    hits = kv.hit_blocks
+    assert cached("bob") == 0 and cached(None) == 0 and kv.hit_blocks == hits
+    assert cached("alice") == cached("bob") == cached(None) == 96
+    with pytest.raises(ValueError, match="cache_salt='' is invalid: must be None or a non-empty"):
+        SamplingParams(cache_salt="")
+
+
 def test_sliding_layers_keep_only_the_window(tiny_llm):
     """Between steps a sliding group holds the window's blocks plus one; a full group holds all.
     (While a prefill chunk runs, its own tokens' blocks are held too.)"""

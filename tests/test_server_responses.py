@@ -519,7 +519,8 @@ def test_sampling_fields_reach_chat():
     """vLLM's sampling fields (it serves top_k, seed, repetition_penalty on /v1/responses) were
     ignored; values that ask for nothing pass."""
     given = {"top_k": 5, "min_p": 0.1, "seed": 7, "presence_penalty": 0.5,
-             "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 2}  # fmt: skip
+             "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 2,
+             "cache_salt": "s"}  # fmt: skip
     req = translate({"input": "hi", **given, "bad_words": [], "use_beam_search": False,
                      "logit_bias": {}}, lambda _: [])  # fmt: skip
     assert {k: req.chat[k] for k in given} == given

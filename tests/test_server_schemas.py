@@ -284,6 +284,16 @@ def test_unsupported_fields_are_refused_when_they_ask(field, value):
     assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
 
 
+def test_cache_salt_reaches_the_engine():
+    """vLLM's cache_salt had been ignored: the prefix cache was shared whatever the salt."""
+    assert parse_chat({"messages": HI, "cache_salt": "a"}, INFO).params.cache_salt == "a"
+    assert parse_completion({"prompt": "x", "cache_salt": "b"}, INFO).params.cache_salt == "b"
+    for body in ({"messages": HI, "cache_salt": ""}, {"messages": HI, "cache_salt": 1}):
+        with pytest.raises(APIError) as e:
+            parse_chat(body, INFO)
+        assert e.value.param == "cache_salt"
+
+
 def test_a_refusal_part_of_an_assistant_message_is_its_text():
     """OpenAI's assistant messages may hold refusal parts: they had been refused as non-text."""
     said = [{"type": "refusal", "refusal": "I can't help with that."}]

@@ -93,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: str | None = None  # vLLM's: prompts of other salts share no prefix-cache block
 
     def __post_init__(self) -> None:
         v = self
@@ -167,6 +168,9 @@ class SamplingParams:
             so is None or isinstance(so, StructuredOutputs),
             "None or a StructuredOutputs",
         )
+        salt = v.cache_salt
+        _check("cache_salt", salt, salt is None or isinstance(salt, str) and salt != "",
+               "None or a non-empty string")
         self.stop = list(stop or ())
         self.stop_token_ids = list(ids or ())
         for name in (

@@ -10,6 +10,8 @@ context costs about half of what a naive cache needs.
 Prefix caching: a full block is named by a hash of its tokens and of everything before it. Freed
 blocks keep their contents and name in a least-recently-used queue until reused, so a later
 request with the same prefix (system prompt, earlier turns) takes them instead of recomputing.
+A request's cache salt (vLLM's `cache_salt`) seeds the first block's hash, so requests of
+different salts never share a block (a client's isolation from the timing of others' hits).
 """
 
 from __future__ import annotations
@@ -95,10 +97,14 @@ class SeqBlocks:
     dropped: list[int]
     hashes: list[bytes] = field(default_factory=list)  # hashes of its full blocks, in order
     named: int = 0  # leading full blocks already entered in the prefix cache
+    seed: bytes = b""  # what the first block's hash starts from: its salt's hash, or nothing
 
     @classmethod
-    def empty(cls, num_groups: int) -> SeqBlocks:
-        return cls([[] for _ in range(num_groups)], [0] * num_groups)
+    def empty(cls, num_groups: int, salt: str | None = None) -> SeqBlocks:
+        seed = b"" if salt is None else hashlib.blake2b(
+            salt.encode(), digest_size=16, person=b"cache_salt"
+        ).digest()  # never a block's hash: those are not personalized
+        return cls([[] for _ in range(num_groups)], [0] * num_groups, seed=seed)
 
 
 class KVCacheManager:
@@ -135,12 +141,12 @@ class KVCacheManager:
         return blocks_needed(self.windows, self.block_size, num_tokens)
 
     # -- hashing ----------------------------------------------------------------------------
-    def block_hashes(self, token_ids: list[int], known: list[bytes], num_blocks: int) -> None:
-        """Extend `known` to the hashes of the first `num_blocks` full blocks of `token_ids`."""
+    def block_hashes(self, token_ids: list[int], blocks: SeqBlocks, num_blocks: int) -> None:
+        """Extend `blocks.hashes` to the first `num_blocks` full blocks of `token_ids`."""
         bs = self.block_size
-        hashes = known
+        hashes = blocks.hashes
         for j in range(len(hashes), num_blocks):
-            prev = hashes[-1] if hashes else b""
+            prev = hashes[-1] if hashes else blocks.seed
             chunk = array("q", token_ids[j * bs : (j + 1) * bs]).tobytes()
             hashes.append(hashlib.blake2b(prev + chunk, digest_size=16).digest())
 
@@ -177,7 +183,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         usable = (len(token_ids) - 1) // self.block_size
-        self.block_hashes(token_ids, blocks.hashes, usable)
+        self.block_hashes(token_ids, blocks, usable)
         full_hits = 0
         for w_group, w in enumerate(self.windows):
             if not w:
@@ -308,7 +314,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         n_full = num_computed // self.block_size
-        self.block_hashes(token_ids, blocks.hashes, n_full)
+        self.block_hashes(token_ids, blocks, n_full)
         for g, table in enumerate(blocks.tables):
             for j in range(max(blocks.dropped[g], blocks.named), n_full):
                 block = table[j - blocks.dropped[g]]

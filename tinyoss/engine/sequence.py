@@ -44,7 +44,7 @@ class Sequence:
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs are scheduled
         self.status = Status.WAITING
         self.announced = False  # the executor has its sampler state
-        self.blocks = SeqBlocks.empty(num_groups)
+        self.blocks = SeqBlocks.empty(num_groups, params.cache_salt)
         self.stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             self.stop_ids |= set(eos_token_ids)

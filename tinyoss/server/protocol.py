@@ -45,7 +45,7 @@ from tinyoss.tokenizer import Tokenizer
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed")  # passed on as they are
 _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
-_SAMPLING += ("skip_special_tokens",)  # the last five: vLLM's extensions
+_SAMPLING += ("skip_special_tokens", "cache_salt")  # the last six: vLLM's extensions
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
 _MESSAGE_TOKENS = 4  # the fewest tokens a message renders to: <|start|>role<|message|><|end|>
 _PROBE_CHARS = 1 << 19  # of a longer uncut text, encoded first (~1 s): refused if it is too long

@@ -119,7 +119,7 @@ _CHAT_FIELDS = {
 }
 # Chat's sampling fields (vLLM's), passed on as they are
 _SAMPLING = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "min_tokens")
+             "repetition_penalty", "min_tokens", "cache_salt")
 
 
 def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesRequest:

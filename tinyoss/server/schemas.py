@@ -283,6 +283,9 @@ class _Sampling(_Request):
     prompt_logprobs: StrictInt | None = Field(
         None, description="vLLM: not served over HTTP (the Python API returns them)."
     )
+    cache_salt: StrictStr | None = Field(
+        None, description="vLLM: prompts of different salts share no prefix-cache block."
+    )
     stream: StrictBool | None = Field(
         False, description="Send the answer as server-sent events, as it is generated."
     )
@@ -691,6 +694,9 @@ class ResponseCreateRequest(_Request):
         None, description="vLLM: drop tokens less likely than min_p x the top one's."
     )
     seed: StrictInt | None = Field(None, description="vLLM: makes sampling reproducible.")
+    cache_salt: StrictStr | None = Field(
+        None, description="vLLM: prompts of different salts share no prefix-cache block."
+    )
     presence_penalty: StrictFloat | None = Field(
         None, description="Penalizes tokens already generated, once each."
     )
