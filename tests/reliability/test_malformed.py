@@ -249,9 +249,6 @@ CASES: list[Case] = [
     P("cmpl-n-zero", cmpl(n=0), 400, "n"),
     P("cmpl-n-above-max-n", cmpl(n=MAX_N + 1), 400, "n"),
     P("cmpl-n-times-max-tokens-above-limit", cmpl(n=4, max_tokens=MAX_REQUEST_TOKENS // 4 + 100, stream=True), 400, "max_tokens"),
-    # logprobs kept per token weigh on the limit: 2 x (2 + 5) x 80 = 1120 (160 without them)
-    P("cmpl-logprobs-weigh-on-request-tokens", cmpl(n=2, max_tokens=80, logprobs=5), 400, "max_tokens"),
-    C("chat-logprobs-weigh-on-request-tokens", chat(n=2, max_tokens=25, logprobs=True, top_logprobs=20), 400, "max_tokens"),
     P("cmpl-stop-list-of-numbers", cmpl(stop=[1]), 400, "stop"),
     P("cmpl-seed-string", cmpl(seed="x"), 400, "seed"),
     # -------------------------------------------------------------- completions prompt

@@ -496,25 +496,15 @@ def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> N
         raise APIError(
             400, f"n={n} is more than this server allows ({limits.max_n}, --max-n)", param="n"
         )
-    # a token whose logprobs are kept holds its entry and its alternatives until the request
-    # ends (~200 bytes each): it counts as that many tokens more
-    k, k_prompt = prep.params.logprobs, prep.params.prompt_logprobs
-    weight = 1 if k is None else 2 + k
     total = sum(
-        n * weight * (prep.params.max_tokens or max_model_len - len(ids))
-        + (0 if k_prompt is None else (1 + k_prompt) * len(ids))
-        for ids in prep.prompts
+        n * (prep.params.max_tokens or max_model_len - len(ids)) for ids in prep.prompts
     )
     if total > limits.max_request_tokens:
-        kept = "" if k is None and k_prompt is None else (
-            ", a token with logprobs counting 2 + top_logprobs and a prompt token with "
-            "prompt_logprobs 1 + prompt_logprobs"
-        )
         raise APIError(
             400,
-            f"the request may generate {total} tokens (n x max_tokens for each prompt{kept}), "
-            f"more than this server allows ({limits.max_request_tokens}, --max-request-tokens):"
-            f" lower n or max_tokens{'' if not kept else ', or ask for fewer logprobs'}",
+            f"the request may generate {total} tokens (n x max_tokens for each prompt), more "
+            f"than this server allows ({limits.max_request_tokens}, --max-request-tokens): "
+            "lower n or max_tokens",
             param="max_tokens",
         )
 
