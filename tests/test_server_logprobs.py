@@ -138,6 +138,17 @@ def test_text_outside_any_message(tok):
     assert streamed_entries(chunks) == final["logprobs"]["content"]
 
 
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_stop_string_in_text_outside_any_message(tok, finish):
+    """Text outside any message comes as one delta at the end; a stop string inside it keeps
+    only the tokens at least partly before it (all of them were kept)."""
+    ids = harmony_ids(tok, " governors said hello")
+    chunks, final = run(tok, ids, stops=(" said",), finish=finish)
+    assert final["message"]["content"] == " governors"
+    assert text_of(final["logprobs"]["content"]) == " governors"
+    assert streamed_entries(chunks) == final["logprobs"]["content"]
+
+
 def test_two_answer_messages(tok):
     """The "\\n" the answer puts between two messages is no token's: it has no entry."""
     ids = harmony_ids(tok, *FINAL, "One.", END, START, "assistant", *FINAL, "Two.", RETURN)

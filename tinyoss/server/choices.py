@@ -8,6 +8,7 @@ the same state, so a stream joins up to exactly the non-streaming answer.
 
 from __future__ import annotations
 
+import codecs
 from collections import deque
 from typing import Any
 
@@ -87,6 +88,7 @@ class ChatChoice:
         # in the content fed to the stop strings, their positions)
         self.held: deque[tuple[int, tuple[int, ...]]] = deque()
         self.fed = self.shown = 0  # characters of content fed to the stop strings, and shown
+        self.token_ids: list[int] = []  # the output's tokens, as `update` last had them
         self.finish_reason: str | None = None
 
     def opening(self) -> dict:
@@ -97,6 +99,7 @@ class ChatChoice:
         if self.finish_reason is not None:
             return None
         start, deltas = self.num_tokens, []
+        self.token_ids = out.token_ids
         for token in out.token_ids[start:]:
             self.num_tokens += 1
             deltas += self._keep(self.parser.add(token))
@@ -140,13 +143,22 @@ class ChatChoice:
         choice = _choice(self.index, self.finish_reason, message=message, logprobs=logprobs)
         return choice if self.ids is None else {**choice, "token_ids": self.ids.all}
 
+    def _hold(self, positions: tuple[int, ...]) -> None:
+        """Each token of a content delta, held at where its own text starts in the content (a
+        delta may hold many: text outside any harmony message comes whole at the end), so a stop
+        string inside the delta keeps only the tokens at least partly before it."""
+        decoder, at = codecs.getincrementaldecoder("utf-8")("replace"), self.fed
+        for p in positions:
+            self.held.append((at, (p,)))
+            at += len(decoder.decode(self.tokenizer.token_bytes(self.token_ids[p])))
+
     def _keep(self, deltas: list[harmony.Delta], final: bool = False) -> list[harmony.Delta]:
         """Records deltas into the message; with stop strings, cuts the answer at the first."""
         kept = []
         for d in deltas:
             if d.kind == "content" and not final:
                 if d.tokens and self.logprobs is not None:
-                    self.held.append((self.fed, d.tokens))
+                    self._hold(d.tokens)
                 self.fed += len(d.text)
                 if self.stop is not None:
                     text, hit = self.stop.feed(d.text)
