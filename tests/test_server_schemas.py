@@ -306,6 +306,20 @@ def test_a_refusal_part_of_an_assistant_message_is_its_text():
     assert e.value.param == "messages[1].content[0]"
 
 
+def test_an_assistant_message_refusal_field_is_its_text():
+    """OpenAI's assistant message has a refusal field beside its content: it had been dropped
+    (the past answer rendered empty) and any type taken."""
+    said = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    segments = parse_chat({"messages": [*HI, said, *user("why?")]}, INFO).sources[0]
+    at = segments.index("final")
+    assert segments[at + 2] == "I can't help with that."
+    for bad, param in [({**said, "refusal": 3}, "messages[1].refusal"),
+                       ({"role": "user", "content": "x", "refusal": "no"}, "messages[1].refusal")]:
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": [*HI, bad]}, INFO)
+        assert e.value.param == param, e.value
+
+
 # vLLM's fields that change the result, as a value that asks for it and one that does not
 VLLM_SAMPLING = [("bad_words", ["x"], []), ("allowed_token_ids", [1, 2], None),
                  ("truncate_prompt_tokens", 8, None), ("use_beam_search", True, False),

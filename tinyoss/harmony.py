@@ -100,7 +100,10 @@ def check_messages(messages: Any, where: str = "messages") -> None:
                 isinstance(content, str) or content is None and role == "assistant",
                 f"{at}.content must be a string or a list of text parts, not {short_repr(content)}",
             )
-        for key in ("reasoning", "reasoning_content", "thinking", "name", "tool_call_id"):
+        _need(m.get("refusal") is None or role == "assistant",
+              f"{at}.refusal is an assistant message's field, not a {role} message's")
+        for key in ("reasoning", "reasoning_content", "thinking", "name", "tool_call_id",
+                    "refusal"):
             value = m.get(key)
             _need(
                 value is None or isinstance(value, str),
@@ -307,6 +310,8 @@ def _render_turns(out: list[Segment], messages: list[Message], first: int = 0) -
     last_call = None
     for i, m in enumerate(messages):
         role, text = m.get("role"), _text(m.get("content"))
+        if role == "assistant" and not text and m.get("refusal"):  # OpenAI's: its answer
+            text = m["refusal"]
         if role == "user":
             _message(out, ["user"], text)
         elif role in ("system", "developer"):

@@ -131,6 +131,9 @@ class ChatMessage(_Body):
     )
     reasoning_content: StrictStr | None = Field(None, description="Another name for reasoning.")
     thinking: StrictStr | None = Field(None, description="Another name for reasoning.")
+    refusal: StrictStr | None = Field(
+        None, description="An assistant message's refusal: read as its text when it has none."
+    )
 
 
 class FunctionDef(_Body):
