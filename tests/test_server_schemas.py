@@ -485,7 +485,7 @@ def test_return_token_ids(srv):
 
 def test_continuous_usage_stats(srv):
     """vLLM's stream_options.continuous_usage_stats (it was ignored, and bench/serve.py counts
-    each chunk's tokens by it): every chunk carries the usage so far."""
+    each chunk's tokens by it): with include_usage, every chunk carries the usage so far."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     body = {"messages": user(ANSWER), "max_tokens": 64, "stream": True, "stream_options": options}
     chunks = events(post(srv, CHAT, body))
@@ -495,10 +495,13 @@ def test_continuous_usage_stats(srv):
     assert counts[0] == 0 and counts == sorted(counts) and counts[-2] == counts[-1] > 0
     assert chunks[-1]["choices"] == [] and len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
     body = {"prompt": "a", "max_tokens": 5, "ignore_eos": True, "stream": True,
-            "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+            "stream_options": {**options, "include_usage": False}}  # fmt: skip
+    chunks = events(post(srv, CMPL, body))  # as in vLLM: no usage without include_usage
+    assert all(c["choices"] and not c.get("usage") for c in chunks)
+    body["stream_options"] = options
     chunks = events(post(srv, CMPL, body))
-    assert all(c["choices"] for c in chunks)  # no last usage chunk without include_usage
-    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] for c in chunks)
 
 
 def test_other_responses_match_the_models(srv):

@@ -439,13 +439,14 @@ def refuse_unsupported(body: dict, names: tuple[str, ...] = tuple(_UNSUPPORTED))
 
 def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool, bool]:
     """stream, include_usage (a last chunk of usage), continuous_usage_stats (usage on every
-    chunk: vLLM's, which its benchmarks use to count each chunk's tokens)."""
+    chunk: vLLM's, which its benchmarks use to count each chunk's tokens; as in vLLM, only
+    with include_usage)."""
     stream, options = bool(req.stream), req.stream_options
     _require(stream or options is None, "stream_options",
              "stream_options is only allowed with stream: true")
     if options is None:
         return stream, False, False
-    return stream, options.include_usage, options.continuous_usage_stats
+    return stream, options.include_usage, options.include_usage and options.continuous_usage_stats
 
 
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # each stop string is searched for at every token
