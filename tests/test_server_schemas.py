@@ -202,6 +202,9 @@ def events(r: httpx.Response) -> list[dict]:
          "1 to 64 letters, digits, '_' or '-'"),
         (CMPL, {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
             "name": "x" * 65}}}, "response_format.json_schema.name", "1 to 64"),
+        # a json_schema without a name (it had been "must be an object {name, schema}")
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "schema": {}}}}, "response_format.json_schema.name", "is missing"),
     ],
 )  # fmt: skip
 def test_errors_name_the_field(srv, path, body, param, words):

@@ -183,7 +183,7 @@ def test_completions_take_a_raw_grammar(srv, client):
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
          "response_format", "SCHEMA"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-         "response_format", '{"name": N'),
+         "response_format.json_schema.name", "is missing"),
         ({"structured_outputs": {"grammar": "start: /a/"}}, "structured_outputs", "Lark"),
         ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}},
          "structured_outputs", "either"),

@@ -73,21 +73,22 @@ def answer_constraint(response_format: Any = None, structured_outputs: Any = Non
         return None
     spec = fmt.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
-    if kind == "json_schema" and not (  # `name` required, as OpenAI and vLLM require it
-        isinstance(spec, dict) and isinstance(spec.get("name"), str)
-        and (schema is None or isinstance(schema, dict))
-    ):
-        raise ConstraintError(
-            "response_format",
-            'response_format.json_schema must be an object {"name": N, "schema": SCHEMA}, '
-            "SCHEMA a JSON schema object",
-        )
-    if kind == "json_schema" and not _SCHEMA_NAME.fullmatch(spec["name"]):
-        raise ConstraintError(
-            "response_format.json_schema.name",
-            f"response_format.json_schema.name={harmony.short_repr(spec['name'])} is invalid: "
-            "must be 1 to 64 letters, digits, '_' or '-'",
-        )
+    if kind == "json_schema":  # `name` required, as OpenAI and vLLM require it
+        at = "response_format.json_schema"
+        if not isinstance(spec, dict):
+            raise ConstraintError(at, f'{at} must be an object {{"name": N, "schema": SCHEMA}}, '
+                                      f"not {harmony.short_repr(spec)}")
+        name = spec.get("name")
+        if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+            given = " is missing" if name is None else f"={harmony.short_repr(name)} is invalid"
+            raise ConstraintError(f"{at}.name", f"{at}.name{given}: must be 1 to 64 letters, "
+                                                "digits, '_' or '-'")
+        if schema is not None and not isinstance(schema, dict):
+            raise ConstraintError(f"{at}.schema", f"{at}.schema must be a JSON schema object, "
+                                                  f"not {harmony.short_repr(schema)}")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ConstraintError(f"{at}.strict", f"{at}.strict must be true or false, not "
+                                                  f"{harmony.short_repr(spec['strict'])}")
     return StructuredOutputs(json=schema) if schema is not None else StructuredOutputs(
         json_object=True
     )
