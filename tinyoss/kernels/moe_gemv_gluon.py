@@ -143,6 +143,130 @@ if GLUON:
             gl.store(out_ptr + pair.to(gl.int64) * N + rb, hb * wt, mask=ok_b)
 
 
+    @gluon.jit
+    def _tile3(qp, sp, rows, row_ok, kw, K, stride_q4, stride_s):
+        """`_tile` for rows of each of a token's experts: qp, sp [E] -> [E, R, W]."""
+        r64 = rows.to(gl.int64)[None, :, None]
+        ok = row_ok[None, :, None] & (kw // 4 < K // 32)[None, None, :]
+        q = gl.load(qp[:, None, None] + r64 * stride_q4 + kw[None, None, :], mask=ok, other=0,
+                    eviction_policy="evict_first")
+        sc = gl.load(sp[:, None, None] + r64 * stride_s + (kw // 4)[None, None, :], mask=ok,
+                     other=0, eviction_policy="evict_first")
+        return q, sc
+
+    @gluon.jit
+    def _words3(q, sc, x0, x1, x2, x3, x4, x5, x6, x7):
+        """`_words` for [E, R, W] words, x_j [E, W] (each expert its own activations)."""
+        p = _code(q, 0) * x0[:, None, :]
+        p += _code(q, 1) * x1[:, None, :]
+        p += _code(q, 2) * x2[:, None, :]
+        p += _code(q, 3) * x3[:, None, :]
+        p += _code(q, 4) * x4[:, None, :]
+        p += _code(q, 5) * x5[:, None, :]
+        p += _code(q, 6) * x6[:, None, :]
+        p += _code(q, 7) * x7[:, None, :]
+        return p * (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _phases3(xv, LW: gl.constexpr):
+        """`_phases` for x [E, W, 8]: columns j = 0..7, each [E, W] in LW."""
+        E: gl.constexpr = xv.shape[0]
+        W: gl.constexpr = xv.shape[1]
+        a, b = gl.split(gl.reshape(xv, [E, W, 4, 2]))
+        a0, a1 = gl.split(gl.reshape(a, [E, W, 2, 2]))
+        b0, b1 = gl.split(gl.reshape(b, [E, W, 2, 2]))
+        x0, x4 = gl.split(a0)
+        x2, x6 = gl.split(a1)
+        x1, x5 = gl.split(b0)
+        x3, x7 = gl.split(b1)
+        return (gl.convert_layout(x0, LW, True), gl.convert_layout(x1, LW, True),
+                gl.convert_layout(x2, LW, True), gl.convert_layout(x3, LW, True),
+                gl.convert_layout(x4, LW, True), gl.convert_layout(x5, LW, True),
+                gl.convert_layout(x6, LW, True), gl.convert_layout(x7, LW, True))
+
+    @gluon.jit
+    def _add_rows(y, res_row, row0, N, TOPK: gl.constexpr, R: gl.constexpr):
+        """res_row[row0 .. row0 + R) += the sum over experts of y [TOPK, R], each row's TOPK
+        values in one thread so they add in expert order, rounded as `_combine_norm` rounds."""
+        LC: gl.constexpr = gl.BlockedLayout([TOPK, 1], [1, 32], [1, TOPK], [0, 1])
+        tot = gl.sum(gl.convert_layout(y, LC), axis=0)
+        rows = row0 + gl.arange(0, R, layout=gl.SliceLayout(0, LC))
+        res = gl.load(res_row + rows, mask=rows < N, other=0.0)
+        gl.store(res_row + rows,
+                 (tot.to(res.dtype).to(gl.float32) + res.to(gl.float32)).to(res.dtype),
+                 mask=rows < N)
+
+    @gluon.jit
+    def _down_add_gluon(x_ptr, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, res_ptr, N, K,
+                        stride_qe, stride_q, stride_se, stride_s, TOPK: gl.constexpr,
+                        HALF_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Token t = program 0: rows of its TOPK pairs' down projections, one warp a pair, each
+        computed as `_pair_gemv_gluon` computes it (routing weight included), then summed in
+        pair order and added to res[t] in place: what `_combine_norm` does without the norm,
+        with no y in memory and no launch of its own."""
+        W: gl.constexpr = BLOCK_K // 8
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 4, 8], [1, 32 // (W // 4), W // 4, 1],
+                                            [TOPK, 1, 1, 1], [3, 2, 1, 0])
+        LQ: gl.constexpr = gl.SliceLayout(3, L4)  # [pairs, rows, words]
+        LX: gl.constexpr = gl.SliceLayout(1, L4)  # [pairs, words, 8]
+        LER: gl.constexpr = gl.SliceLayout(2, LQ)  # [pairs, rows]
+        t = gl.program_id(0).to(gl.int64)
+        pair = t * TOPK + gl.arange(0, TOPK, layout=gl.SliceLayout(1, LER))
+        e = gl.load(ids_ptr + pair).to(gl.int64)
+        i = gl.arange(0, HALF_N, layout=gl.SliceLayout(0, LER))
+        ra = gl.program_id(1) * 2 * HALF_N + i
+        rb = ra + HALF_N
+        ok_a, ok_b = ra < N, rb < N
+        words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
+        xp = t * TOPK + gl.arange(0, TOPK, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+        xw = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+        x8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+        xo = xw[None, :, None] * 8 + x8[None, None, :]  # [1, W, 8]
+        x_rows = x_ptr + xp[:, None, None] * K  # [E, 1, 1]
+        qp = (q_ptr + e * stride_qe).to(gl.pointer_type(gl.int32))
+        sp = s_ptr + e * stride_se
+        acc_a = gl.zeros([TOPK, HALF_N, W], gl.float32, LQ)
+        acc_b = gl.zeros([TOPK, HALF_N, W], gl.float32, LQ)
+        for k0 in range(0, K, BLOCK_K):
+            kw = k0 // 8 + words
+            qa, sa = _tile3(qp, sp, ra, ok_a, kw, K, stride_q // 4, stride_s)
+            qb, sb = _tile3(qp, sp, rb, ok_b, kw, K, stride_q // 4, stride_s)
+            xmask = (k0 + xo < K) & (xp >= 0)[:, None, None]
+            xv = gl.load(x_rows + k0 + xo, mask=xmask, other=0.0).to(gl.float32) * 2.0**64
+            x0, x1, x2, x3, x4, x5, x6, x7 = _phases3(xv, gl.SliceLayout(1, LQ))
+            acc_a += _words3(qa, sa, x0, x1, x2, x3, x4, x5, x6, x7)
+            acc_b += _words3(qb, sb, x0, x1, x2, x3, x4, x5, x6, x7)
+        wt = gl.load(wts_ptr + pair).to(gl.float32)[:, None]
+        bias = b_ptr + e[:, None] * N
+        ya = (gl.sum(acc_a, axis=2) * 2.0**62 + gl.load(
+            bias + ra[None, :], mask=ok_a[None, :] & (e >= 0)[:, None], other=0.0).to(
+                gl.float32)) * wt
+        yb = (gl.sum(acc_b, axis=2) * 2.0**62 + gl.load(
+            bias + rb[None, :], mask=ok_b[None, :] & (e >= 0)[:, None], other=0.0).to(
+                gl.float32)) * wt
+        res_row = res_ptr + t * N
+        _add_rows(ya, res_row, gl.program_id(1) * 2 * HALF_N, N, TOPK, HALF_N)
+        _add_rows(yb, res_row, gl.program_id(1) * 2 * HALF_N + HALF_N, N, TOPK, HALF_N)
+
+
+def down_add_gluon(act: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                   b: torch.Tensor, wts: torch.Tensor, residual: torch.Tensor, block_n: int,
+                   block_k: int) -> None:
+    """residual [T, N] += each token's sum of its K pairs' down projections of act [T * K, I]
+    (`_down_add_gluon`, one warp a pair; K a power of two), the routing weights wts [T * K]
+    applied: the pair GEMV's down and the combine in one launch."""
+    t, n = residual.shape
+    topk = ids.numel() // max(t, 1)
+    check(block_k, block_n, 1)
+    if topk & (topk - 1) or ids.numel() != t * topk:
+        raise ValueError(f"down_add_gluon takes a power-of-two top-k, got {ids.numel()} ids "
+                         f"for {t} tokens")
+    _down_add_gluon[(t, triton.cdiv(n, block_n))](
+        act, ids, q, s, b, wts, residual, n, act.shape[1], q.stride(0), q.stride(1),
+        s.stride(0), s.stride(1), TOPK=topk, HALF_N=block_n // 2, BLOCK_K=block_k,
+        num_warps=topk)
+
+
 def pair_gemv_gluon(x: torch.Tensor, x_div: int, ids: torch.Tensor, q: torch.Tensor,
                     s: torch.Tensor, b: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, n: int,
                     k: int, alpha: float, limit: float, swiglu: bool, block_n: int, block_k: int,
