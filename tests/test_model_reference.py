@@ -60,31 +60,6 @@ def test_logits_match_transformers(models):
     assert logits.argmax(-1).unique().numel() > 200  # next-token choices differ across positions
 
 
-@pytest.mark.parametrize("tokens, folds", [(6, True), (9, False)])
-def test_the_input_norm_left_to_qkv_changes_no_bit(models, tokens, folds):
-    """A step of at most `Kernels.fold_rows` rows ends each layer but the last with
-    `moe_then_add` and leaves the next layer's input norm to its q/k/v (`norm_then_linear`,
-    here the reference norm then the layer): the same logits, bit for bit; a longer step keeps
-    the norm at the layer's end."""
-    config, ours, _ = models
-    ids = torch.randint(0, 199998, (tokens,), generator=torch.Generator().manual_seed(3))
-    want = run_paged(ours, config, ids)
-    k, calls = ours.kernels, []
-
-    def norm_linear(h, nw, eps, w, b):
-        calls.append(h.shape)
-        return k.linear(k.rms_norm(h, nw, eps, None)[0], w, b)
-
-    try:
-        k.fold_rows, k.norm_linear = 8, norm_linear
-        got = run_paged(ours, config, ids)
-    finally:
-        k.fold_rows, k.norm_linear = 0, None
-    assert torch.equal(got, want)
-    assert calls == ([(tokens, config.hidden_size)] * (config.num_hidden_layers - 1)
-                     if folds else [])
-
-
 def test_sinks_and_window_matter(models):
     """If sinks or the window were ignored, these logits would not move."""
     config, ours, _ = models

@@ -250,40 +250,6 @@ def test_moe_norm_is_moe_then_add_rms_norm(t):
         mt.moe_norm_triton(x, weights, ids, w, residual.T, norm_w, 1e-5)
 
 
-@pytest.mark.parametrize("t", [1, 2, 12])
-def test_moe_add_is_moe_norm_without_the_norm(t):
-    """`moe_add_triton` leaves the residual `moe_norm_triton` leaves. At one token on a GPU
-    Gluon's down GEMV adds each row itself (`down_add_gluon`): there each pair's rows are
-    computed as the pair GEMV computes them and summed in pair order, so the residual should
-    be the same bits too; elsewhere the combine kernel's add is the norm kernel's."""
-    x, weights, ids, w = inputs(500 + t, t)
-    gen = torch.Generator().manual_seed(t)
-    residual = (torch.randn(t, H, generator=gen) * 3).to(DEVICE, DTYPE)
-    norm_w = (torch.rand(H, generator=gen) + 0.5).to(DEVICE)
-    gemv = GEMV if t <= mt.GEMV_MAX_TOKENS else None
-    want = residual.clone()
-    mt.moe_norm_triton(x, weights, ids, w, want, norm_w, 1e-5, gemv=gemv)
-    res = residual.clone()
-    assert mt.moe_add_triton(x, weights, ids, w, res, gemv=gemv) is res
-    assert torch.equal(res, want), (res - want).abs().max()
-    with pytest.raises(ValueError, match="residual must be contiguous"):
-        mt.moe_add_triton(x, weights, ids, w, residual.T)
-
-
-@gpu
-def test_down_add_at_gpt_oss_20b_shapes():
-    """The fused down + combine at one token and gpt-oss-20b's shapes against the Gluon pair
-    GEMV's y summed by `_combine_norm`: the same bits."""
-    x, weights, ids, w = big_case(77, 1)
-    residual = (torch.randn(1, 2880, device=DEVICE) * 3).to(DTYPE)
-    norm_w = torch.rand(2880, device=DEVICE) + 0.5
-    want = residual.clone()
-    mt.moe_norm_triton(x, weights, ids, w, want, norm_w, 1e-5)
-    res = residual.clone()
-    mt.moe_add_triton(x, weights, ids, w, res)
-    assert torch.equal(res, want), (res.float() - want.float()).abs().max()
-
-
 # ------------------------------------------------------------------------------------------------
 # GPU only: the tensor-core pair GEMV (moe_gemv_mma, Hopper, built with nvcc)
 

@@ -38,13 +38,6 @@ NormRouteFn = Callable[
 # `Kernels.moe_then_norm` in one fused call
 MoENormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor, torch.Tensor,
                       float], Pair]
-# (x, topk weights, topk ids, experts, residual) -> moe + residual (over `residual`):
-# `Kernels.moe_then_add` in one fused call
-MoEAddFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor], torch.Tensor]
-# (h, norm weight, eps, weight [N, K], bias [N] | None) -> linear(rms_norm(h)): a bf16 dense
-# layer that takes its input's norm itself
-NormLinearFn = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor, "torch.Tensor | None"],
-                        torch.Tensor]
 
 
 def rms_norm_torch(
@@ -81,12 +74,6 @@ class Kernels:
     norm_route: NormRouteFn | None = None
     # The experts, the residual add and the next RMSNorm fused (None: `moe`, then `rms_norm`)
     moe_norm: MoENormFn | None = None
-    # The next layer's input norm left to its q/k/v GEMV, at steps of up to `fold_rows` rows
-    # (`folds_norm`): the layer before ends with `moe_then_add` and the GEMV is
-    # `norm_then_linear`. 0: never (each layer's experts end with the norm, `moe_then_norm`).
-    fold_rows: int = 0
-    moe_add: MoEAddFn | None = None
-    norm_linear: NormLinearFn | None = None
     # Tensor parallelism: the sum over ranks (in place) and the gather of vocabulary columns
     # ([T, C] -> [T, ranks * C]); None on one GPU
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -129,30 +116,3 @@ class Kernels:
             return self.moe_norm(x, topk_weights, topk_ids, experts, residual, norm_weight, eps)
         return self.rms_norm(self.moe(x, topk_weights, topk_ids, experts), norm_weight, eps,
                              residual)
-
-    def folds_norm(self, rows: int) -> bool:
-        """Whether a step of `rows` rows leaves a layer's input norm to the GEMV of its bf16
-        q/k/v (`norm_then_linear`); never with tensor parallelism, where the norm follows the
-        all-reduce."""
-        return 0 < rows <= self.fold_rows and self.all_reduce is None
-
-    def moe_then_add(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: Any,
-        residual: torch.Tensor,
-    ) -> torch.Tensor:
-        """`moe_then_norm` without the norm: y + residual, for a layer whose successor's q/k/v
-        GEMV takes the norm (`folds_norm`)."""
-        if self.moe_add is not None:
-            return self.moe_add(x, topk_weights, topk_ids, experts, residual)
-        y = self.moe(x, topk_weights, topk_ids, experts)
-        return y + residual  # rounded to the activation dtype, as `rms_norm` adds
-
-    def norm_then_linear(
-        self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """linear(rms_norm(h)) for the bf16 dense layer `weight`: one launch where
-        `norm_linear` takes it, else the norm, then the layer."""
-        if self.norm_linear is not None:
-            return self.norm_linear(h, norm_weight, eps, weight, bias)
-        return self.linear(self.rms_norm(h, norm_weight, eps, None)[0], weight, bias)

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.layer_ops_triton import rms_norm_triton
 from tinyoss.kernels.moe_gemv_mma import MmaGemv
 
 
@@ -134,16 +133,6 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.shape[0] <= GEMV_MAX_M:
         return linear_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def norm_linear_triton(h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       mma: MmaGemv | None = None) -> torch.Tensor:
-    """`Kernels.norm_linear`: linear(rms_norm(h)), the norm in the streaming GEMV's prologue
-    where it takes the layer (one row of h), else the norm kernel, then `linear_triton`."""
-    if mma is not None and mma.supports_stream_norm(h, norm_weight, weight, bias):
-        return mma.stream_norm_linear(h, norm_weight, eps, weight, bias)
-    return linear_triton(rms_norm_triton(h, norm_weight, eps)[0], weight, bias, mma)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

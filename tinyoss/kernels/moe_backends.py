@@ -21,7 +21,6 @@ import torch
 
 from tinyoss.config import MXFP4_BACKENDS
 from tinyoss.kernels import Kernels
-from tinyoss.kernels.moe_gemv_mma import MmaGemv
 from tinyoss.kernels.hardware import (
     CUTLASS_MXFP8_MXFP4_MOE,
     CUTLASS_W4A16_MOE,
@@ -165,7 +164,6 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
                     if kernels.names[name] == "triton":
                         setattr(kernels, name, functools.partial(fn, mma=mma))
                         kernels.names[name] = "triton+mma"
-                _fold_norm(kernels, mma)
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass
 
@@ -177,17 +175,3 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
         )
         kernels.moe_warmup = autotuning
     kernels.names["moe"] = backend
-
-
-def _fold_norm(kernels: Kernels, mma: MmaGemv) -> None:
-    """At one token a step each layer's experts end with the residual add in Gluon's down GEMV
-    and the next q/k/v streaming GEMV takes the input norm: the combine-and-norm launch goes."""
-    from tinyoss.kernels.linear_triton import norm_linear_triton
-    from tinyoss.kernels.moe_gemv_gluon import GLUON
-    from tinyoss.kernels.moe_triton import moe_add_triton
-
-    if GLUON and kernels.names["linear"] == "triton+mma":
-        kernels.moe_add = functools.partial(moe_add_triton, mma=mma)
-        kernels.norm_linear = functools.partial(norm_linear_triton, mma=mma)
-        kernels.fold_rows = 1
-        kernels.names["norm"] += "+qkv"

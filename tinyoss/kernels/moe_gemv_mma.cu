@@ -870,17 +870,11 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
-// NORM (one row of x): x is the residual stream h and the kernel takes its RMSNorm first,
-// x = bf16(nw * (h * rsqrt(mean(h^2) + eps))) as _combine_norm rounds it (nw fp32): each warp
-// reads all of h anyway, so it sums the squares itself (its lanes, then a butterfly), and the
-// norm's own launch goes (Kernels.norm_linear).
-template <int VPL, int MAXM, bool NORM = false>
+template <int VPL, int MAXM>
 __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
                       const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
-                      __nv_bfloat16* __restrict__ out, int N, int K,
-                      const float* __restrict__ nw = nullptr, float eps = 0.f) {
-  static_assert(!NORM || MAXM == 1, "the norm prologue takes one row of x");
+                      __nv_bfloat16* __restrict__ out, int N, int K) {
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
   if (row0 >= N) return;
@@ -891,25 +885,6 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * K);
 #pragma unroll
     for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
-  }
-  uint4 hv[NORM ? VPL : 1];
-  float rstd = 1.f;
-  if constexpr (NORM) {
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < VPL; ++i) {
-      const int j = lane + 32 * i;
-      hv[i] = j < kv ? __ldg(reinterpret_cast<const uint4*>(x) + j) : uint4{0, 0, 0, 0};
-      const uint32_t hs[4] = {hv[i].x, hv[i].y, hv[i].z, hv[i].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float lo = __uint_as_float(hs[c] << 16), hi = __uint_as_float(hs[c] & 0xffff0000u);
-        ss = fmaf(hi, hi, fmaf(lo, lo, ss));
-      }
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    rstd = 1.f / sqrtf(ss / K + eps);
   }
   float acc[MAXM][STREAM_ROWS] = {};
 #pragma unroll
@@ -927,36 +902,15 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     }
 #pragma unroll
     for (int mi = 0; mi < MAXM; ++mi) {
-      float xf[8];
-      if constexpr (NORM) {
-        const uint32_t hs[4] = {hv[i].x, hv[i].y, hv[i].z, hv[i].w};
-        float4 n0 = {0.f, 0.f, 0.f, 0.f}, n1 = n0;
-        if (j < kv) {
-          n0 = __ldg(reinterpret_cast<const float4*>(nw) + 2 * j);
-          n1 = __ldg(reinterpret_cast<const float4*>(nw) + 2 * j + 1);
-        }
-        const float ns[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float lo = __uint_as_float(hs[c] << 16), hi = __uint_as_float(hs[c] & 0xffff0000u);
-          xf[2 * c] = __bfloat162float(__float2bfloat16(ns[2 * c] * (lo * rstd)));
-          xf[2 * c + 1] = __bfloat162float(__float2bfloat16(ns[2 * c + 1] * (hi * rstd)));
-        }
-      } else {
-        const uint4 xv = j < kv && mi < m ? __ldg(reinterpret_cast<const uint4*>(x) + mi * kv + j)
-                                          : uint4{0, 0, 0, 0};
-        const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          xf[2 * c] = __uint_as_float(xs[c] << 16);
-          xf[2 * c + 1] = __uint_as_float(xs[c] & 0xffff0000u);
-        }
-      }
+      const uint4 xv = j < kv && mi < m ? __ldg(reinterpret_cast<const uint4*>(x) + mi * kv + j)
+                                        : uint4{0, 0, 0, 0};
+      const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
+        const float lo = __uint_as_float(xs[c] << 16), hi = __uint_as_float(xs[c] & 0xffff0000u);
 #pragma unroll
         for (int r = 0; r < STREAM_ROWS; ++r)
-          acc[mi][r] = fmaf(wf[r][2 * c + 1], xf[2 * c + 1], fmaf(wf[r][2 * c], xf[2 * c], acc[mi][r]));
+          acc[mi][r] = fmaf(wf[r][2 * c + 1], hi, fmaf(wf[r][2 * c], lo, acc[mi][r]));
       }
     }
   }
@@ -974,25 +928,25 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
   }
 }
 
-template <int VPL, int MAXM, bool NORM>
+template <int VPL, int MAXM>
 int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out, int N,
-                        int K, const float* nw, float eps, cudaStream_t stream) {
+                        int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
-  dense_gemv_stream<VPL, MAXM, NORM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
+  dense_gemv_stream<VPL, MAXM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
-      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K, nw, eps);
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
   return (int)cudaGetLastError();
 }
 
-template <int MAXM, bool NORM = false>
+template <int MAXM>
 int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias, void* out, int N,
-                          int K, const float* nw, float eps, cudaStream_t stream) {
+                          int K, cudaStream_t stream) {
   const int vpl = (K + 255) / 256;
-  auto run = vpl <= 4    ? launch_dense_stream<4, MAXM, NORM>
-             : vpl <= 8  ? launch_dense_stream<8, MAXM, NORM>
-             : vpl <= 12 ? launch_dense_stream<12, MAXM, NORM>
-                         : launch_dense_stream<16, MAXM, NORM>;
-  return run(x, m, w, bias, out, N, K, nw, eps, stream);
+  auto run = vpl <= 4    ? launch_dense_stream<4, MAXM>
+             : vpl <= 8  ? launch_dense_stream<8, MAXM>
+             : vpl <= 12 ? launch_dense_stream<12, MAXM>
+                         : launch_dense_stream<16, MAXM>;
+  return run(x, m, w, bias, out, N, K, stream);
 }
 }  // namespace
 
@@ -1072,17 +1026,7 @@ extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, co
                                          void* out, int N, int K, void* stream) {
   if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
   auto run = m == 1 ? launch_dense_stream_k<1> : launch_dense_stream_k<2>;
-  return run(x, m, w, bias, out, N, K, nullptr, 0.f, static_cast<cudaStream_t>(stream));
-}
-
-// The same at one row of x that is the residual stream h, its RMSNorm (fp32 weight nw [K])
-// taken first: a layer's q/k/v (or lm_head) with its input norm, which then needs no launch.
-extern "C" int tinyoss_dense_gemv_stream_norm(const void* h, const float* nw, float eps,
-                                              const void* w, const void* bias, void* out, int N,
-                                              int K, void* stream) {
-  if (N < 1 || K < 8 || K % 8 || K > 4096 || nw == nullptr) return (int)cudaErrorInvalidValue;
-  return launch_dense_stream_k<1, true>(h, 1, w, bias, out, N, K, nw, eps,
-                                        static_cast<cudaStream_t>(stream));
+  return run(x, m, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
@@ -1139,7 +1083,6 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_stream<8, 2>,
                            (const void*)dense_gemv_stream<12, 2>,
                            (const void*)dense_gemv_stream<16, 2>,
-                           (const void*)dense_gemv_stream<12, 1, true>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

@@ -105,11 +105,6 @@ class MmaGemv:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                    ctypes.c_void_p]
         self.stream_fn.restype = ctypes.c_int
-        self.stream_norm_fn = lib.tinyoss_dense_gemv_stream_norm
-        self.stream_norm_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        self.stream_norm_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -239,29 +234,6 @@ class MmaGemv:
         if err:
             raise RuntimeError(f"the streaming dense GEMV failed to launch: {self.error(err)} "
                                f"({tuple(weight.shape)}, rows {x.shape[0]})")
-        return out
-
-    def supports_stream_norm(self, h: torch.Tensor, norm_weight: torch.Tensor,
-                             weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """`stream_norm_linear` takes one row of h where `stream_linear` would, with an fp32
-        norm weight of K values on h's device."""
-        return (h.dim() == 2 and h.shape[0] == 1 and self.supports_stream(h, weight, bias)
-                and norm_weight.dtype == torch.float32 and norm_weight.shape == (h.shape[1],)
-                and norm_weight.is_contiguous() and norm_weight.device == h.device)
-
-    def stream_norm_linear(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """rms_norm(h) @ W.T (+ bias) -> [1, N] bf16 for one row of the residual stream h
-        (`supports_stream_norm`): `stream_linear` with the norm taken by every warp first, as
-        `_combine_norm` rounds it, so the norm needs no launch of its own."""
-        out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16, device=h.device)
-        err = self.stream_norm_fn(h.data_ptr(), norm_weight.data_ptr(), eps, weight.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                  weight.shape[0], weight.shape[1],
-                                  torch.cuda.current_stream(h.device).cuda_stream)
-        if err:
-            raise RuntimeError(f"the streaming dense GEMV with its norm failed to launch: "
-                               f"{self.error(err)} ({tuple(weight.shape)})")
         return out
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.moe_gemv_gluon import GLUON, down_add_gluon, pair_gemv_gluon
+from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
 from tinyoss.kernels.moe_gemv_mma import (
     DOWN_MIN_TOKENS,
     GATE_UP_MIN_TOKENS,
@@ -357,11 +357,10 @@ def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _combine_norm(y_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
-                  BLOCK: tl.constexpr, NORM: tl.constexpr = True):
+                  BLOCK: tl.constexpr):
     """Token t (program 0): moe = sum over k of y[t*TOPK + k], rounded to the activation dtype
     as `_combine` stores it; x = moe + res[t] (rounded likewise) over res[t]; out[t] =
-    w * x * rsqrt(mean(x^2) + eps), as `layer_ops_triton._add_rms_norm_kernel` computes it
-    (not NORM: the residual add alone; w and out are not read)."""
+    w * x * rsqrt(mean(x^2) + eps), as `layer_ops_triton._add_rms_norm_kernel` computes it."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -372,11 +371,10 @@ def _combine_norm(y_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
     res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
     x = (tot.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
     tl.store(res_ptr + t * H + cols, x, mask=ok)
-    if NORM:
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * H + cols, (w * (xf * rstd)).to(dtype), mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, (w * (xf * rstd)).to(dtype), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -622,14 +620,11 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 
 def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 w: ExpertWeights, config: GemvConfig | None,
-                mma: MmaGemv | None = None,
-                add_to: torch.Tensor | None = None) -> torch.Tensor | None:
+                mma: MmaGemv | None = None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
     `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
     from DOWN_MIN_TOKENS tokens on, each where it takes the shapes (a tensor-parallel rank's
-    share too), else Gluon's (the Triton kernel in the interpreter). `add_to` (the residual
-    [T, H]): where Gluon's down runs, it adds each token's sum to it itself
-    (`down_add_gluon`) and None is returned; elsewhere y, for the caller to add."""
+    share too), else Gluon's (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -653,9 +648,6 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                          swiglu=True)
     if down_cores:
         mma.down(act, ids32, *dn, wts, y, w.alpha, w.limit)
-    elif add_to is not None and x.is_cuda and GLUON and k & (k - 1) == 0:
-        down_add_gluon(act, ids, *dn, wts, add_to, cfg.block_n2, cfg.block_k)
-        return None
     else:
         _pair_gemv_cores(act, 1, ids, dn, wts, y, h, i, w, cfg, cfg.block_n2, swiglu=False)
     return y
@@ -737,56 +729,18 @@ def moe_norm_triton(
     """`Kernels.moe_then_norm`: `moe_triton`, whose top-k combine also adds the residual and
     takes the RMSNorm (one launch for what was two): (norm(moe + residual), moe + residual),
     the new residual written over `residual`. Same bits as `moe_triton` then `rms_norm_triton`."""
-    _check_residual(x, residual)
-    y = _pairs(x, topk_weights, topk_ids, w, gemv, mma)
+    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(f"residual must be contiguous {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
+    elif _grouped(x, w, mma):
+        y = _grouped_pairs(x, topk_weights, topk_ids, w, mma)
+    else:
+        y = _prefill_pairs(x, topk_weights, topk_ids, w, None)
     t, h = x.shape
     normed = _empty((t, h), x.dtype, x.device)
     if t:
         _combine_norm[(t,)](y, residual, norm_weight, normed, h, eps, TOPK=topk_ids.shape[1],
                             BLOCK=triton.next_power_of_2(h), num_warps=8)
     return normed, residual
-
-
-def moe_add_triton(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w: ExpertWeights,
-    residual: torch.Tensor,
-    gemv: GemvConfig | None = None,
-    mma: MmaGemv | None = None,
-) -> torch.Tensor:
-    """`Kernels.moe_add`: `moe_norm_triton` without the norm (the next layer's q/k/v GEMV takes
-    it, `Kernels.norm_linear`): moe + residual written over `residual` and returned, the same
-    bits. Where Gluon's down runs (one token a step on a GPU), it adds its rows to the residual
-    itself: one launch fewer than `moe_norm_triton`."""
-    _check_residual(x, residual)
-    t, h = x.shape
-    if t == 0:
-        return residual
-    if t <= GEMV_MAX_TOKENS:
-        y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma, add_to=residual)
-        if y is None:
-            return residual
-    else:
-        y = _pairs(x, topk_weights, topk_ids, w, gemv, mma)
-    _combine_norm[(t,)](y, residual, residual, residual, h, 0.0, TOPK=topk_ids.shape[1],
-                        BLOCK=triton.next_power_of_2(h), NORM=False, num_warps=8)
-    return residual
-
-
-def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
-    if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
-        raise ValueError(f"residual must be contiguous {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(residual.shape)} {residual.dtype}")
-
-
-def _pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-           w: ExpertWeights, gemv: GemvConfig | None, mma: MmaGemv | None) -> torch.Tensor:
-    """y [T * K, H] fp32 by the path T takes: pair GEMVs, grouped tensor-core GEMVs or the
-    prefill GEMMs."""
-    if x.shape[0] <= GEMV_MAX_TOKENS:
-        return _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
-    if _grouped(x, w, mma):
-        return _grouped_pairs(x, topk_weights, topk_ids, w, mma)
-    return _prefill_pairs(x, topk_weights, topk_ids, w, None)

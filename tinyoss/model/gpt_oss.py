@@ -73,14 +73,12 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        qkv: torch.Tensor,
+        x: torch.Tensor,
         positions: torch.Tensor,
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        """qkv: `qkv_proj`'s output (the layer computes it, with its input norm where the
-        kernels fold that in)."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -179,35 +177,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | None,
+        x: torch.Tensor,
         residual: torch.Tensor,
         positions: torch.Tensor,
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
         next_norm: RMSNorm,
-        next_qkv: nn.Module | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is this layer's `input_layernorm` output (applied by the layer before, which fuses
-        it with its experts, or by the model for layer 0), or None where the layer before left
-        the norm to this layer's q/k/v GEMV (`Kernels.folds_norm`). Returns next_norm(h +
-        residual), or None where `next_qkv` (the next layer's q/k/v) takes that norm, and
-        h + residual, for the layer's output h: the next layer's input."""
-        qkv = self.self_attn.qkv_proj
-        if x is None:
-            n = self.input_layernorm
-            qkv = self.kernels.norm_then_linear(residual, n.weight, n.eps, qkv.weight, qkv.bias)
-        else:
-            qkv = qkv(x)
-        x = self.self_attn(qkv, positions, rope_cache, attn)
+        it with its experts, or by the model for layer 0). Returns next_norm(h + residual) and
+        h + residual for the layer's output h: the next layer's input, ready."""
+        x = self.self_attn(x, positions, rope_cache, attn)
         norm, router = self.post_attention_layernorm, self.mlp.router
         x, residual, top_weights, top_ids = self.kernels.post_attention(
             x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k)
         top_weights, top_ids = self.mlp.experts.localize(top_weights, top_ids)
-        experts = self.mlp.experts.packed()
-        if isinstance(next_qkv, Linear) and self.kernels.folds_norm(x.shape[0]):
-            return None, self.kernels.moe_then_add(x, top_weights, top_ids, experts, residual)
-        return self.kernels.moe_then_norm(x, top_weights, top_ids, experts, residual,
-                                          next_norm.weight, next_norm.eps)
+        return self.kernels.moe_then_norm(x, top_weights, top_ids, self.mlp.experts.packed(),
+                                          residual, next_norm.weight, next_norm.eps)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -281,10 +267,8 @@ class GptOssForCausalLM(nn.Module):
             if i in self.aux_layers:
                 j = self.aux_layers.index(i)
                 self.aux_hidden[: x.shape[0], j * h : (j + 1) * h].copy_(residual)
-            last = i + 1 == len(layers)
-            nxt = self.model.norm if last else layers[i + 1].input_layernorm
-            x, residual = layer(x, residual, positions, self.rope_cache, attn, nxt,
-                                None if last else layers[i + 1].self_attn.qkv_proj)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, residual = layer(x, residual, positions, self.rope_cache, attn, nxt)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
