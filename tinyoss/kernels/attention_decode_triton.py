@@ -72,19 +72,23 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
     s = tl.program_id(2)
     lo = tl.load(ranges_ptr + 2 * b)
     hi = tl.load(ranges_ptr + 2 * b + 1)
+    # what needs only (b, h) goes out with the range, not a round trip after the split test
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = h * GROUP + rows
+    sink = tl.load(sinks_ptr + heads, mask=rows < GROUP, other=0.0).to(tl.float32)
+    cos = tl.load(rope_ptr + pos * D + d % (D // 2))
+    sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
     # this sequence's split: num_splits of them at most, whole BLOCK_KV steps, MIN_SPLIT keys
     split = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_KV) * BLOCK_KV)
     start = lo + s * split
     if start >= hi:
         return
     end = tl.minimum(hi, start + split)
-    d = tl.arange(0, D)
-    pos = tl.load(pos_ptr + b).to(tl.int64)
-    cos = tl.load(rope_ptr + pos * D + d % (D // 2))
-    sin = tl.load(rope_ptr + pos * D + D // 2 + d % (D // 2))
     if end == hi and not STORED:  # this split holds the newest key: rotate and store it
         one = tl.arange(0, 1)
-        slot = tl.load(slots_ptr + b).to(tl.int64)
         k_new = _rotated(kn_ptr + b * kv_stride + h * D, one, one >= 0, d, cos, sin, D // 2)
         v_new = tl.load(vn_ptr + b * kv_stride + h * D + one[:, None] * D + d[None, :])
         row = (slot * HK + h) * D + one[:, None] * D + d[None, :]
@@ -92,8 +96,6 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         tl.store(k_ptr + row, k_new.to(k_ptr.dtype.element_ty), mask=keep)
         tl.store(v_ptr + row, v_new.to(v_ptr.dtype.element_ty), mask=keep)
         tl.debug_barrier()  # the stores reach the cache before this program reads it
-    rows = tl.arange(0, GROUP_PAD)
-    heads = h * GROUP + rows
     if STORED:
         q = tl.load(q_ptr + b * q_stride + heads[:, None] * D + d[None, :],
                     mask=(rows < GROUP)[:, None], other=0.0)
@@ -118,7 +120,6 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     valid = rows < GROUP
-    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
     dst = out_ptr + (b * HK * GROUP + heads)[:, None] * D + d[None, :]
     if FINAL:
         big = tl.maximum(m, sink)
