@@ -205,6 +205,24 @@ def events(r: httpx.Response) -> list[dict]:
         # a json_schema without a name (it had been "must be an object {name, schema}")
         (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
             "schema": {}}}}, "response_format.json_schema.name", "is missing"),
+        # a wrong type inside json_schema names its part (pydantic's union had stopped it at
+        # response_format, with the whole expected shape)
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": 5, "schema": {}}}}, "response_format.json_schema.name",
+         "response_format.json_schema.name=5 is invalid: must be a string of 1 to 64 letters"),
+        (CMPL, {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "strict": "yes"}}}, "response_format.json_schema.strict",
+         "must be a boolean (true or false)"),
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": [1]}}}, "response_format.json_schema.schema",
+         "response_format.json_schema.schema=[1] is invalid: must be a JSON schema object"),
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "description": 3}}}, "response_format.json_schema.description",
+         "must be a string"),
+        (CMPL, {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": "s"}},
+         "response_format.json_schema", 'must be {"name": N, "schema": SCHEMA}'),
+        (CHAT, {"messages": HI, "response_format": {"type": "json_schema"}},
+         "response_format.json_schema", "is required"),
     ],
 )  # fmt: skip
 def test_errors_name_the_field(srv, path, body, param, words):

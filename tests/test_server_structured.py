@@ -181,7 +181,7 @@ def test_completions_take_a_raw_grammar(srv, client):
          "response_format", "uniqueItems"),
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
-         "response_format", "SCHEMA"),
+         "response_format.json_schema.schema", "a JSON schema object"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
          "response_format.json_schema.name", "is missing"),
         ({"structured_outputs": {"grammar": "start: /a/"}}, "structured_outputs", "Lark"),

@@ -58,6 +58,52 @@ def _either(kind: Any, expected: str) -> Any:
     return Annotated[kind, WrapValidator(check)]
 
 
+def _by_type(kind: Any, expected: str, at_type: bool = False) -> Any:
+    """`kind`, a model or a union of them, validated as the one its "type" names (the model
+    whose type has a default when it is left out), so an error inside keeps its own path
+    (input[0].role): pydantic's union would report every alternative. Another type: "must be
+    `expected`", at the object or (`at_type`) at its type; a value that is no object: "must be
+    `expected`" (with `at_type`, "must be an object")."""
+    models: dict[str | None, type[BaseModel]] = {}
+    for model in get_args(kind) or (kind,):
+        tag = model.model_fields["type"]
+        models |= dict.fromkeys(get_args(tag.annotation), model)
+        if isinstance(tag.default, str):
+            models[None] = model
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if not isinstance(value, dict) and at_type:
+            raise PydanticCustomError("dict_type", "must be an object")
+        if not isinstance(value, dict):
+            raise PydanticCustomError("either", "must be {expected}", {"expected": expected})
+        kind = value.get("type")
+        # a type that is no string (a list, an object) names no model, rather than failing the
+        # lookup (unhashable: a 500)
+        model = models.get(kind) if kind is None or isinstance(kind, str) else None
+        if model is None:
+            error = PydanticCustomError("either", "must be {expected}", {"expected": expected})
+            at = ("type",) if at_type else ()
+            where = value.get("type") if at_type else value
+            raise ValidationError.from_exception_data(
+                "type", [{"type": error, "loc": at, "input": where}]
+            )
+        return model.model_validate(value)
+
+    return Annotated[kind, WrapValidator(check)]
+
+
+def _object(model: type[BaseModel], expected: str) -> Any:
+    """A `model` object, an error inside keeping its own path (json_schema.name); a value that
+    is no object: "must be `expected`", which `_either` would say of any error inside."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if not isinstance(value, dict):
+            raise PydanticCustomError("either", "must be {expected}", {"expected": expected})
+        return handler(value)
+
+    return Annotated[model, WrapValidator(check)]
+
+
 class _Body(BaseModel):
     """A JSON object of the API: strict types, unknown fields kept (and ignored)."""
 
@@ -160,12 +206,17 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+_SCHEMA_NAME = "a string of 1 to 64 letters, digits, '_' or '-'"
+_JSON_SCHEMA = "a JSON schema object"
+
+
 class JsonSchemaSpec(_Body):
-    name: StrictStr | None = Field(
+    # a missing name passes here: harmony_grammar says it is missing, for the Python API too
+    name: _either(StrictStr | None, _SCHEMA_NAME) = Field(
         None, description="The schema's name (required): 1 to 64 letters, digits, '_' or '-'."
     )
     description: StrictStr | None = Field(None, description="What the answer is, for the model.")
-    schema_: dict[str, Any] | None = Field(
+    schema_: _either(dict[str, Any] | None, _JSON_SCHEMA) = Field(
         None, alias="schema", description="The JSON schema the answer follows."
     )
     strict: StrictBool | None = Field(None, description="Accepted; the answer always follows it.")
@@ -181,14 +232,15 @@ class ResponseFormatJsonObject(_Body):
 
 class ResponseFormatJsonSchema(_Body):
     type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
+    json_schema: _object(JsonSchemaSpec, '{"name": N, "schema": SCHEMA}, SCHEMA ' + _JSON_SCHEMA)
 
 
-ResponseFormat = _either(
-    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema | None,
+# by its type, so an error inside names its own part (response_format.json_schema.name)
+ResponseFormat = _by_type(
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
     '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
     '{"name": N, "schema": SCHEMA}}, SCHEMA a JSON schema object',
-)
+) | None
 
 
 class StructuredOutputsSpec(BaseModel):
@@ -465,37 +517,6 @@ class DetokenizeRequest(_Request):
 # ---------------------------------------------------------------- the Responses API's requests
 
 
-def _by_type(kind: Any, expected: str, at_type: bool = False) -> Any:
-    """`kind`, a model or a union of them, validated as the one its "type" names (the model
-    whose type has a default when it is left out), so an error inside keeps its own path
-    (input[0].role): pydantic's union would report every alternative. Another type: "must be
-    `expected`", at the object or (`at_type`) at its type."""
-    models: dict[str | None, type[BaseModel]] = {}
-    for model in get_args(kind) or (kind,):
-        tag = model.model_fields["type"]
-        models |= dict.fromkeys(get_args(tag.annotation), model)
-        if isinstance(tag.default, str):
-            models[None] = model
-
-    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        if not isinstance(value, dict):
-            raise PydanticCustomError("dict_type", "must be an object")
-        kind = value.get("type")
-        # a type that is no string (a list, an object) names no model, rather than failing the
-        # lookup (unhashable: a 500)
-        model = models.get(kind) if kind is None or isinstance(kind, str) else None
-        if model is None:
-            error = PydanticCustomError("either", "must be {expected}", {"expected": expected})
-            at = ("type",) if at_type else ()
-            where = value.get("type") if at_type else value
-            raise ValidationError.from_exception_data(
-                "type", [{"type": error, "loc": at, "input": where}]
-            )
-        return model.model_validate(value)
-
-    return Annotated[kind, WrapValidator(check)]
-
-
 def _text_or(kind: Any, expected: str) -> Any:
     """A string or a list `kind`; an error inside the list keeps its own path (content[0]),
     which `_either` would report at the field."""
@@ -641,17 +662,19 @@ class TextFormatJsonObject(_Body):
 
 class TextFormatJsonSchema(_Body):
     type: Literal["json_schema"]
-    name: StrictStr = Field(description="The schema's name.")
-    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema it follows.")
+    name: _either(StrictStr, _SCHEMA_NAME) = Field(description="The schema's name.")
+    schema_: _either(dict[str, Any], _JSON_SCHEMA) = Field(
+        alias="schema", description="The JSON schema it follows."
+    )
     description: StrictStr | None = Field(None, description="What the answer is, for the model.")
     strict: StrictBool | None = Field(None, description="Accepted; the answer always follows it.")
 
 
-TextFormat = _either(
-    TextFormatText | TextFormatJsonObject | TextFormatJsonSchema | None,
+TextFormat = _by_type(
+    TextFormatText | TextFormatJsonObject | TextFormatJsonSchema,
     '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name": N, '
     '"schema": SCHEMA}, SCHEMA a JSON schema object',
-)
+) | None
 
 
 class ResponsesText(_Body):
