@@ -178,7 +178,12 @@ def test_chat_takes_every_choice_apart(tiny_llm):
         ([HI, "hi"], TypeError, r"messages\[1\]='hi' \(str\)"),
         (["hi"], TypeError, r"messages\[0\]='hi' \(str\)"),
         ([HI, [HI[0], "x"]], ValueError, r"messages\[1\]\[1\] must be an object, not 'x'"),
-        ([{"content": "hi"}], ValueError, r"messages\[0\]\.role=None is invalid: must be one"),
+        # a missing value is said to be missing (a JSON client sends null, a Python one None)
+        ([{"content": "hi"}], ValueError, r"messages\[0\]\.role is missing: must be one of"),
+        ([{"role": "user", "content": None}], ValueError,
+         r"messages\[0\]\.content is missing: a user message's content is a string or a list"),
+        ([{"role": "user", "content": [{"type": "text"}]}], ValueError,
+         r"messages\[0\]\.content\[0\]\.text is missing: a text part is"),
         ([HI[0], {"role": "bot"}], ValueError, r"messages\[1\]\.role='bot' is invalid"),
         ([{"role": "user", "content": 5}], ValueError, r"messages\[0\]\.content must be.*not 5"),
         (

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinyoss.engine.sampler import Sampler, SamplingBatch, SamplingRow, compute_logprobs
-from tinyoss.sampling_params import SamplingParams
+from tinyoss.sampling_params import ParamError, SamplingParams
 
 V = 16
 N = 20_000  # draws per distribution check
@@ -346,6 +346,20 @@ def test_validation_names_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"{field}={value!r}".replace("[", r"\[")) as err:
         SamplingParams(**{field: value})
     assert "must be" in str(err.value)
+
+
+def test_validation_speaks_python_and_carries_its_parts() -> None:
+    """The Python API's message says None where None is allowed; the server words its own from
+    the error's parts (no None: a JSON client sends null, or leaves the field out)."""
+    with pytest.raises(ParamError, match=r"max_tokens=0 is invalid: must be None or an int >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ParamError) as err:
+        SamplingParams(stop=["ok", ""])
+    e = err.value
+    assert (e.name, e.value, e.allowed, e.optional) == (
+        "stop", ["ok", ""], "a non-empty string or a list of them", True)
+    with pytest.raises(ParamError, match=r"n=0 is invalid: must be an int >= 1$"):
+        SamplingParams(n=0)
 
 
 def test_min_tokens_above_max_tokens() -> None:

@@ -159,7 +159,7 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "temperature": -1}, "temperature", "temperature=-1 is invalid"),
         (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content",
-         "not None"),
+         "messages[0].content is missing"),
         (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice", "naming one of the tools"),
         (CHAT, {"messages": HI, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
@@ -229,6 +229,52 @@ def test_errors_name_the_field(srv, path, body, param, words):
     err = error(post(srv, path, body))
     assert err["param"] == param and words in err["message"], err
     assert err["type"] == "invalid_request_error" and "\n" not in err["message"]
+
+
+@pytest.mark.parametrize("parse, body, param, words", [
+    # SamplingParams' Python words ("must be None or an int >= 1") had reached JSON clients
+    (parse_completion, {"prompt": "a", "max_tokens": 0}, "max_tokens",
+     "max_tokens=0 is invalid: must be an int >= 1"),
+    (parse_completion, {"prompt": "a", "logprobs": 30}, "logprobs",
+     "logprobs=30 is invalid: must be an int in [0, 20]"),
+    (parse_chat, {"messages": HI, "cache_salt": ""}, "cache_salt",
+     "cache_salt='' is invalid: must be a non-empty string"),
+    (parse_completion, {"prompt": "a", "stop": ["a", ""]}, "stop",
+     "stop=['a', ''] is invalid: must be a non-empty string or a list of them"),
+    (parse_chat, {"messages": HI, "min_tokens": 9, "max_completion_tokens": 5}, "min_tokens",
+     "min_tokens=9 is invalid: must be <= max_completion_tokens (5)"),
+    # a JSON null (or true) inside a value was shown as Python's None (True)
+    (parse_chat, {"messages": HI, "stop": ["a", None]}, "stop", "stop=['a', null] is invalid"),
+    (parse_chat, {"messages": [{"role": None, "content": "x"}]}, "messages[0].role",
+     "messages[0].role=null is invalid"),
+    (parse_chat, {"messages": HI, "stream": True, "stream_options": {"include_usage": None}},
+     "stream_options.include_usage", "include_usage=null is invalid: must be a boolean"),
+    (parse_chat, {"messages": HI, "temperature": True}, "temperature",
+     "temperature=true is invalid: must be a number"),
+    (parse_chat, {"messages": HI, "response_format": {"type": "json_schema",
+                                                      "json_schema": None}},
+     "response_format.json_schema", "response_format.json_schema=null is invalid"),
+    (parse_chat, {"messages": HI, "tool_choice": {"type": "function", "function": {
+        "name": None}}}, "tool_choice", "{'name': null}"),
+    # or said "not None" of a value left out (null): now "is missing", naming the part
+    (parse_chat, {"messages": [{"role": "user", "content": None}]}, "messages[0].content",
+     "messages[0].content is missing: a user message's content is a string or a list of text "
+     "parts"),
+    (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text is missing: a text part is"),
+])  # fmt: skip
+def test_errors_say_null_not_none(parse, body, param, words):
+    with pytest.raises(APIError) as e:
+        parse(body, INFO)
+    assert e.value.param == param and words in e.value.message, e.value.message
+    assert "None" not in e.value.message and "True" not in e.value.message
+
+
+def test_a_null_in_structured_outputs_is_not_given():
+    """As at the top level ({"regex": "a", "json_object": null} had been refused as
+    "json_object=None is invalid: must be a bool")."""
+    body = {"messages": HI, "structured_outputs": {"regex": "a", "json_object": None}}
+    assert parse_chat(body, INFO).params.structured_outputs is not None
 
 
 def test_null_is_not_given_and_unknown_fields_are_ignored(srv):

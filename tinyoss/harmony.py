@@ -43,10 +43,66 @@ def _need(ok: object, message: str) -> None:
         raise ValueError(message)
 
 
-def short_repr(value: Any) -> str:
-    """A client's value as an error message shows it: at most 80 characters."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+_JSON_WORDS = {None: "null", True: "true", False: "false"}
+
+
+def _given(value: Any) -> str:
+    """How a message goes on after a field's path: " is missing" for None (JSON's null, or left
+    out), else "=VALUE is invalid"."""
+    return " is missing" if value is None else f"={short_repr(value)} is invalid"
+
+
+def _not(value: Any) -> str:
+    """", not VALUE", or nothing where the value is None (the message then says what to send)."""
+    return "" if value is None else f", not {short_repr(value)}"
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """A client's value as an error message shows it, in at most `limit` characters: null, true
+    and false as JSON writes them (a JSON client sent them: Python's None, True and False would
+    name no value of its), strings quoted as OpenAI's messages quote values ('text'), numbers as
+    written, lists and objects item by item. Only what shows is rendered: a 10 MB value costs
+    no more than a short one. A check shared with the Python API says "is missing" rather than
+    show a None, which reads the same to both."""
+    out: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        out.append(text)
+        size += len(text)
+
+    def walk(v: Any) -> None:  # each level writes a character: at most `limit` deep
+        if size > limit:
+            return
+        if v is None or isinstance(v, bool):
+            put(_JSON_WORDS[v])
+        elif isinstance(v, dict):
+            put("{")
+            for i, (key, item) in enumerate(v.items()):
+                if size > limit:
+                    return
+                put(", " if i else "")
+                walk(key)
+                put(": ")
+                walk(item)
+            put("}")
+        elif isinstance(v, (list, tuple)):
+            put("[" if isinstance(v, list) else "(")
+            for i, item in enumerate(v):
+                if size > limit:
+                    return
+                put(", " if i else "")
+                walk(item)
+            put("]" if isinstance(v, list) else ",)" if len(v) == 1 else ")")
+        elif isinstance(v, str):
+            put(repr(v[: limit + 1]))  # the head is all that shows
+        else:
+            put(repr(v))
+
+    walk(value)
+    text = "".join(out)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -70,36 +126,38 @@ def check_messages(messages: Any, where: str = "messages") -> None:
     )
     for i, m in enumerate(messages):
         at = f"{where}[{i}]"
-        _need(isinstance(m, dict), f"{at} must be an object, not {short_repr(m)}")
+        _need(isinstance(m, dict), f"{at} must be an object{_not(m)}")
         role = m.get("role")
-        _need(
-            role in ROLES, f"{at}.role={short_repr(role)} is invalid: must be one of "
-            f"{', '.join(ROLES)}",
-        )  # fmt: skip
+        _need(role in ROLES, f"{at}.role{_given(role)}: must be one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
+                _need(isinstance(part, dict),
+                      f'{at}.content[{j}] must be a text part {{"type": "text", "text": str}}'
+                      f"{_not(part)}")  # fmt: skip
                 if kind == "refusal" and role == "assistant":  # OpenAI's: read as its text
                     _need(isinstance(part.get("refusal"), str),
-                          f"{at}.content[{j}] must be {{\"type\": \"refusal\", \"refusal\": "
-                          f"str}}, not {short_repr(part)}")
+                          f"{at}.content[{j}].refusal{_given(part.get('refusal'))}: a refusal "
+                          'part is {"type": "refusal", "refusal": str}')  # fmt: skip
                     continue
                 _need(
-                    kind in TEXT_PARTS or not isinstance(part, dict),
+                    kind in TEXT_PARTS,
+                    f"{at}.content[{j}].type is missing: gpt-oss reads text parts "
+                    '{"type": "text", "text": str}' if kind is None else
                     f"{at}.content[{j}] of type {short_repr(kind)} is not supported: gpt-oss reads "
                     "text only (parts of type 'text')",
-                )
-                _need(
-                    isinstance(part, dict) and isinstance(part.get("text"), str),
-                    f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": str}}, "
-                    f"not {short_repr(part)}",
-                )
+                )  # fmt: skip
+                _need(isinstance(part.get("text"), str),
+                      f"{at}.content[{j}].text{_given(part.get('text'))}: a text part is "
+                      '{"type": "text", "text": str}')  # fmt: skip
         else:
             _need(
                 isinstance(content, str) or content is None and role == "assistant",
+                f"{at}.content is missing: a {role} message's content is a string or a list of "
+                "text parts (only an assistant message may have none)" if content is None else
                 f"{at}.content must be a string or a list of text parts, not {short_repr(content)}",
-            )
+            )  # fmt: skip
         _need(m.get("refusal") is None or role == "assistant",
               f"{at}.refusal is an assistant message's field, not a {role} message's")
         for key in ("reasoning", "reasoning_content", "thinking", "name", "tool_call_id",

@@ -55,8 +55,8 @@ def answer_constraint(response_format: Any = None, structured_outputs: Any = Non
                 f"structured_outputs={harmony.short_repr(so)} is invalid: give an object with one "
                 f"of {', '.join(_STRUCTURED_KEYS)}",
             )
-        try:
-            return StructuredOutputs(**so)
+        try:  # a null is the key left out, as at the top level of a request
+            return StructuredOutputs(**{k: v for k, v in so.items() if v is not None})
         except ValueError as e:
             raise ConstraintError("structured_outputs", f"structured_outputs: {e}") from None
     if fmt is None:
@@ -76,8 +76,9 @@ def answer_constraint(response_format: Any = None, structured_outputs: Any = Non
     if kind == "json_schema":  # `name` required, as OpenAI and vLLM require it
         at = "response_format.json_schema"
         if not isinstance(spec, dict):
-            raise ConstraintError(at, f'{at} must be an object {{"name": N, "schema": SCHEMA}}, '
-                                      f"not {harmony.short_repr(spec)}")
+            given = " is missing" if spec is None else f"={harmony.short_repr(spec)} is invalid"
+            raise ConstraintError(at, f'{at}{given}: must be an object {{"name": N, "schema": '
+                                      "SCHEMA}")
         name = spec.get("name")
         if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
             given = " is missing" if name is None else f"={harmony.short_repr(name)} is invalid"

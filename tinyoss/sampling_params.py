@@ -22,11 +22,22 @@ def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _check(name: str, value: object, ok: bool, allowed: str) -> None:
-    if not ok:
+class ParamError(ValueError):
+    """A value of field `name` that is refused: it must be `allowed` (or None, where
+    `optional`). The message is in Python's words; the server words its own from the fields
+    (a JSON client's null is the field left out, which gets its default)."""
+
+    def __init__(self, name: str, value: object, allowed: str, optional: bool = False) -> None:
+        self.name, self.value, self.allowed, self.optional = name, value, allowed, optional
         shown = repr(value)  # clipped: a 4,300-digit seed came back whole
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise ValueError(f"{name}={shown} is invalid: must be {allowed}")
+        super().__init__(f"{name}={shown} is invalid: must be "
+                         f"{'None or ' if optional else ''}{allowed}")
+
+
+def _check(name: str, value: object, ok: bool, allowed: str, optional: bool = False) -> None:
+    if not ok:
+        raise ParamError(name, value, allowed, optional)
 
 
 @dataclass
@@ -108,7 +119,7 @@ class SamplingParams:
         _check("top_k", v.top_k, _is_int(v.top_k) and v.top_k >= -1, "an int >= -1 (0 or -1 = off)")
         _check("min_p", v.min_p, _is_real(v.min_p) and 0 <= v.min_p <= 1, "a number in [0, 1]")
         seed_ok = v.seed is None or _is_int(v.seed) and _SEED_MIN <= v.seed <= _SEED_MAX
-        _check("seed", v.seed, seed_ok, f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]")
+        _check("seed", v.seed, seed_ok, f"an int in [{_SEED_MIN}, {_SEED_MAX}]", optional=True)
         for name in ("presence_penalty", "frequency_penalty"):
             x = getattr(v, name)
             _check(name, x, _is_real(x) and -2 <= x <= 2, "a number in [-2, 2]")
@@ -125,7 +136,8 @@ class SamplingParams:
             stop is None
             or isinstance(stop, (list, tuple))
             and all(isinstance(s, str) and s for s in stop),
-            "None, a non-empty string or a list of them",
+            "a non-empty string or a list of them",
+            optional=True,
         )
         ids = v.stop_token_ids
         _check(
@@ -134,7 +146,8 @@ class SamplingParams:
             ids is None
             or isinstance(ids, (list, tuple))
             and all(_is_int(i) and i >= 0 for i in ids),
-            "None or a list of ints >= 0",
+            "a list of ints >= 0",
+            optional=True,
         )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(v, name), isinstance(getattr(v, name), bool), "a bool")
@@ -142,7 +155,8 @@ class SamplingParams:
             "max_tokens",
             v.max_tokens,
             v.max_tokens is None or _is_int(v.max_tokens) and v.max_tokens >= 1,
-            "None or an int >= 1",
+            "an int >= 1",
+            optional=True,
         )
         _check(
             "min_tokens", v.min_tokens, _is_int(v.min_tokens) and v.min_tokens >= 0, "an int >= 0"
@@ -159,18 +173,20 @@ class SamplingParams:
                 name,
                 x,
                 x is None or _is_int(x) and 0 <= x <= MAX_LOGPROBS,
-                f"None or an int in [0, {MAX_LOGPROBS}]",
+                f"an int in [0, {MAX_LOGPROBS}]",
+                optional=True,
             )
         so = v.structured_outputs
         _check(
             "structured_outputs",
             so,
             so is None or isinstance(so, StructuredOutputs),
-            "None or a StructuredOutputs",
+            "a StructuredOutputs",
+            optional=True,
         )
         salt = v.cache_salt
         _check("cache_salt", salt, salt is None or isinstance(salt, str) and salt != "",
-               "None or a non-empty string")
+               "a non-empty string", optional=True)
         self.stop = list(stop or ())
         self.stop_token_ids = list(ids or ())
         for name in (

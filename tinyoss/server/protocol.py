@@ -30,7 +30,7 @@ from tinyoss import harmony
 from tinyoss.engine.core import EngineInfo
 from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.harmony_grammar import ConstraintError, answer_constraint, chat_constraint
-from tinyoss.sampling_params import SamplingParams
+from tinyoss.sampling_params import ParamError, SamplingParams
 from tinyoss.server.schemas import (
     ChatCompletionRequest,
     ChatInput,
@@ -275,7 +275,7 @@ def _template_options(req: ChatInput, body: dict) -> dict[str, Any]:
     effort, top = kwargs.reasoning_effort, body.get("reasoning_effort")
     if effort is not None:
         _require(top in (None, effort), "chat_template_kwargs.reasoning_effort",
-                 f"chat_template_kwargs.reasoning_effort={effort!r} contradicts "
+                 f"chat_template_kwargs.reasoning_effort={harmony.short_repr(effort)} contradicts "
                  f"reasoning_effort={harmony.short_repr(top)}: give one of them")  # fmt: skip
         options["reasoning_effort"] = effort
     if kwargs.model_identity is not None:
@@ -311,7 +311,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     _require(
         req.best_of in (None, params.n),
         "best_of",
-        f"best_of={req.best_of!r} is not supported: only best_of equal to n",
+        f"best_of={req.best_of} is not supported: only best_of equal to n",
     )
     sources: list[list[harmony.Segment]] = []
     for p in _prompt_list(req.prompt):
@@ -469,12 +469,11 @@ def _sampling(body: dict, vocab_size: int, spelled: dict[str, str] | None = None
              f"{vocab_size - 1})")
     try:
         return SamplingParams(**kwargs, **fields)
-    except ValueError as e:
-        text = str(e)
-        name = text.split("=", 1)[0]
-        if name in (spelled or {}):
-            text, name = spelled[name] + text[len(name):], spelled[name]
-        raise APIError(400, text, param=name if name.isidentifier() else None) from e
+    except ParamError as e:  # in the API's words: a value as JSON, no Python None
+        text = f"{e.name}={harmony.short_repr(e.value)} is invalid: must be {e.allowed}"
+        for ours, theirs in (spelled or {}).items():
+            text = re.sub(rf"\b{ours}\b", theirs, text)
+        raise APIError(400, text, param=(spelled or {}).get(e.name, e.name)) from e
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
