@@ -160,16 +160,19 @@ def test_two_answer_messages(tok):
 # ---------------------------------------------------------------- /v1/completions logprobs
 
 
-def completion(tok, ids: list[int], stop: str | None = None, skip_special: bool = True):
+def completion(tok, ids: list[int], stop: str | None = None, skip_special: bool = True,
+               include_stop: bool = False, finish: str = "stop"):
     """(stream chunks' logprobs, the final choice) of `ids` through the engine's output
-    processor (text, stop strings) and a `TextChoice`, a token an update."""
-    params = SamplingParams(logprobs=0, stop=stop, skip_special_tokens=skip_special)
+    processor (text, stop strings) and a `TextChoice`, a token an update; the last ends it
+    with `finish` ("stop": the core's, for a stop token)."""
+    params = SamplingParams(logprobs=0, stop=stop, skip_special_tokens=skip_special,
+                            include_stop_str_in_output=include_stop)
     processor = OutputProcessor(tok)
     processor.add("r", None, [1], params)
     choice = TextChoice(0, tok, None, logprobs=True, skip_special_tokens=skip_special)
     chunks = []
     for at, token in enumerate(ids):
-        end = "stop" if at == len(ids) - 1 else None
+        end = finish if at == len(ids) - 1 else None
         lp = TokenLogprob(token, logprob(at), [(token, logprob(at))])
         for out in processor.process([SeqDelta("r", 0, [token], [lp], finish_reason=end)])[0]:
             if (chunk := choice.update(out.outputs[0])) is not None:
@@ -182,9 +185,10 @@ def completion(tok, ids: list[int], stop: str | None = None, skip_special: bool 
 
 @pytest.mark.parametrize("skip_special, text, offsets", [
     # 🦜 is three tokens, the first with the space: each points at the character its first
-    # byte is in; <|return|>, kept as vLLM keeps the stop token, at the end of the text
+    # byte is in; <|return|>, kept in the logprobs as vLLM keeps the stop token, at the end of
+    # the text, which leaves it out even where special tokens show (it had ended "<|return|>")
     (True, "finalHi 🦜!", [0, 0, 5, 5, 7, 8, 8, 9, 10]),
-    (False, "<|channel|>final<|message|>Hi 🦜!<|return|>", [0, 11, 16, 27, 29, 30, 30, 31, 32]),
+    (False, "<|channel|>final<|message|>Hi 🦜!", [0, 11, 16, 27, 29, 30, 30, 31, 32]),
 ])  # fmt: skip
 def test_completion_text_offsets_index_the_text(tok, skip_special, text, offsets):
     """text_offset counted each token's text as U+FFFD for part of a character, and a skipped
@@ -196,6 +200,31 @@ def test_completion_text_offsets_index_the_text(tok, skip_special, text, offsets
     assert lps["tokens"][-1] == "<|return|>" and len(lps["tokens"]) == len(ids)
     assert lps["token_logprobs"] == [logprob(at) for at in range(len(ids))]
     assert streamed == lps
+
+
+@pytest.mark.parametrize("skip_special, include_stop, text", [
+    (False, False, "<|channel|>final<|message|>Hi!"),
+    (False, True, "<|channel|>final<|message|>Hi!<|return|>"),
+    (True, True, "finalHi!"),  # shown only where special tokens are
+])  # fmt: skip
+def test_the_end_token_shows_only_with_include_stop_str_in_output(
+    tok, skip_special, include_stop, text
+):
+    """As vLLM's detokenizer: a stop-token-terminated text leaves that token out unless
+    include_stop_str_in_output, whether special tokens show or not; token_ids and logprobs keep
+    it. With skip_special_tokens false the text had ended in <|return|>."""
+    ids = harmony_ids(tok, *FINAL, "Hi!", RETURN)
+    _, final = completion(tok, ids, skip_special=skip_special, include_stop=include_stop)
+    assert final["text"] == text and final["logprobs"]["tokens"][-1] == "<|return|>"
+
+
+def test_a_stop_token_id_is_left_out_of_the_text(tok):
+    """vLLM's stop_token_ids end the text without their token (an ordinary one here), unless
+    include_stop_str_in_output; a text cut by max_tokens keeps its last token."""
+    ids = harmony_ids(tok, "Hello there, Paris!")
+    assert completion(tok, ids)[1]["text"] == "Hello there, Paris"
+    assert completion(tok, ids, include_stop=True)[1]["text"] == "Hello there, Paris!"
+    assert completion(tok, ids, finish="length")[1]["text"] == "Hello there, Paris!"
 
 
 def test_completion_text_offsets_end_at_a_stop_string(tok):

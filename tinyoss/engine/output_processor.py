@@ -98,6 +98,7 @@ class _Seq:
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         stops = params.stop or []
         self.stops = StopStrings(stops, params.include_stop_str_in_output) if stops else None
+        self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -118,7 +119,13 @@ class _Seq:
         if self.logprobs is not None and d.logprobs:
             self.logprobs += d.logprobs
         self.num_cached = d.num_cached_tokens
-        text = self.detok.add(d.token_ids)
+        ids = d.token_ids
+        if d.finish_reason == "stop" and ids and not self.include_stop:
+            # the core stops on a stop token (an end token or stop_token_ids), its last: its text
+            # is left out, as a stop string's is (vLLM's detokenizer does so, even where special
+            # tokens are shown: skip_special_tokens false); it stays in token_ids and logprobs
+            ids = ids[:-1]
+        text = self.detok.add(ids)
         stopped = False
         if self.stops is not None and len(self.token_ids) > self.min_tokens:
             text, hit = self.stops.feed(text)

@@ -329,11 +329,13 @@ class _Sampling(_Request):
     )
     include_stop_str_in_output: StrictBool | None = Field(
         _DEFAULT.include_stop_str_in_output,
-        description="vLLM: keep the stop string at the end of the text (/v1/completions only).",
+        description="vLLM: keep the stop string (or stop token's text) at the end of the text "
+        "(/v1/completions only).",
     )
     skip_special_tokens: StrictBool | None = Field(
         _DEFAULT.skip_special_tokens,
-        description="vLLM: leave special tokens out of the text (/v1/completions only).",
+        description="vLLM: leave special tokens out of the text (/v1/completions only; the "
+        "end token stays out unless include_stop_str_in_output).",
     )
     prompt_logprobs: StrictInt | None = Field(
         None, description="vLLM: not served over HTTP (the Python API returns them)."
