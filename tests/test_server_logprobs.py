@@ -235,3 +235,19 @@ def test_completion_text_offsets_end_at_a_stop_string(tok):
     lps = final["logprobs"]
     assert final["text"] == "Hello th" and final["finish_reason"] == "stop"
     assert lps["tokens"] == ["Hello", " there", ","] and lps["text_offset"] == [0, 5, 8]
+
+
+def test_streamed_text_offsets_never_pass_the_text(tok):
+    """A stop string holds text back; a token whose text starts in held-back text waits for it
+    (as chat's logprobs wait for their content), so no chunk's text_offset passes the text the
+    stream returns. One had gone out at 11 in a stream whose text the stop string then cut to
+    4 characters."""
+    ids = harmony_ids(tok, "Hello there, Paris!")
+    streamed, final = completion(tok, ids, stop="o there, Paris")
+    lps = final["logprobs"]
+    assert final["text"] == "Hell" and lps["tokens"] == ["Hello", " there", ",", " Paris"]
+    assert lps["text_offset"] == [0, 4, 4, 4] and streamed == lps
+    # no stop string cuts it: each offset goes out as it is
+    streamed, final = completion(tok, ids, stop="Paris?", finish="length")
+    assert final["text"] == "Hello there, Paris!" and streamed == final["logprobs"]
+    assert final["logprobs"]["text_offset"] == [0, 5, 11, 12, 18]

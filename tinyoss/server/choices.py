@@ -206,7 +206,9 @@ class TextChoice:
     A logprobs `text_offset` is where the token's text starts in `text`: the characters the
     tokens before it complete (decoded as the engine decodes them), so part of a character
     points at that character and a skipped special token adds nothing. Tokens past a stop
-    string, and the end token (kept, as vLLM keeps it), point at the end of the text."""
+    string, and the end token (kept, as vLLM keeps it), point at the end of the text. A token
+    is sent once the text up to its offset has been: text a stop string might begin is held
+    back, and the stop string may cut it, so an offset into it could pass the final text."""
 
     def __init__(
         self,
@@ -226,6 +228,8 @@ class TextChoice:
         self.num_tokens = 0
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)  # for text_offset
         self.offset = 0  # characters the tokens so far complete
+        self.sent = 0  # characters of the engine's text sent
+        self.held: deque[tuple[str, float, dict, int]] = deque()  # entries not yet sent
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
         self.finish_reason: str | None = None
 
@@ -235,7 +239,8 @@ class TextChoice:
     def update(self, out: CompletionOutput) -> dict | None:
         if self.finish_reason is not None:
             return None
-        new = self.prefix + "".join(out.pieces[self.seen :])
+        text = "".join(out.pieces[self.seen :])
+        new, self.sent = self.prefix + text, self.sent + len(text)
         self.prefix, self.seen = "", len(out.pieces)
         self.parts.append(new)
         start, self.num_tokens = self.num_tokens, len(out.token_ids)
@@ -248,15 +253,15 @@ class TextChoice:
                 token = _token(self.tokenizer, e.token_id)[0]
                 top = {_token(self.tokenizer, t)[0]: _lp(lp) for t, lp in e.top}
                 top.setdefault(token, _lp(e.logprob))
-                for key, value in zip(lps, (token, _lp(e.logprob), top, self.offset)):
+                self.held.append((token, _lp(e.logprob), top, self.offset))
+                self.offset += len(self.detok.add((e.token_id,)))
+            # at the end, the rest: those a stop string cut point at the end of the text
+            while self.held and (out.finished or self.held[0][3] <= self.sent):
+                token, lp, top, at = self.held.popleft()
+                for key, value in zip(lps, (token, lp, top, min(at, self.sent))):
                     lps[key].append(value)
                     self.logprobs[key].append(value)
-                self.offset += len(self.detok.add((e.token_id,)))
         self.finish_reason = out.finish_reason
-        if lps is not None and self.finish_reason is not None:  # a stop string cut the text
-            end = sum(map(len, self.parts))
-            for d in (lps, self.logprobs):
-                d["text_offset"] = [min(at, end) for at in d["text_offset"]]
         if not (new or lps and lps["tokens"] or self.finish_reason):
             return None
         choice = _choice(self.index, self.finish_reason, text=new, logprobs=lps)
