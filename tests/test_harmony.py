@@ -452,6 +452,33 @@ def test_multi_turn_drops_reasoning_of_answered_turns():
     assert "commentary to=functions.f <|constrain|>json<|message|>{}<|call|>" in answered
 
 
+def test_text_parts_join_with_nothing_between_them_in_every_role():
+    """A message's text parts are its text joined as they are, whatever the role: what vLLM
+    serves gpt-oss (its harmony path puts each part in the message as a TextContent, which
+    openai-harmony renders back to back, and flattens a tool's or a tool-calling assistant's
+    parts with ""); vLLM's "\n" join is for chat templates that take a string, which gpt-oss's
+    prompt never goes through. Pinned so that no role takes another path."""
+    def parts(*texts: str) -> list[dict]:
+        return [{"type": "text", "text": t} for t in texts]
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    text = render_text([
+        {"role": "system", "content": parts("be ", "brief")},
+        {"role": "user", "content": parts("a", "b")},
+        {"role": "assistant", "content": parts("c", "d")},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": parts("e", "f"), "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": parts("g", "h")},
+        {"role": "developer", "content": parts("i", "j")},
+    ], current_date="")  # fmt: skip
+    assert "# Instructions\n\nbe brief<|end|>" in text
+    assert "<|start|>user<|message|>ab<|end|>" in text
+    assert "<|channel|>final<|message|>cd<|end|>" in text
+    assert "<|channel|>commentary<|message|>ef<|end|>" in text
+    assert "<|channel|>commentary<|message|>gh<|end|>" in text
+    assert "<|start|>developer<|message|># Instructions\n\nij<|end|>" in text
+
+
 def test_tool_results_find_their_call_and_content_parts():
     msgs = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
