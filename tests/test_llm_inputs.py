@@ -146,6 +146,29 @@ def test_chat_logprobs_are_the_answers_tokens(tiny_llm):
     assert tiny_llm.chat(HI, GREEDY, use_tqdm=False)[0].logprobs is None
 
 
+def test_chat_stop_strings_cut_the_answer_only(tiny_llm):
+    """As on the server, a stop string ends the answer before it (it had stayed in `content`),
+    with the logprobs of the tokens at least partly before it; one inside the reasoning or a
+    tool call's arguments changes nothing (it had ended the reply there, the call lost)."""
+    params = SamplingParams(max_tokens=30, seed=1, temperature=1.0, logprobs=0)
+    free = tiny_llm.chat(HI, params, use_tqdm=False)[0]
+    assert free.content and len(free.content) > 4
+    stop = free.content[2:4]
+    cut = free.content.find(stop)
+    got = tiny_llm.chat(HI, dataclasses.replace(params, stop=[stop]), use_tqdm=False)[0]
+    assert got.content == (free.content[:cut] or None) and got.finish_reason == "stop"
+    text = tiny_llm.tokenizer.decode([e.token_id for e in got.logprobs])
+    assert text.startswith(free.content[:cut]) and len(text) < len(free.content)
+    tools = dict(tools=[TOOL], tool_choice="required", thinking_token_budget=10, use_tqdm=False)
+    free = tiny_llm.chat(HI, params, **tools)[0]
+    assert free.reasoning and free.tool_calls
+    stop = free.reasoning[1:3]
+    got = tiny_llm.chat(HI, dataclasses.replace(params, stop=[stop]), **tools)[0]
+    calls = [[(c.name, c.arguments) for c in r.tool_calls] for r in (got, free)]
+    assert (got.reasoning, got.finish_reason, calls[0]) == (
+        free.reasoning, free.finish_reason, calls[1])
+
+
 def test_chat_takes_every_choice_apart(tiny_llm):
     """With n > 1 each choice is parsed (only the first was), the first also as the reply's
     own fields."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import itertools
 import logging
@@ -234,17 +235,18 @@ class LLM:
 
         As on the server: `response_format` (OpenAI's shape) or a `structured_outputs` in the
         sampling params constrains the final answer only, `tool_choice` "required" or a named
-        function forces a valid call, `thinking_token_budget` bounds the reasoning."""
+        function forces a valid call, `thinking_token_budget` bounds the reasoning. Stop
+        strings cut the answer (`content`) before the first one, never the reasoning or a
+        tool call; the reply is cut once generated (the raw output runs on to its end)."""
         _check_chat_options(reasoning_effort, tools, tool_choice)
         options = {"reasoning_effort": reasoning_effort, "tools": tools, "tool_choice": tool_choice}
         fmt = response_format if isinstance(response_format, dict) else {}
         if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
             options["response_format"] = fmt["json_schema"]
         conversations = _conversations(messages)
-        params = [
-            _chat_params(p, response_format, tools, tool_choice, thinking_token_budget)
-            for p in _per_prompt(sampling_params, len(conversations))
-        ]
+        asked = _per_prompt(sampling_params, len(conversations))
+        params = [_chat_params(p, response_format, tools, tool_choice, thinking_token_budget)
+                  for p in asked]
         prompts = []
         for where, conv in conversations:
             try:
@@ -257,16 +259,22 @@ class LLM:
                                  use_tqdm)
         decode = self.tokenizer.decode
         replies = []
-        for out in outputs:
+        for out, p in zip(outputs, asked):
             choices = []
             for completion in out.outputs:
                 parsed = harmony.parse_completion(completion.token_ids, decode)
                 finish = completion.finish_reason
                 if parsed.tool_calls and finish == "stop":
                     finish = "tool_calls"
+                positions, content = parsed.content_tokens, parsed.content
+                cut = _first_stop(content, p.stop)
+                if cut is not None:  # the answer ends before its first stop string
+                    positions = _tokens_before(self.tokenizer, completion.token_ids, positions,
+                                               cut)
+                    content, finish = content[:cut] or None, "stop"
                 lps = completion.logprobs
-                lps = None if lps is None else [lps[at] for at in parsed.content_tokens]
-                choices.append(ChatChoice(parsed.reasoning, parsed.content, parsed.tool_calls,
+                lps = None if lps is None else [lps[at] for at in positions]
+                choices.append(ChatChoice(parsed.reasoning, content, parsed.tool_calls,
                                           finish, lps))
             first = choices[0]
             replies.append(ChatOutput(first.reasoning, first.content, first.tool_calls,
@@ -464,9 +472,31 @@ def _chat_params(
     )
     stops = [] if params.ignore_eos else [t for t in harmony.STOP_TOKENS
                                           if t not in params.stop_token_ids]
+    # stop strings apply to the answer only (`LLM.chat` cuts it), as on the server: the engine,
+    # which sees reasoning, headers and tool arguments too, does not look for them
     return dataclasses.replace(
-        params, structured_outputs=grammar, stop_token_ids=params.stop_token_ids + stops
+        params, structured_outputs=grammar, stop_token_ids=params.stop_token_ids + stops, stop=[]
     )
+
+
+def _first_stop(content: str | None, stops: list[str]) -> int | None:
+    """Where the first of `stops` begins in the answer, or None."""
+    hits = [i for s in stops if content and (i := content.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+def _tokens_before(tokenizer: Any, token_ids: list[int], positions: list[int],
+                   cut: int) -> list[int]:
+    """The answer's token positions whose text starts before character `cut` of the answer
+    (their bytes join to it): a token the stop string begins inside is kept, as the server
+    keeps its logprob."""
+    decoder, at, kept = codecs.getincrementaldecoder("utf-8")("replace"), 0, []
+    for p in positions:
+        if at >= cut:
+            break
+        kept.append(p)
+        at += len(decoder.decode(tokenizer.token_bytes(token_ids[p])))
+    return kept
 
 
 def _check_chat_options(reasoning_effort: object, tools: object, tool_choice: object) -> None:
