@@ -278,3 +278,12 @@ def test_os_errors_and_ctrl_c_are_one_line(tmp_path, capsys, monkeypatch):
         cli.main(["generate", "hi", "--max-tokens", "2"])
     err = capsys.readouterr().err
     assert e.value.code == 130 and "tinyoss generate: interrupted" in err
+
+
+def test_the_logged_url_can_be_pasted():
+    """An IPv6 host is bracketed in the URL the server logs (it had read http://::1:8000/v1)."""
+    from tinyoss.server.cli import base_url
+
+    assert base_url("::1", 8000) == "http://[::1]:8000/v1"
+    assert base_url("0.0.0.0", 80) == "http://0.0.0.0:80/v1"
+    assert base_url("localhost", 8000) == "http://localhost:8000/v1"

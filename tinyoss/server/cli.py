@@ -263,11 +263,10 @@ def serve(args: argparse.Namespace) -> None:
         max_stored_responses=args.max_stored_responses,
     )
     log.info(
-        "serving %r on http://%s:%d/v1 (API key: %s); the model loads in the background, "
+        "serving %r on %s (API key: %s); the model loads in the background, "
         "GET /health answers 200 once it is ready",
         name,
-        args.host,
-        args.port,
+        base_url(args.host, args.port),
         f"required, from {key_from}" if key else "off",
     )
     server = uvicorn.Server(
@@ -289,3 +288,8 @@ def serve(args: argparse.Namespace) -> None:
         pass
     if fatal:
         raise SystemExit(f"tinyoss serve: the engine could not run: {fatal[0]}")
+
+
+def base_url(host: str, port: int) -> str:
+    """The API's URL for the log, one a client can paste: an IPv6 address in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
