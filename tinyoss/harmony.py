@@ -655,6 +655,14 @@ class HarmonyStreamParser:
             self._begin(token, at)
         return out
 
+    @property
+    def holding(self) -> int:
+        """The position of the first token fed whose text has not come out (a header not yet
+        ended, or part of a character): no later delta names a token before it."""
+        if self._state == "header" and self._header:
+            return self._header[0][0]
+        return self._pending[0] if self._pending else self._fed
+
     def finish(self) -> list[Delta]:
         """End of generation: flushes the open message. A cut-off header is dropped, unless it
         is all there is: output that never formed a harmony message (a model that does not

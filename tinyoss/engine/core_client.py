@@ -151,7 +151,8 @@ class CoreClient:
         self.state = "loading"  # loading | ready | restarting | failed | stopped
         self.error: str | None = None  # why the state is failed (or the last core died)
         self.restarts = 0
-        self.processor = OutputProcessor(tokenizer)
+        # windowed: the server's choices release the logprobs they have taken
+        self.processor = OutputProcessor(tokenizer, windowed=True)
         self._ctx = zmq.asyncio.Context()
         self._core: _Core | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -243,7 +244,7 @@ class CoreClient:
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._queues):
             self._put(request_id, error)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, windowed=True)
         self.stats = CoreStats()
 
     def _deliver(self, deltas: list) -> None:

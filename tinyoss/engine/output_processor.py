@@ -7,6 +7,10 @@ grow in place. Every call costs O(what the step added), never O(output so far).
 
 A stop string found here ends the sequence at once; the caller tells the core to drop it
 (`process` returns those sequences), and tokens the core produced meanwhile are ignored.
+
+A processor made with `windowed=True` (the server's) keeps each sequence's logprobs in a
+`LogprobWindow`: its consumer releases the entries it has taken, so what is held is what it has
+not taken yet, not the whole output.
 """
 
 from __future__ import annotations
@@ -20,15 +24,56 @@ from tinyoss.sampling_params import SamplingParams
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class LogprobWindow:
+    """A sequence's logprobs indexed by position, like the list of them all, for a consumer
+    that takes each entry once: `release(upto)` drops the entries before `upto`, which can no
+    longer be read."""
+
+    def __init__(self) -> None:
+        self.start = 0  # the position of entries[0]
+        self.entries: list[TokenLogprob] = []
+
+    def __len__(self) -> int:
+        return self.start + len(self.entries)
+
+    def __getitem__(self, at: int | slice) -> TokenLogprob | list[TokenLogprob]:
+        if isinstance(at, slice):
+            begin, end, step = at.indices(len(self))
+            if begin < self.start and begin < end:
+                raise IndexError(f"logprobs before position {self.start} were released")
+            return self.entries[begin - self.start : end - self.start : step]
+        at = at + len(self) if at < 0 else at
+        if not self.start <= at < len(self):
+            raise IndexError(f"logprob position {at} is outside [{self.start}, {len(self)})")
+        return self.entries[at - self.start]
+
+    def __iadd__(self, entries: list[TokenLogprob]) -> LogprobWindow:
+        self.entries += entries
+        return self
+
+    @property
+    def held(self) -> int:
+        """Entries not released."""
+        return len(self.entries)
+
+    def release(self, upto: int) -> None:
+        """Drops the entries before position `upto` (those that have arrived)."""
+        drop = min(upto, len(self)) - self.start
+        if drop > 0:
+            del self.entries[:drop]
+            self.start += drop
+
+
 @dataclass
 class CompletionOutput:
     """One sequence after a step. `delta_*` hold what the step added; `token_ids` and
     `logprobs` are the whole output so far, shared with later outputs of the same sequence
-    (copy them to keep a snapshot)."""
+    (copy them to keep a snapshot); from a windowed processor `logprobs` is a `LogprobWindow`
+    whose consumer releases what it has taken."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | LogprobWindow | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""
@@ -94,14 +139,18 @@ class StopStrings:
 class _Seq:
     """Front-end state of one sequence."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(
+        self, index: int, tokenizer: Tokenizer, params: SamplingParams, windowed: bool
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         stops = params.stop or []
         self.stops = StopStrings(stops, params.include_stop_str_in_output) if stops else None
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[TokenLogprob] | LogprobWindow | None = None
+        if params.logprobs is not None:
+            self.logprobs = LogprobWindow() if windowed else []
         self.pieces: list[str] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -154,9 +203,10 @@ class _Request:
         params: SamplingParams,
         tokenizer: Tokenizer,
         arrival_time: float,
+        windowed: bool,
     ) -> None:
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.seqs = [_Seq(i, tokenizer, params) for i in range(params.n)]
+        self.seqs = [_Seq(i, tokenizer, params, windowed) for i in range(params.n)]
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
@@ -178,8 +228,10 @@ class _Request:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, windowed: bool = False) -> None:
+        """`windowed`: each sequence's logprobs are a `LogprobWindow` (see the module's
+        docstring)."""
+        self.tokenizer, self.windowed = tokenizer, windowed
         self.requests: dict[str, _Request] = {}
 
     def add(
@@ -194,7 +246,7 @@ class OutputProcessor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.requests[request_id] = _Request(
             request_id, prompt, prompt_token_ids, params, self.tokenizer,
-            time.monotonic() if arrival_time is None else arrival_time,
+            time.monotonic() if arrival_time is None else arrival_time, self.windowed,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

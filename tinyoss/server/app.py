@@ -651,22 +651,22 @@ def create_app(
 
     async def chat(request: Request) -> Response:
         client, prep = await prepare(request, parse_chat)
-        tok, lp = client.tokenizer, prep.params.logprobs
+        tok, lp, keep = client.tokenizer, prep.params.logprobs, not prep.stream
         ids = prep.return_token_ids
         choices: list[Choice] = [  # tool call ids are random even under a seed: ids a client
-            ChatChoice(i, tok, prep.content_stop, lp is not None, ids)  # keys history by are
-            for i in range(prep.params.n)  # unique
+            ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep)  # keys history by
+            for i in range(prep.params.n)  # are unique
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None
         return await respond(request, Run(state, prep, "chat.completion", choices, top))
 
     async def completions(request: Request) -> Response:
         client, prep = await prepare(request, parse_completion)
-        tok, n, lp = client.tokenizer, prep.params.n, prep.params.logprobs
+        tok, n, lp, keep = client.tokenizer, prep.params.n, prep.params.logprobs, not prep.stream
         choices: list[Choice] = [
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
                        prep.prompts[p] if prep.return_token_ids else None,
-                       prep.params.skip_special_tokens)
+                       prep.params.skip_special_tokens, keep)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

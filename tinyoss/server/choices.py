@@ -4,6 +4,10 @@ Each choice keeps its own state and reads the engine's cumulative fields (token_
 pieces, logprobs: shared lists that grow), from where it stopped last time, so an update costs
 what the step added even when outputs queue up. Stream chunks and the final answer come from
 the same state, so a stream joins up to exactly the non-streaming answer.
+
+Logprobs: each choice releases the engine's entries it has turned into its own (a windowed
+output processor then drops them), and keeps its own only for a final answer
+(`keep_logprobs`): a stream holds what it has not sent, not what it has.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections import deque
 from typing import Any
 
 from tinyoss import harmony
-from tinyoss.engine.output_processor import CompletionOutput, StopStrings
+from tinyoss.engine.output_processor import CompletionOutput, LogprobWindow, StopStrings
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -39,6 +43,13 @@ def token_logprob(tokenizer: Tokenizer, e: TokenLogprob) -> dict:
         "bytes": raw,
         "top_logprobs": [{"token": t, "logprob": _lp(lp), "bytes": b} for t, b, lp in top],
     }
+
+
+def release(logprobs: list[TokenLogprob] | LogprobWindow | None, upto: int) -> None:
+    """Drops the engine's logprob entries before position `upto`, all of them taken, where the
+    output processor is windowed (the server's)."""
+    if isinstance(logprobs, LogprobWindow):
+        logprobs.release(upto)
 
 
 def _choice(index: int, finish_reason: str | None, **fields: Any) -> dict:
@@ -73,8 +84,11 @@ class ChatChoice:
         stops: list[str],
         logprobs: bool,
         token_ids: bool = False,
+        keep_logprobs: bool = True,
     ) -> None:
+        """`keep_logprobs`: keep the entries sent for `final` (False: a stream's)."""
         self.index, self.tokenizer = index, tokenizer
+        self.keep_logprobs = keep_logprobs
         self.ids = _TokenIds() if token_ids else None
         self.parser = harmony.HarmonyStreamParser(
             tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
@@ -117,7 +131,11 @@ class ChatChoice:
             while self.held and self.held[0][0] < self.shown:
                 lps += [token_logprob(self.tokenizer, out.logprobs[at])
                         for at in self.held.popleft()[1]]  # fmt: skip
-            self.logprobs += lps
+            if self.keep_logprobs:
+                self.logprobs += lps
+            # entries still needed: tokens held back, and those the parser has not put out
+            needed = self.held[0][1][0] if self.held else self.parser.holding
+            release(out.logprobs, len(out.logprobs) if self.finish_reason else needed)
         if self.ids is not None:
             self.ids.all += out.token_ids[start : self.num_tokens]
         delta = _delta(deltas)
@@ -218,8 +236,11 @@ class TextChoice:
         logprobs: bool,
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        keep_logprobs: bool = True,
     ) -> None:
+        """`keep_logprobs`: keep the entries sent for `final` (False: a stream's)."""
         self.index, self.tokenizer = index, tokenizer
+        self.keep_logprobs = keep_logprobs
         self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
         self.ids = None if prompt_ids is None else _TokenIds()
         self.prefix = echo or ""  # sent with the first update
@@ -260,7 +281,9 @@ class TextChoice:
                 token, lp, top, at = self.held.popleft()
                 for key, value in zip(lps, (token, lp, top, min(at, self.sent))):
                     lps[key].append(value)
-                    self.logprobs[key].append(value)
+                    if self.keep_logprobs:
+                        self.logprobs[key].append(value)
+            release(out.logprobs, self.num_tokens)
         self.finish_reason = out.finish_reason
         if not (new or lps and lps["tokens"] or self.finish_reason):
             return None

@@ -24,7 +24,7 @@ from tinyoss import harmony
 from tinyoss.engine.core_client import OutputStream
 from tinyoss.engine.output_processor import CompletionOutput
 from tinyoss.engine.step import TokenLogprob
-from tinyoss.server.choices import token_logprob
+from tinyoss.server.choices import release, token_logprob
 from tinyoss.server.protocol import APIError, refuse_unsupported, validate
 from tinyoss.server.schemas import ResponseCreateRequest
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -420,6 +420,8 @@ class Output:
                 events += self._add(d)
             events += self.close("incomplete" if out.finish_reason == "length" else "completed")
             self.finish_reason = out.finish_reason
+        # the engine's entries are in the items now, but for those the parser still holds
+        release(self._lps, len(out.token_ids) if out.finished else self.parser.holding)
         return events
 
     def close(self, status: str) -> list[dict]:
