@@ -14,6 +14,7 @@ environment variables (the child inherits them at spawn).
 - `faults`: prompts containing OOM run out of memory when their prompt is prefilled, those
   containing NAN get NaN logits, and one containing CRASH makes a step raise (a fault of the
   engine, not of the request: the core dies and is restarted).
+- `scripted_faults`: both `scripted` and `faults`.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def gated_failure(core: EngineCore) -> None:
 def faults(core: EngineCore) -> None:
     tok = load_tokenizer(ensure_tiny())
     inject_faults(core, {tuple(tok.encode(m)): m for m in (OOM, NAN, CRASH)})
+
+
+def scripted_faults(core: EngineCore) -> None:
+    scripted(core)
+    faults(core)
 
 
 def inject_faults(core: EngineCore, markers: dict[tuple[int, ...], str]) -> None:

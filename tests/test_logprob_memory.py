@@ -1,10 +1,12 @@
 """What logprobs hold in the server, measured with tracemalloc on the server's own path: the
 engine's entries as they arrive (unpickled, as from the core), the windowed output processor,
-the choices, and the JSON of the answer or of each stream event. A stream must hold nothing it
-has sent."""
+the choices, and the JSON of the answer or of each stream event. What --max-logprob-memory
+reserves a token (limits.logprob_bytes) must cover what a kept answer holds at its peak without
+being far above it, and a stream must hold nothing it has sent."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import pickle
 import random
@@ -22,6 +24,8 @@ from tinyoss.harmony import CHANNEL, FIRST_SPECIAL, MESSAGE
 from tinyoss.sampling_params import SamplingParams
 from tinyoss.server.app import _sse
 from tinyoss.server.choices import ChatChoice, TextChoice
+from tinyoss.server.limits import logprob_bytes
+from tinyoss.server.responses_api import Output, ResponseRun, translate
 from tinyoss.tools.make_checkpoint import ensure_tiny
 
 SHORT, LONG = 200, 800  # tokens: the cost of a token is the difference over LONG - SHORT
@@ -78,6 +82,47 @@ def completions(tok, k: int, steps: list[bytes], keep: bool) -> None:
         JSONResponse({"choices": [choice.final()]})
 
 
+class _Run:
+    """The engine run of one response (what ResponseRun needs of app.Run)."""
+
+    def __init__(self, output: Output, outs) -> None:
+        self.output, self.outs, self.streams, self.num_tokens = output, outs, [], 0
+
+    async def updates(self):
+        for out in self.outs:
+            self.num_tokens = len(out.outputs[0].token_ids)
+            yield [self.output.update(out.outputs[0])]
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": 1, "completion_tokens": self.num_tokens,
+                "total_tokens": 1 + self.num_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+
+
+def response(tok, k: int, steps: list[bytes], stream: bool) -> ResponseRun:
+    """A response (kept: its last events carry every entry, streamed too); returns it, as the
+    store keeps it."""
+    req = translate({"input": "hi", "top_logprobs": k}, lambda _: [])
+    output = Output(tok, logprobs=True)
+    run = _Run(output, outputs(tok, k, steps))
+    resp = ResponseRun(req, "tiny", run, output, lambda e: e)
+
+    async def drain() -> bool:
+        async for _ in run.updates():
+            pass
+        return True
+
+    async def go() -> None:
+        if stream:
+            async for event in resp.events():
+                _sse(event, event["type"]).encode()
+        else:
+            JSONResponse(await resp.drain(drain))
+
+    asyncio.run(go())
+    return resp
+
+
 def peak(run, *args) -> int:
     """Bytes allocated at the peak of `run(*args)`, over what was allocated before."""
     gc.collect()
@@ -94,6 +139,19 @@ def per_token(tok, k: int, run, *args) -> float:
     """The bytes a token adds to the peak of `run`."""
     short, long = deltas(tok, k, SHORT), deltas(tok, k, LONG)
     return (peak(run, tok, k, long, *args) - peak(run, tok, k, short, *args)) / (LONG - SHORT)
+
+
+KEPT = [("chat", chat, True), ("completions", completions, True),
+        ("responses", response, False), ("responses streamed", response, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [0, 20])
+@pytest.mark.parametrize("name, run, arg", KEPT, ids=[name for name, *_ in KEPT])
+def test_what_a_kept_answer_holds_is_what_is_reserved(tok, k, name, run, arg):
+    cost, reserved = per_token(tok, k, run, arg), logprob_bytes(1, k)
+    assert cost <= reserved, f"{name}, top_logprobs {k}: {cost:.0f} bytes a token at the peak"
+    if name == "chat":  # the costliest: the reservation is not far above it
+        assert cost >= 0.6 * reserved, f"top_logprobs {k}: {cost:.0f} bytes a token"
 
 
 @pytest.mark.parametrize("name, run", [("chat", chat), ("completions", completions)])

@@ -100,13 +100,13 @@ def wait_healthy(served: Served, timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def scripted_server(folder: Path, **app_kwargs: Any):
-    """A live tiny server whose core runs the `scripted` hook; `prompts()` lists the decoded
-    prompts of scripted requests. `app_kwargs` go to create_app."""
+def scripted_server(folder: Path, hook: str = "tests.core_hooks:scripted", **app_kwargs: Any):
+    """A live tiny server whose core runs the `scripted` hook (or `hook`); `prompts()` lists
+    the decoded prompts of scripted requests. `app_kwargs` go to create_app."""
     prompts = folder / "prompts.jsonl"
     prompts.touch()
     # the whole module long: a restarted core must find its hook too
-    with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
+    with environ(**{HOOK_ENV: hook, "TINYOSS_TEST_PROMPTS": str(prompts)}):
         app = create_app(TINY, model_name="tiny", api_key=KEY, **app_kwargs)
         served = Served(app)
         wait_healthy(served)

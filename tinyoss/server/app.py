@@ -4,7 +4,8 @@ The engine core starts in its own process once the socket is listening, so /heal
 503 until it is ready (and while a core that died is restarted). This process parses,
 renders, tokenizes, detokenizes and streams; the core only schedules and steps. A request's
 engine generators are always closed explicitly (client gone, stream closed, answer complete),
-which aborts what is unfinished and frees its KV blocks.
+which aborts what is unfinished and frees its KV blocks, and gives back the logprob memory it
+reserved (`Run`: a whole answer's once it is sent).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tinyoss.engine.core_client import (
     RequestFailed,
 )
 from tinyoss.engine.output_processor import RequestOutput
-from tinyoss.server.limits import ServerLimits
+from tinyoss.server.limits import LogprobBudget, ServerLimits, logprob_bytes
 from tinyoss.server.metrics import Metrics
 from tinyoss.server.protocol import (
     APIError,
@@ -72,6 +73,7 @@ class ServerState:
     ) -> None:
         self.config, self.model_name, self.api_key = config, model_name, api_key
         self.limits = limits
+        self.logprobs = LogprobBudget(_gib(limits.max_logprob_memory))
         self.on_fatal = on_fatal
         self.client: CoreClient | None = None
         self.load_error: BaseException | None = None
@@ -125,8 +127,24 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
+class Answer(JSONResponse):
+    """A whole answer that calls `on_close` once it is sent, or could not be: its body holds
+    what its logprobs were reserved for until then."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None]) -> None:
+        super().__init__(content)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 class Run:
-    """One API request: its engine requests feeding its choices."""
+    """One API request: its engine requests feeding its choices. It reserves the logprob memory
+    it may hold (`_logprob_reservation`) until `close`."""
 
     def __init__(
         self,
@@ -135,8 +153,10 @@ class Run:
         kind: str,
         choices: list[Choice],
         top: dict | None = None,
+        keep_logprobs: bool = True,
     ) -> None:
-        """`top`: more fields of the answer, and of a stream's first chunk."""
+        """`top`: more fields of the answer, and of a stream's first chunk. `keep_logprobs`:
+        the choices keep the logprobs they send (False: a stream's, which keep none)."""
         self.state, self.prep, self.kind, self.choices = state, prep, kind, choices
         self.top = top or {}
         self.rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex
@@ -162,6 +182,17 @@ class Run:
                 headers={"Retry-After": "1"},
             )
         self.streams: list[OutputStream] = []
+        self.reserved = _logprob_reservation(prep, client.info.max_model_len, keep_logprobs)
+        budget = state.logprobs
+        if not budget.take(self.reserved):
+            raise APIError(
+                429,
+                f"logprobs of the requests in progress hold {_size(budget.used)} of the "
+                f"{_size(budget.total)} this server allows (--max-logprob-memory), and this "
+                f"request may hold {_size(self.reserved)}; retry shortly",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
         try:  # to the engine now, before any response starts
             for i, p in enumerate(prep.prompts):
                 self.streams.append(client.generate(p, prep.params, f"{self.rid}-{i}"))
@@ -170,9 +201,12 @@ class Run:
             raise
 
     def close(self) -> None:
-        """Aborts what is unfinished (nothing once the run is done)."""
+        """Aborts what is unfinished (nothing once the run is done) and gives back the logprob
+        memory it held."""
         for stream in self.streams:
             stream.close()
+        self.state.logprobs.give_back(self.reserved)
+        self.reserved = 0
 
     async def updates(self) -> AsyncIterator[list[dict]]:
         """The changed chunk choices after each engine output."""
@@ -294,12 +328,16 @@ async def _merge(gens: list[OutputStream]) -> AsyncIterator[tuple[int, Any]]:
 # Characters JSON leaves raw that str.splitlines() (and so httpx's aiter_lines) takes for line
 # breaks: escaped, so that no client splits an event inside a string.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_LINE_BREAK = re.compile("[\x85\u2028\u2029]")
 
 
 def _sse(obj: dict, event: str | None = None) -> str:
-    """One server-sent event; `event` names it (the Responses API's `event: <type>` line)."""
-    text = json.dumps(obj, ensure_ascii=False, allow_nan=False).translate(_LINE_BREAKS)
-    return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
+    """One server-sent event; `event` names it (the Responses API's `event: <type>` line). The
+    text is copied once: a response's last events carry all its logprobs."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    if _LINE_BREAK.search(text):
+        text = text.translate(_LINE_BREAKS)
+    return "".join((f"event: {event}\n" if event else "", "data: ", text, "\n\n"))
 
 
 def _error_response(err: APIError) -> Response:
@@ -490,7 +528,12 @@ def _path_to(body: Any, target: object) -> str:
     return ""
 
 
-def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> None:
+def _check_limits(
+    prep: Prepared, limits: ServerLimits, max_model_len: int, keep_logprobs: bool,
+    stream_helps: bool = True,
+) -> None:
+    """400s for what no server of these limits would ever run. `keep_logprobs` as for `Run`;
+    `stream_helps`: a stream would keep none (chat and completions)."""
     n = prep.params.n
     if n > limits.max_n:
         raise APIError(
@@ -507,6 +550,76 @@ def _check_limits(prep: Prepared, limits: ServerLimits, max_model_len: int) -> N
             "lower n or max_tokens",
             param="max_tokens",
         )
+    need = _logprob_reservation(prep, max_model_len, keep_logprobs)
+    if need > _gib(limits.max_logprob_memory):
+        raise _too_many_logprobs(prep, max_model_len, need, _gib(limits.max_logprob_memory),
+                                 stream_helps)  # fmt: skip
+
+
+def _logprob_reservation(
+    prep: Prepared, max_model_len: int, keep: bool, max_tokens: int | None = None
+) -> int:
+    """The logprob memory a request may hold at once, reserved while it runs. Kept for a whole
+    answer (or a response's last events and its store), every generated token's, up to
+    max_tokens (else the context left) for each prompt and choice; a stream keeps none it has
+    sent and reserves none. Prompt logprobs stay to the end either way. `max_tokens`: instead
+    of the request's."""
+    p = prep.params
+    max_tokens = p.max_tokens if max_tokens is None else max_tokens
+    total = 0
+    for ids in prep.prompts:
+        if keep and p.logprobs is not None:
+            room = max_model_len - len(ids)
+            total += p.n * logprob_bytes(room if max_tokens is None else min(max_tokens, room),
+                                         p.logprobs)  # fmt: skip
+        if p.prompt_logprobs is not None:
+            total += logprob_bytes(len(ids), p.prompt_logprobs)
+    return total
+
+
+def _too_many_logprobs(
+    prep: Prepared, max_model_len: int, need: int, most: int, stream_helps: bool
+) -> APIError:
+    """The 400 of a request whose logprobs alone may hold more than --max-logprob-memory: it
+    names the fields and the largest max_tokens that would fit."""
+    p = prep.params
+    if p.logprobs is None:  # prompt logprobs alone (the Python API's; not served over HTTP)
+        return APIError(400, f"prompt_logprobs may hold {_size(need)}, more than this server "
+                        f"allows ({_size(most)}, --max-logprob-memory)", param="prompt_logprobs")
+    k = p.logprobs
+    field = "logprobs" if prep.what == "prompt" else "top_logprobs"  # completions' or chat's
+    lo, hi = 0, max_model_len  # the largest max_tokens that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _logprob_reservation(prep, max_model_len, True, mid) <= most:
+            lo = mid
+        else:
+            hi = mid - 1
+    longest = max(max_model_len - len(ids) for ids in prep.prompts)
+    asked = f"max_tokens={p.max_tokens}" if p.max_tokens is not None else (
+        f"no max_tokens (up to the {longest} tokens the context leaves)")
+    choices = p.n * len(prep.prompts)
+    tokens = longest if p.max_tokens is None else min(p.max_tokens, longest)
+    what = (f"{choices} choices x " if choices > 1 else "") + f"{tokens} tokens x {k + 1} entries"
+    fixes = [f"give max_tokens of at most {lo} at {field}={k}"] if lo else []
+    fixes.append(f"ask for fewer {field}" + ("" if choices == 1 else " or fewer choices"))
+    if stream_helps:
+        fixes.append("stream the answer (a stream keeps no logprobs it has sent)")
+    return APIError(
+        400,
+        f"{field}={k} with {asked} may hold {_size(need)} of logprobs until the answer is sent "
+        f"({what}), more than this server allows for the logprobs of all requests together "
+        f"({_size(most)}, --max-logprob-memory): " + ", or ".join(fixes),
+        param="max_tokens" if lo else field,
+    )
+
+
+def _gib(value: float) -> int:
+    return int(value * 2**30)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -631,11 +744,12 @@ def create_app(
         return body
 
     async def prepare(request: Request, parse: Callable) -> tuple[CoreClient, Prepared]:
+        """Chat's or completions' request, checked (a stream keeps no logprobs it has sent)."""
         client = state.ready()
         body = await body_of(request)
         prep = await _parse(parse, body, client.info, request.state.body_bytes)
         await tokenize(prep, client.tokenizer, client.info)
-        _check_limits(prep, limits, client.info.max_model_len)
+        _check_limits(prep, limits, client.info.max_model_len, keep_logprobs=not prep.stream)
         return client, prep
 
     async def respond(request: Request, run: Run) -> Response:
@@ -644,10 +758,12 @@ def create_app(
             return EventStream(run.events(), run.close, headers=headers)
         try:
             if not await _drain_unless_gone(request, run):
+                run.close()
                 return Response(status_code=499)
-        finally:
+            return Answer(run.answer(), run.close)
+        except BaseException:
             run.close()
-        return JSONResponse(run.answer())
+            raise
 
     async def chat(request: Request) -> Response:
         client, prep = await prepare(request, parse_chat)
@@ -658,7 +774,8 @@ def create_app(
             for i in range(prep.params.n)  # are unique
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None
-        return await respond(request, Run(state, prep, "chat.completion", choices, top))
+        run = Run(state, prep, "chat.completion", choices, top, keep_logprobs=keep)
+        return await respond(request, run)
 
     async def completions(request: Request) -> Response:
         client, prep = await prepare(request, parse_completion)
@@ -670,7 +787,8 @@ def create_app(
             for p in range(len(prep.prompts))
             for i in range(n)
         ]
-        return await respond(request, Run(state, prep, "text_completion", choices))
+        run = Run(state, prep, "text_completion", choices, keep_logprobs=keep)
+        return await respond(request, run)
 
     async def responses(request: Request) -> Response:
         client = state.ready()
@@ -688,23 +806,29 @@ def create_app(
             prep = await _parse(parse_chat, req.chat, client.info, request.state.body_bytes)
             prep.what = "input"
             await tokenize(prep, client.tokenizer, client.info)
-            _check_limits(prep, limits, client.info.max_model_len)
+            # a response keeps its logprobs, streamed too: its last events carry them all
+            _check_limits(prep, limits, client.info.max_model_len, keep_logprobs=True,
+                          stream_helps=False)  # fmt: skip
         except APIError as e:
             raise req.renamed(e) from None
         output = Output(client.tokenizer, prep.params.logprobs is not None)
         run = Run(state, prep, "response", [output])
-        resp = ResponseRun(req, state.model_name, run, output, _error)
-        if req.store:
-            store.put(resp, request.state.footprint)
-        if req.stream:
-            events = (_sse(e, e["type"]) async for e in resp.events())
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return EventStream(events, run.close, headers=headers)
         try:
+            resp = ResponseRun(req, state.model_name, run, output, _error)
+            if req.store:
+                store.put(resp, request.state.footprint)
+            if req.stream:
+                events = (_sse(e, e["type"]) async for e in resp.events())
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                return EventStream(events, run.close, headers=headers)
             answer = await resp.drain(lambda: _drain_unless_gone(request, run))
-        finally:
+            if answer is None:
+                run.close()
+                return Response(status_code=499)
+            return Answer(answer, run.close)
+        except BaseException:
             run.close()
-        return Response(status_code=499) if answer is None else JSONResponse(answer)
+            raise
 
     async def response_get(request: Request) -> Response:
         return JSONResponse(store.get(request.path_params["id"]).snapshot())

@@ -2,10 +2,11 @@
 
 Each limit turns a request that would hog the server into a clear 4xx before any work is done
 (413 for a body, 400 naming the field for n and tokens, 429 with Retry-After for a full queue),
-and each timeout frees a connection a client holds without using it. `limited_http` adds the one
-timeout uvicorn lacks, request headers that never complete (slowloris, fresh idle connections
-included), and answers requests beyond --max-connections with a JSON 503 (uvicorn's own limit
-answers in plain text).
+and each timeout frees a connection a client holds without using it. `LogprobBudget` bounds the
+memory that logprobs hold, all requests together (--max-logprob-memory). `limited_http` adds
+the one timeout uvicorn lacks, request headers that never complete (slowloris, fresh idle
+connections included), and answers requests beyond --max-connections with a JSON 503 (uvicorn's
+own limit answers in plain text).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ class ServerLimits:
     max_n: int = option("most choices (n) one request may ask for", default=128)
     max_request_tokens: int = option(
         "most tokens one request may generate in all: n x max_tokens (x prompts)", default=1 << 20
+    )
+    max_logprob_memory: float = option(
+        "GiB of memory the logprobs of all requests in progress may hold: each request that keeps "
+        "them for its answer reserves its worst case (400 beyond it all, 429 while it is taken)",
+        default=4.0,
     )
     max_queued_requests: int = option(
         "requests that may wait beyond --max-num-seqs running ones (429 beyond)", default=1024
@@ -44,6 +50,36 @@ class ServerLimits:
         for name, value in vars(self).items():
             if not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')}={value} is invalid: must be > 0")
+
+
+# What a generated token's logprobs hold in the server until its answer is sent, at the peak:
+# the engine's entries, the answer's (chat's dicts, Responses' items, completions' lists) and
+# their JSON, a sampled token's entry and each of its top_logprobs alternatives.
+# tests/test_logprob_memory.py measures them (tracemalloc) and keeps these above.
+TOKEN_ENTRY_BYTES = 2304
+ALTERNATIVE_BYTES = 1472
+
+
+def logprob_bytes(num_tokens: int, top_logprobs: int) -> int:
+    """The memory `num_tokens` tokens' logprobs take, with `top_logprobs` alternatives each."""
+    return num_tokens * (TOKEN_ENTRY_BYTES + top_logprobs * ALTERNATIVE_BYTES)
+
+
+class LogprobBudget:
+    """Memory for logprobs, all requests together: `take` what a request may hold (False when
+    that is more than is free), `give_back` once it no longer does."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.total - self.used:
+            return False
+        self.used += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        self.used -= nbytes
 
 
 def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
