@@ -4,11 +4,13 @@ budget, its core scripted (tests/core_hooks.py: SLOW prompts take 20 ms a step, 
 A request that keeps its logprobs for its answer reserves its worst case when it starts: beyond
 the whole budget it is a 400 naming the fields and the largest max_tokens that fits, beyond what
 is free a 429 with Retry-After, and the reservation is given back however the request ends. A
-stream keeps no logprobs it has sent, so it is neither refused nor throttled."""
+stream keeps no logprobs it has sent, so it is neither refused nor throttled; one whose client
+stops reading is cut off once what it has not sent outgrows the budget."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -16,10 +18,10 @@ import httpx
 import pytest
 
 from tests.core_hooks import ANSWER, NAN, SLOW
-from tests.test_server import KEY, post, scripted_server, wait_idle
+from tests.test_server import KEY, MAX_LEN, post, scripted_server, wait_idle
 from tinyoss.sampling_params import SamplingParams
 from tinyoss.server.app import _check_limits, _gib, _logprob_reservation
-from tinyoss.server.limits import LogprobBudget, ServerLimits, logprob_bytes
+from tinyoss.server.limits import STREAM_WINDOW_TOKENS, LogprobBudget, ServerLimits, logprob_bytes
 from tinyoss.server.protocol import APIError, Prepared
 
 K = 5  # top_logprobs of most requests here
@@ -36,6 +38,11 @@ def srv(tmp_path_factory):
     with scripted_server(folder, "tests.core_hooks:scripted_faults", limits=limits) as served:
         served.budget = served.state.logprobs
         assert served.budget.total == BUDGET
+        # small send buffers (connections inherit them), so that a client that does not read
+        # holds up its stream after a few steps, not after megabytes
+        for server in served.server.servers:
+            for sock in server.sockets:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
         yield served
 
 
@@ -222,3 +229,46 @@ def test_a_response_gives_its_reservation_back(srv, how):
 def _reserved_by_a_response(srv) -> int:
     """What a response of HOLD tokens reserves (its prompt leaves at least that much room)."""
     return logprob_bytes(HOLD, K)
+
+
+# ---------------------------------------------------------------- a stream not read
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_off_within_the_budget(srv):
+    """Its unsent logprobs had piled up for as long as the engine ran. Past
+    STREAM_WINDOW_TOKENS tokens a choice they take from the budget as they grow; when the
+    budget has no more, the stream is cut off (an error event once its client reads)."""
+    n, max_tokens = 4, MAX_LEN - 160  # the chat prompt's harmony takes some of the context
+    body = json.dumps(chat(max_tokens=max_tokens, k=20, n=n, stream=True)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing
+    sock.connect(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+    try:
+        sock.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        most, deadline = 0, time.monotonic() + 60
+        time.sleep(0.5)  # the request is in the core
+        while srv.client.processor.requests and time.monotonic() < deadline:
+            most = max(most, srv.budget.used)
+            time.sleep(0.002)
+        assert not srv.client.processor.requests  # aborted, its client still not reading
+        assert most <= BUDGET
+        received = b""
+        sock.settimeout(30)
+        while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            more = sock.recv(1 << 16)
+            assert more, received[-500:]
+            received += more
+    finally:
+        sock.close()
+    text = received.decode(errors="replace")
+    assert "logprob_memory_full" in text and "the stream was cut off" in text
+    assert "data: [DONE]" in text
+    # cut off long before its end: fewer tokens than its choices would have generated
+    assert text.count('"finish_reason": "length"') == 0
+    wait_released(srv)
+    wait_idle(srv)
+    assert STREAM_WINDOW_TOKENS * n < n * max_tokens  # the window alone would not have cut it

@@ -95,11 +95,14 @@ class _Core:
 
 class OutputStream:
     """One request's outputs, as an async iterator; `aclose` (or `close`) before its end aborts
-    it, whether or not iteration ever started."""
+    it, whether or not iteration ever started. `watch(stream, output)`, when set, sees each
+    output as it arrives, before its reader takes it (which may be far behind)."""
 
-    def __init__(self, client: CoreClient, request_id: str, q: asyncio.Queue) -> None:
-        self.client, self.request_id, self.q = client, request_id, q
+    def __init__(self, client: CoreClient, request_id: str) -> None:
+        self.client, self.request_id = client, request_id
+        self.q: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self.watch: Callable[[OutputStream, RequestOutput], None] | None = None
 
     def __aiter__(self) -> OutputStream:
         return self
@@ -117,13 +120,18 @@ class OutputStream:
             raise out
         if out.finished:
             self.done = True
-            self.client._queues.pop(self.request_id, None)
+            self.client._streams.pop(self.request_id, None)
         return out
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.q.put_nowait(item)
+        if self.watch is not None and isinstance(item, RequestOutput):
+            self.watch(self, item)
 
     def close(self) -> None:
         if not self.done:
             self.done = True
-            self.client._queues.pop(self.request_id, None)
+            self.client._streams.pop(self.request_id, None)
             self.client.abort(self.request_id)
 
     def fail(self, error: Exception) -> None:
@@ -131,6 +139,17 @@ class OutputStream:
         raises `error`, which aborts the request."""
         if not self.done:
             self.q.put_nowait(error)
+
+    def cut(self, error: Exception) -> None:
+        """Ends the request now, for a reader that may be far behind: the outputs queued for it
+        are dropped, the engine request is aborted, and the reader's next read raises
+        `error`."""
+        if self.done:
+            return
+        while not self.q.empty():
+            self.q.get_nowait()
+        self.q.put_nowait(error)
+        self.client.abort(self.request_id)
 
     async def aclose(self) -> None:
         self.close()
@@ -155,13 +174,13 @@ class CoreClient:
         self.processor = OutputProcessor(tokenizer, windowed=True)
         self._ctx = zmq.asyncio.Context()
         self._core: _Core | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._reader: asyncio.Task | None = None
 
     @property
     def num_requests(self) -> int:
         """Requests handed to the core and not finished (running or queued)."""
-        return len(self._queues)
+        return len(self._streams)
 
     @property
     def pid(self) -> int | None:
@@ -228,7 +247,7 @@ class CoreClient:
             self._reader.cancel()
 
     async def _restart(self, why: str) -> None:
-        log.error("%s: failing %d request(s) and starting a new core", why, len(self._queues))
+        log.error("%s: failing %d request(s) and starting a new core", why, len(self._streams))
         self.state, self.error = "restarting", why
         self._fail_all(EngineDeadError(f"{why}; it is restarting, retry shortly"))
         old, self._core = self._core, None
@@ -242,7 +261,7 @@ class CoreClient:
                 self.on_fatal(str(e))
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._queues):
+        for request_id in list(self._streams):
             self._put(request_id, error)
         self.processor = OutputProcessor(self.tokenizer, windowed=True)
         self.stats = CoreStats()
@@ -254,10 +273,10 @@ class CoreClient:
         for out in outputs:
             self._put(out.request_id, out if out.error is None else RequestFailed(out.error))
 
-    def _put(self, request_id: str, item: object) -> None:
-        q = self._queues.get(request_id)
-        if q is not None:
-            q.put_nowait(item)
+    def _put(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
 
     def _send(self, *msg: object) -> None:
         if self._core is not None:
@@ -280,14 +299,13 @@ class CoreClient:
         that changes it, the last one finished. Closing the stream early aborts the request."""
         if self.state != "ready" or self.info is None:
             raise EngineUnavailable(self.error or f"the engine is {self.state}")
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.info)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
+        stream = self._streams[request_id] = OutputStream(self, request_id)
         self.processor.add(request_id, prompt, prompt_token_ids, params)
         self._send("add", CoreRequest(request_id, prompt_token_ids, params))
-        return OutputStream(self, request_id, q)
+        return stream
 
     def abort(self, request_id: str) -> None:
         if self.processor.abort(request_id) is not None:

@@ -69,7 +69,8 @@ class CompletionOutput:
     """One sequence after a step. `delta_*` hold what the step added; `token_ids` and
     `logprobs` are the whole output so far, shared with later outputs of the same sequence
     (copy them to keep a snapshot); from a windowed processor `logprobs` is a `LogprobWindow`
-    whose consumer releases what it has taken."""
+    whose consumer releases what it has taken, and `delta_logprobs` is empty (outputs waiting
+    for a reader that is behind would hold on to entries the window let go)."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -283,7 +284,7 @@ class OutputProcessor:
             if by_stop and d.finish_reason is None:
                 stopped.append((d.request_id, d.index))
             changed.setdefault(d.request_id, {})[d.index] = seq.output(
-                d.index, text, d.token_ids, d.logprobs or ()
+                d.index, text, d.token_ids, () if self.windowed else d.logprobs or ()
             )
         outputs = []
         for request_id, seqs in changed.items():

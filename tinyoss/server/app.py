@@ -41,8 +41,13 @@ from tinyoss.engine.core_client import (
     OutputStream,
     RequestFailed,
 )
-from tinyoss.engine.output_processor import RequestOutput
-from tinyoss.server.limits import LogprobBudget, ServerLimits, logprob_bytes
+from tinyoss.engine.output_processor import LogprobWindow, RequestOutput
+from tinyoss.server.limits import (
+    STREAM_WINDOW_TOKENS,
+    LogprobBudget,
+    ServerLimits,
+    logprob_bytes,
+)
 from tinyoss.server.metrics import Metrics
 from tinyoss.server.protocol import (
     APIError,
@@ -53,7 +58,7 @@ from tinyoss.server.protocol import (
     parse_tokenize,
     tokenize,
 )
-from tinyoss.server.choices import ChatChoice, TextChoice
+from tinyoss.server.choices import ChatChoice, TextChoice, release
 from tinyoss.server.response_store import ResponseStore
 from tinyoss.server.schemas import openapi_json
 from tinyoss.server.responses_api import Output, ResponseRun, translate
@@ -183,6 +188,7 @@ class Run:
             )
         self.streams: list[OutputStream] = []
         self.reserved = _logprob_reservation(prep, client.info.max_model_len, keep_logprobs)
+        self.charged: dict[str, int] = {}  # by a stream: its unsent logprobs past the window
         budget = state.logprobs
         if not budget.take(self.reserved):
             raise APIError(
@@ -196,6 +202,8 @@ class Run:
         try:  # to the engine now, before any response starts
             for i, p in enumerate(prep.prompts):
                 self.streams.append(client.generate(p, prep.params, f"{self.rid}-{i}"))
+                if not keep_logprobs and prep.params.logprobs is not None:
+                    self.streams[-1].watch = self._watch
         except Exception:
             self.close()
             raise
@@ -205,8 +213,33 @@ class Run:
         memory it held."""
         for stream in self.streams:
             stream.close()
-        self.state.logprobs.give_back(self.reserved)
+        self.state.logprobs.give_back(self.reserved + sum(self.charged.values()))
         self.reserved = 0
+        self.charged.clear()
+
+    def _watch(self, stream: OutputStream, out: RequestOutput) -> None:
+        """A stream's unsent logprobs, as each engine output arrives (its reader may be far
+        behind): past STREAM_WINDOW_TOKENS tokens a choice they take memory from the budget as
+        they grow, and a stream that cannot get it is cut off, freeing them."""
+        windows = [c.logprobs for c in out.outputs if isinstance(c.logprobs, LogprobWindow)]
+        held = sum(w.held for w in windows)
+        need = logprob_bytes(max(0, held - STREAM_WINDOW_TOKENS * len(windows)),
+                             self.prep.params.logprobs)  # fmt: skip
+        had, budget = self.charged.pop(stream.request_id, 0), self.state.logprobs
+        if need <= had or budget.take(need - had):
+            budget.give_back(max(0, had - need))
+            self.charged[stream.request_id] = need
+            return
+        budget.give_back(had)
+        for w in windows:
+            release(w, len(w))
+        stream.cut(APIError(
+            503,
+            f"the stream was cut off: its client had not read the logprobs of {held} tokens, "
+            "and this server's logprob memory (--max-logprob-memory) has no room for more; read "
+            "a stream as it comes",
+            code="logprob_memory_full",
+        ))  # fmt: skip
 
     async def updates(self) -> AsyncIterator[list[dict]]:
         """The changed chunk choices after each engine output."""
@@ -562,8 +595,8 @@ def _logprob_reservation(
     """The logprob memory a request may hold at once, reserved while it runs. Kept for a whole
     answer (or a response's last events and its store), every generated token's, up to
     max_tokens (else the context left) for each prompt and choice; a stream keeps none it has
-    sent and reserves none. Prompt logprobs stay to the end either way. `max_tokens`: instead
-    of the request's."""
+    sent and reserves none (what it has not sent counts as it grows: `Run._watch`). Prompt
+    logprobs stay to the end either way. `max_tokens`: instead of the request's."""
     p = prep.params
     max_tokens = p.max_tokens if max_tokens is None else max_tokens
     total = 0

@@ -58,6 +58,9 @@ class ServerLimits:
 # tests/test_logprob_memory.py measures them (tracemalloc) and keeps these above.
 TOKEN_ENTRY_BYTES = 2304
 ALTERNATIVE_BYTES = 1472
+# Tokens a choice of a stream may hold unsent before they count on the budget: a stream keeps no
+# entry it has sent, so one whose client reads holds about a step's (or a harmony header's).
+STREAM_WINDOW_TOKENS = 64
 
 
 def logprob_bytes(num_tokens: int, top_logprobs: int) -> int:
