@@ -2,7 +2,8 @@
 engine's entries as they arrive (unpickled, as from the core), the windowed output processor,
 the choices, and the JSON of the answer or of each stream event. What --max-logprob-memory
 reserves a token (limits.logprob_bytes) must cover what a kept answer holds at its peak without
-being far above it, and a stream must hold nothing it has sent."""
+being far above it, a stream must hold nothing it has sent, and a stored response's
+`footprint` must cover what its items keep."""
 
 from __future__ import annotations
 
@@ -160,6 +161,24 @@ def test_a_stream_holds_no_logprobs_it_has_sent(tok, name, run):
     engine entry: a stream held as much as a whole answer."""
     with_logprobs, without = per_token(tok, 20, run, False), per_token(tok, 0, run, False)
     assert with_logprobs - without < 512, (with_logprobs, without)  # bytes a token
+
+
+@pytest.mark.parametrize("k", [0, 20])
+def test_a_stored_response_counts_what_its_items_keep(tok, k):
+    """Once a response has ended, its items keep their logprob entries (no reservation covers
+    them then): the store counts them by `footprint`."""
+    for num_tokens in (SHORT, LONG):
+        steps = deltas(tok, k, num_tokens)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            resp = response(tok, k, steps, stream=False)
+            gc.collect()
+            kept = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert kept <= resp.footprint() <= 2 * kept + 4096, (num_tokens, kept, resp.footprint())
 
 
 def test_a_logprob_window_reads_by_position_and_drops_what_is_released():

@@ -525,6 +525,25 @@ def test_the_store_holds_a_bounded_number_of_bytes():
     assert store.bytes == 0 and len(store) == 0
 
 
+def test_the_store_counts_a_response_s_output_once_it_has_ended():
+    """An ended response keeps its output items, their logprobs too (its request's reservation
+    of --max-logprob-memory is given back): 1000 of them had been bounded by their bodies
+    alone."""
+    store = ResponseStore(1000, max_bytes=1000)
+    runs = [SimpleNamespace(id=f"resp_{i}", status="completed", footprint=lambda: 700)
+            for i in range(3)]  # fmt: skip
+    store.put(runs[0], 100)
+    store.put(runs[1], 100)
+    runs[0].on_end(runs[0])
+    assert store.bytes == 900 and len(store) == 2
+    store.delete("resp_1")
+    store.put(runs[2], 100)
+    runs[2].on_end(runs[2])  # 1600 bytes: the least recently used goes
+    assert len(store) == 1 and store.get("resp_2") is runs[2] and store.bytes == 800
+    runs[0].on_end(runs[0])  # evicted: nothing to count
+    assert store.bytes == 800
+
+
 def test_sampling_fields_reach_chat():
     """vLLM's sampling fields (it serves top_k, seed, repetition_penalty on /v1/responses) were
     ignored; values that ask for nothing pass."""

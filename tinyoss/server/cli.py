@@ -75,7 +75,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1000,
         help="/v1/responses answers kept in memory for GET and previous_response_id, the least "
-        "recently used evicted first (and at most 256 MiB of request bodies); 0 keeps none",
+        "recently used evicted first (and at most 256 MiB of request bodies and, once ended, "
+        "output items); 0 keeps none",
     )
     group = p.add_argument_group("CORS (vLLM's flags; off unless --allowed-origins is given)")
     group.add_argument(

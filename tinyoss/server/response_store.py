@@ -4,7 +4,9 @@ request bodies (as parsed: the server counts a body's footprint, not its length)
 recently used evicted first. A response keeps its input and output items (continuations share
 the item objects of the responses they continue), not its engine run. The byte bound is what
 holds memory: `size` alone allowed 1000 bodies of up to --max-request-bytes (16 MiB) each, and
-a client reached gigabytes in minutes (a hostile-traffic trial)."""
+a client reached gigabytes in minutes (a hostile-traffic trial). Once a response has ended, its
+output items count too: their logprobs, which its request's reservation
+(--max-logprob-memory) no longer covers, outweigh any body."""
 
 from __future__ import annotations
 
@@ -40,6 +42,22 @@ class ResponseStore:
             return
         self._runs[run.id] = (run, nbytes)
         self.bytes += nbytes
+        run.on_end = self._ended
+        self._evict()
+
+    def _ended(self, run: ResponseRun) -> None:
+        """A stored response's run is over: its output items count from now on."""
+        kept = self._runs.get(run.id)
+        if kept is None or kept[0] is not run:  # evicted or deleted meanwhile
+            return
+        extra = run.footprint()
+        self._runs[run.id] = (run, kept[1] + extra)
+        self.bytes += extra
+        self._evict()
+
+    def _evict(self) -> None:
+        """The least recently used go while more than `size` responses or `max_bytes` are kept
+        (the newest always stays)."""
         while len(self._runs) > 1 and (len(self._runs) > self.size
                                        or self.bytes > self.max_bytes):
             self.bytes -= self._runs.popitem(last=False)[1][1]

@@ -40,6 +40,12 @@ _VACUOUS_INCLUDES = (
     "code_interpreter_call.outputs",
 )
 _LOGPROBS = "message.output_text.logprobs"  # output_text's logprobs: the answer's tokens'
+# What a stored response holds, as `footprint` counts it: the response's own fields, and each
+# logprob entry of its output text (a token's, and each of its alternatives');
+# tests/test_logprob_memory.py measures them
+_RESPONSE_BYTES = 16384
+_ENTRY_BYTES = 640
+_ALTERNATIVE_BYTES = 448
 _REFUSED_INCLUDES = {
     "reasoning.encrypted_content": "reasoning is not encrypted here: reasoning items carry it "
     "as plain reasoning_text; send them back as they are, or use previous_response_id",
@@ -540,6 +546,18 @@ class ResponseRun:
         self.completed_at: int | None = None
         self.usage: dict | None = None
         self._seq = 0
+        self.on_end: Callable[[ResponseRun], None] | None = None  # once its run is over
+
+    def footprint(self) -> int:
+        """About the bytes it holds but for its input: its own fields, and its output items'
+        text and logprob entries (a dict of a token's text, bytes and logprob, with a list of
+        such dicts, its alternatives)."""
+        nbytes = _RESPONSE_BYTES
+        for item in self.items:
+            nbytes += 256 + sum(64 + 4 * len(text) for text in item.text)
+            nbytes += sum(_ENTRY_BYTES + _ALTERNATIVE_BYTES * len(e["top_logprobs"])
+                          for e in item.logprobs)  # fmt: skip
+        return nbytes
 
     def snapshot(self) -> dict:
         """The response object as it stands."""
@@ -687,3 +705,5 @@ class ResponseRun:
             "total_tokens": usage["total_tokens"],
         }
         self.run = self.output = None
+        if self.on_end is not None:
+            self.on_end(self)
