@@ -151,8 +151,9 @@ KEPT = [("chat", chat, True), ("completions", completions, True),
 def test_what_a_kept_answer_holds_is_what_is_reserved(tok, k, name, run, arg):
     cost, reserved = per_token(tok, k, run, arg), logprob_bytes(1, k)
     assert cost <= reserved, f"{name}, top_logprobs {k}: {cost:.0f} bytes a token at the peak"
-    if name == "chat":  # the costliest: the reservation is not far above it
-        assert cost >= 0.6 * reserved, f"top_logprobs {k}: {cost:.0f} bytes a token"
+    if name == "chat":  # the costliest: the reservation is not far above it (with room for
+        # another CPython's object sizes: 0.65 measured on 3.11)
+        assert cost >= 0.4 * reserved, f"top_logprobs {k}: {cost:.0f} bytes a token"
 
 
 @pytest.mark.parametrize("name, run", [("chat", chat), ("completions", completions)])
