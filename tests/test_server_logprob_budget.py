@@ -92,6 +92,13 @@ class Holder:
         return self.response
 
 
+def gauges(srv) -> dict[str, float]:
+    """The logprob budget's two series on /metrics."""
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("tinyoss_logprob_memory_")}  # fmt: skip
+
+
 def stream_lines(srv, path: str, body: dict) -> list[str]:
     with httpx.stream("POST", srv.url + path, json={**body, "stream": True},
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:  # fmt: skip
@@ -167,6 +174,8 @@ def test_the_default_budget_takes_top_logprobs_20_without_max_tokens_on_a_131k_c
 def test_a_429_while_the_budget_is_held_becomes_a_200_once_the_holder_finishes(srv):
     holder = Holder(srv, CHAT, chat(max_tokens=HOLD, prompt=SLOW))
     wait_reserved(srv, logprob_bytes(HOLD, K))
+    assert gauges(srv) == {"tinyoss_logprob_memory_used_bytes": logprob_bytes(HOLD, K),
+                           "tinyoss_logprob_memory_limit_bytes": BUDGET}  # /metrics shows it
     r = post(srv, CHAT, chat(max_tokens=HOLD))
     err = error_of(r, 429)
     assert r.headers["retry-after"] == "1" and err["code"] == "too_many_requests"

@@ -82,7 +82,8 @@ class ServerState:
         self.on_fatal = on_fatal
         self.client: CoreClient | None = None
         self.load_error: BaseException | None = None
-        self.metrics = Metrics(model_name, lambda: self.client and self.client.stats)
+        self.metrics = Metrics(model_name, lambda: self.client and self.client.stats,
+                               lambda: (self.logprobs.used, self.logprobs.total))
         self.created = int(time.time())
 
     async def start(self) -> None:

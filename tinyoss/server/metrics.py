@@ -78,12 +78,36 @@ class _EngineCollector(Collector):
             yield family
 
 
+class _LogprobCollector(Collector):
+    """The logprob budget (--max-logprob-memory): what requests hold or have reserved, and the
+    whole of it, read at scrape time."""
+
+    def __init__(self, model_name: str, budget: Callable[[], tuple[int, int]]) -> None:
+        self.model_name, self.budget = model_name, budget
+
+    def collect(self) -> Iterator[Metric]:
+        used, total = self.budget()
+        for name, doc, value in (
+            ("tinyoss_logprob_memory_used_bytes",
+             "Logprob memory that requests in progress hold or have reserved.", used),
+            ("tinyoss_logprob_memory_limit_bytes",
+             "Logprob memory all requests together may hold (--max-logprob-memory).", total),
+        ):  # fmt: skip
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class Metrics:
     """One app's metrics; the server side is touched only from the event loop."""
 
-    def __init__(self, model_name: str, stats: Callable[[], CoreStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats | None],
+                 logprob_budget: Callable[[], tuple[int, int]] | None = None) -> None:
+        """`logprob_budget`: (bytes used, bytes in all) of the logprob budget, if any."""
         self.registry = r = CollectorRegistry()
         r.register(_EngineCollector(model_name, stats))
+        if logprob_budget is not None:
+            r.register(_LogprobCollector(model_name, logprob_budget))
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
