@@ -287,3 +287,25 @@ def test_the_logged_url_can_be_pasted():
     assert base_url("::1", 8000) == "http://[::1]:8000/v1"
     assert base_url("0.0.0.0", 80) == "http://0.0.0.0:80/v1"
     assert base_url("localhost", 8000) == "http://localhost:8000/v1"
+
+
+def test_a_shutdown_that_cuts_requests_off_logs_no_error():
+    """uvicorn's ERROR lines when the grace ends with requests running (a new user read them as
+    a crash): the count as INFO in tinyoss's words, then the incomplete-response lines dropped;
+    before the cut-off that line, and any other record, passes as it is."""
+    import logging
+
+    from tinyoss.server.cli import SHUTDOWN_GRACE_S, _QuietShutdown
+
+    def record(msg: str, *args) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, msg, args, None)
+
+    quiet, incomplete = _QuietShutdown(), "ASGI callable returned without completing response."
+    assert quiet.filter(record(incomplete))  # no shutdown yet: a fault, kept
+    cancel = record("Cancel %s running task(s), timeout graceful shutdown exceeded", 2)
+    assert quiet.filter(cancel) and cancel.levelno == logging.INFO
+    assert cancel.getMessage() == (f"shutting down: 2 request(s) still running after the "
+                                   f"{SHUTDOWN_GRACE_S} s grace are cut off")
+    assert not quiet.filter(record(incomplete))
+    other = record("Exception in ASGI application")
+    assert quiet.filter(other) and other.levelno == logging.ERROR

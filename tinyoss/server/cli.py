@@ -283,12 +283,34 @@ def serve(args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
     )
+    logging.getLogger("uvicorn.error").addFilter(_QuietShutdown())  # after uvicorn's log config
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down in order
         pass
     if fatal:
         raise SystemExit(f"tinyoss serve: the engine could not run: {fatal[0]}")
+
+
+class _QuietShutdown(logging.Filter):
+    """uvicorn's ERROR lines when the shutdown grace ends with requests still running, which
+    read like a crash: its count of them becomes an INFO line in tinyoss's words, and from then
+    on "ASGI callable returned without completing response" (a stream cut mid-answer, which
+    `_cut_off_quietly` logs) goes. Before the cut-off that line stays an error: a real fault."""
+
+    cutting = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if self.cutting and text == "ASGI callable returned without completing response.":
+            return False
+        if text.startswith("Cancel ") and text.endswith("timeout graceful shutdown exceeded"):
+            self.cutting = True
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = (f"shutting down: {text.split()[1]} request(s) still running after "
+                          f"the {SHUTDOWN_GRACE_S} s grace are cut off")
+            record.args = ()
+        return True
 
 
 def base_url(host: str, port: int) -> str:
