@@ -5,6 +5,7 @@ import torch
 
 from tinyoss.config import RopeConfig
 from tinyoss.kernels import rms_norm_torch, router_topk_torch
+from tinyoss.kernels import layer_ops_triton as lo
 from tinyoss.kernels.attention import write_kv
 from tinyoss.kernels.layer_ops_triton import (
     rms_norm_triton,
@@ -60,22 +61,45 @@ def test_store_kv_skips_padding():
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
+TOPK_METHODS = {"ranks": 1 << 30, "argmax": 1}  # TOPK_ARGMAX_FROM that forces each
+
+
+@pytest.mark.parametrize("method", TOPK_METHODS)
 @pytest.mark.parametrize("experts", [8, 32, 128])
-def test_router_topk(experts):
+def test_router_topk(experts, method, monkeypatch):
+    monkeypatch.setattr(lo, "TOPK_ARGMAX_FROM", TOPK_METHODS[method])
     logits = torch.randn(9, experts, device=DEVICE)
     w, ids = router_topk_triton(logits, 4)
     ref_w, ref_ids = router_topk_torch(logits, 4)
     assert torch.equal(ids.long(), ref_ids) and torch.allclose(w, ref_w, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_router_topk_ties_and_minus_infinity(method, monkeypatch):
+    """Equal logits go lowest expert first (as a stable sort puts them), -inf logits are picked
+    like any other once the finite ones run out, and no expert is picked twice."""
+    monkeypatch.setattr(lo, "TOPK_ARGMAX_FROM", TOPK_METHODS[method])
+    ninf = float("-inf")
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 0.5, 0.5, -3.0],
+                           [ninf, 1.0, ninf, ninf, ninf, ninf, ninf, ninf],
+                           [0.0] * 8], device=DEVICE)
+    w, ids = router_topk_triton(logits, 4)
+    order = torch.sort(-logits, dim=-1, stable=True).indices[:, :4]
+    assert torch.equal(ids.long(), order)
+    top = logits.gather(1, order)
+    assert torch.allclose(w, torch.softmax(top, dim=-1), atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,experts,hidden", [(1, 32, 2880), (3, 5, 96), (8, 128, 64)])
-def test_norm_route_matches_unfused(dtype, tokens, experts, hidden):
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_norm_route_matches_unfused(dtype, tokens, experts, hidden, method, monkeypatch):
     """One launch for norm + router + top-k equals the three kernels in turn; twice in a row, so
     the tickets it leaves behind are checked too."""
     from tinyoss.kernels import Kernels
     from tinyoss.kernels.layer_ops_triton import norm_route_triton
 
+    monkeypatch.setattr(lo, "TOPK_ARGMAX_FROM", TOPK_METHODS[method])
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     res = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)

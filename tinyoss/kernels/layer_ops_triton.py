@@ -156,28 +156,52 @@ def store_kv_triton(
         )
 
 
+# From this many experts (a power of two) the top-k is K rounds of argmax instead of ranks: at
+# 128 experts the ranks' 128 x 128 comparisons cost ~1.3 us, at 32 ranks stay ~0.3 us faster
+# (bench/norm_route.py; bench/results/2026-11-27_h100_norm_route.md)
+TOPK_ARGMAX_FROM = 64
+
+
 @triton.jit
-def _topk_softmax(x, e, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The K largest of x [BLOCK_E] (lowest index among equals), softmax over them, stored in
-    order. Each expert's rank is how many beat it: three reductions, not two per pick."""
-    beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (e[None, :] < e[:, None]))
-    rank = tl.sum(beats.to(tl.int32), axis=1)
-    top = rank < K
-    p = tl.where(top, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    tl.store(w_ptr + row * K + rank, p / tl.sum(p, axis=0), mask=top)
-    tl.store(ids_ptr + row * K + rank, e, mask=top)
+def _topk_softmax(x, e, n, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  ARGMAX_FROM: tl.constexpr):
+    """The K largest of x [BLOCK_E] (its first n real; lowest index among equals), softmax over
+    them, stored in order. Few experts: each expert's rank is how many beat it (three
+    reductions, not two per pick, but BLOCK_E**2 comparisons); many: K rounds of argmax."""
+    if BLOCK_E < ARGMAX_FROM:
+        beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (e[None, :] < e[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        top = rank < K
+        p = tl.where(top, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        tl.store(w_ptr + row * K + rank, p / tl.sum(p, axis=0), mask=top)
+        tl.store(ids_ptr + row * K + rank, e, mask=top)
+    else:
+        j = tl.arange(0, K)
+        vals = tl.zeros((K,), tl.float32)
+        ids = tl.zeros((K,), tl.int32)
+        free = e < n
+        for i in tl.static_range(K):
+            m = tl.max(tl.where(free, x, float("-inf")), axis=0)
+            pick = tl.min(tl.where(free & (x == m), e, BLOCK_E), axis=0)
+            vals = tl.where(j == i, m, vals)
+            ids = tl.where(j == i, pick, ids)
+            free = free & (e != pick)
+        p = tl.exp(vals - tl.max(vals, axis=0))
+        tl.store(w_ptr + row * K + j, p / tl.sum(p, axis=0))
+        tl.store(ids_ptr + row * K + j, ids)
 
 
 @triton.jit
 def _router_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, BLOCK_E: tl.constexpr,
+    ARGMAX_FROM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf")).to(
         tl.float32
     )
-    _topk_softmax(x, e, w_ptr, ids_ptr, row, K, BLOCK_E)
+    _topk_softmax(x, e, n_experts, w_ptr, ids_ptr, row, K, BLOCK_E, ARGMAX_FROM)
 
 
 def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,21 +212,25 @@ def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
     if t:
-        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e))
+        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e),
+                                  ARGMAX_FROM=TOPK_ARGMAX_FROM)
     return weights, ids
 
 
 # Up to this many tokens the norm after attention, the router and its top-k are one launch
 # (decode steps); above, each token's programs would re-read the router weights.
 NORM_ROUTE_MAX_TOKENS = 8
-NORM_ROUTE_PROGRAMS = 16  # programs a token (at most): each takes E / 16 router rows
+# Router rows a program (E / rows programs a token; each also normalizes the token's x) and its
+# warps, for fewer than TOPK_ARGMAX_FROM experts and for more: the fastest of a sweep
+# (bench/norm_route.py; bench/results/2026-11-27_h100_norm_route.md)
+NORM_ROUTE_TILES = {"few": (2, 4), "many": (4, 8)}
 
 
 @triton.jit
 def _norm_route_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
     ids_ptr, n_cols, n_experts, eps, EPB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr,
 ):
     """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
     stores it and the new residual), router logits of experts g*EPB.. into logits [T, E]; the
@@ -234,7 +262,7 @@ def _norm_route_kernel(
         e = tl.arange(0, BLOCK_E)
         v = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf"),
                     cache_modifier=".cg")
-        _topk_softmax(v, e, w_ptr, ids_ptr, t, K, BLOCK_E)
+        _topk_softmax(v, e, n_experts, w_ptr, ids_ptr, t, K, BLOCK_E, ARGMAX_FROM)
         tl.atomic_xchg(count_ptr + t, 0)
 
 
@@ -271,9 +299,12 @@ def norm_route_triton(
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
     if t:
-        epb = triton.next_power_of_2(triton.cdiv(e, NORM_ROUTE_PROGRAMS))
+        block_e = triton.next_power_of_2(e)
+        rows, warps = NORM_ROUTE_TILES["many" if block_e >= TOPK_ARGMAX_FROM else "few"]
+        epb = min(rows, block_e)
         _norm_route_kernel[(t, triton.cdiv(e, epb))](
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
             _ticket_counters(x.device), weights, ids, h, e, eps, EPB=epb, K=k,
-            BLOCK=triton.next_power_of_2(h), BLOCK_E=triton.next_power_of_2(e), num_warps=4)
+            BLOCK=triton.next_power_of_2(h), BLOCK_E=block_e, ARGMAX_FROM=TOPK_ARGMAX_FROM,
+            num_warps=warps)
     return out, res_out, weights, ids

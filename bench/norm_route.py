@@ -1,0 +1,69 @@
+"""Times the decode step's norm + router + top-k launch (`layer_ops_triton.norm_route_triton`)
+as a decode step runs it: LAYERS launches in one CUDA graph, each layer with its own router
+weights, L2 flushed before each replay (the weights come from memory, as they do after a
+layer's GEMVs), for router rows a program x warps a program, at gpt-oss-20b's 32 experts and
+gpt-oss-120b's 128, the top-k by ranks (r) or by rounds of argmax (a). Prints microseconds a
+layer.
+
+    python bench/norm_route.py --tokens 1,8 --configs 2/4/r,2/4/a,4/8/a
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.dense_gemv import graph_time  # noqa: E402
+from tinyoss.kernels import layer_ops_triton as lo  # noqa: E402
+
+HIDDEN, TOP_K, LAYERS = 2880, 4, 36
+
+
+def layer_us(tokens: int, experts: int) -> float:
+    """us a layer of LAYERS norm_route launches in one graph, with the module's constants."""
+    dev = torch.device("cuda")
+    layers = [dict(x=torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16),
+                   residual=torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16),
+                   norm_weight=torch.rand(HIDDEN, device=dev) + 0.5,
+                   router_weight=torch.randn(experts, HIDDEN, device=dev,
+                                             dtype=torch.bfloat16) / HIDDEN**0.5,
+                   router_bias=torch.randn(experts, device=dev, dtype=torch.bfloat16))
+              for _ in range(LAYERS)]
+
+    def run() -> None:
+        for a in layers:
+            lo.norm_route_triton(a["x"], a["residual"], a["norm_weight"], 1e-5,
+                                 a["router_weight"], a["router_bias"], TOP_K)
+
+    return graph_time(run, LAYERS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,8")
+    p.add_argument("--experts", default="32,128")
+    p.add_argument("--configs", default="8/4/r,2/4/r,2/4/a,4/4/a,4/8/r,4/8/a,8/8/a",
+                   help="router rows a program / warps a program / top-k by ranks or argmax")
+    args = p.parse_args()
+    print(f"{torch.cuda.get_device_name()} | us a layer ({LAYERS} layers a graph, L2 flushed "
+          f"before each replay) | product: {lo.NORM_ROUTE_TILES}, argmax from "
+          f"{lo.TOPK_ARGMAX_FROM} experts")
+    for experts in (int(e) for e in args.experts.split(",")):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            cells = []
+            for cfg in args.configs.split(","):
+                rows, warps, topk = cfg.split("/")
+                lo.NORM_ROUTE_TILES = dict.fromkeys(("few", "many"), (int(rows), int(warps)))
+                lo.TOPK_ARGMAX_FROM = 1 << 30 if topk == "r" else 1
+                cells.append(f"{cfg} {layer_us(tokens, experts):6.2f}")
+            print(f"experts {experts:3d} tokens {tokens}: " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
