@@ -96,7 +96,7 @@ def test_tensor_core_gemv_takes_the_layers_it_supports() -> None:
         def supports_linear(self, x, weight, scale, bias) -> bool:
             return True
 
-        def supports_stream(self, x, weight, bias) -> bool:
+        def supports_stream(self, x, weight, bias, scale=None) -> bool:
             return False
 
         def linear(self, x, weight, bias=None, scale=None):
@@ -176,6 +176,154 @@ def test_streaming_gemv_takes_the_rows_and_layers_it_supports() -> None:
         lt.linear_triton(x[:m], narrow, None, mma=fake)  # 3: cuBLAS
     wide_n = lt.MMA_MIN_N
     assert fake.calls == [(64, 64), (wide_n, 64), (64, 64), ("mma", 2), (64, 64), ("mma", 3)]
+
+
+def test_fp8_streaming_gemv_takes_one_row_of_the_layers_it_supports(monkeypatch) -> None:
+    """FP8 weights (e4m3) with a contiguous fp32 scale a row, one bf16 row of x, K in 16s up to
+    4096 (q/k/v, o, lm_head, a tensor-parallel rank's K); not 2 rows, K 2888 (8s only), 4112 or
+    8, no scale, a scale of the wrong shape or dtype, a bf16 weight with a scale, an fp32 bias.
+    `fp8_linear` hands it one row of every layer it takes (lm_head too), the tensor-core GEMV
+    lm_head at 2-8 rows, and the Triton GEMV the rest up to FP8_GEMV_MAX_M; the path for a row
+    count and layer is the same whatever x holds (a captured graph never changes path)."""
+    from tinyoss.kernels.linear_fp8_torch import fp8_linear_torch
+    from tinyoss.kernels.moe_gemv_mma import MmaGemv
+
+    ok = MmaGemv.supports_stream
+    fp8, bf16, f32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32
+    x = torch.empty(2, 2880, dtype=bf16)
+    q, s, b = (torch.empty(5120, 2880, dtype=fp8), torch.empty(5120, dtype=f32),
+               torch.empty(5120, dtype=bf16))
+    assert ok(x[:1], q, b, s) and ok(x[:1], q, None, s) and ok(x[1:], q, b, s)
+    for n, k in ((2880, 4096), (201088, 2880), (2560, 2880), (2880, 2048), (7, 16)):
+        assert ok(torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=fp8), None,
+                  torch.empty(n, dtype=f32)), (n, k)
+    assert not ok(x, q, b, s)  # 2 rows
+    for k in (2888, 4112, 8):
+        assert not ok(torch.empty(1, k, dtype=bf16), torch.empty(64, k, dtype=fp8), None,
+                      torch.empty(64, dtype=f32)), k
+    assert not ok(x[:1], q, b, None) and not ok(x[:1], q, b, s[:-1])
+    assert not ok(x[:1], q, b, s[:, None]) and not ok(x[:1], q, b, s.to(bf16))
+    assert not ok(x[:1], torch.empty(5120, 2880, dtype=bf16), b, s)
+    assert not ok(x[:1], q, b.float(), s) and not ok(x[:1].float(), q, b, s)
+    assert not ok(torch.empty(2888, dtype=bf16)[4:].view(1, 2884)[:, :2880], q, None, s)
+
+    calls = []
+
+    class Recorder:
+        def supports_stream(self, x, weight, bias, scale=None) -> bool:
+            return MmaGemv.supports_stream(x, weight, bias, scale)
+
+        def stream_linear(self, x, weight, bias=None, scale=None):
+            calls.append("stream")
+            return fp8_linear_torch(x, weight, scale, bias)
+
+        def supports_linear(self, x, weight, scale, bias) -> bool:
+            return True
+
+        def linear(self, x, weight, bias=None, scale=None):
+            calls.append("mma")
+            return fp8_linear_torch(x, weight, scale, bias)
+
+    def triton_gemv(x, weight, bias=None, config=None, scale=None):
+        calls.append("triton")
+        return fp8_linear_torch(x, weight, scale, bias)
+
+    monkeypatch.setattr(lt, "linear_gemv", triton_gemv)
+    gen = torch.Generator().manual_seed(7)
+
+    def layer(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = torch.randn(n, k, generator=gen).to(fp8)
+        return w, torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen).to(bf16)
+
+    narrow, wide, k40 = layer(64, 64), layer(lt.MMA_MIN_N, 64), layer(64, 40)
+    for (w, sc, bias), m, path in (
+            (narrow, 1, "stream"), (wide, 1, "stream"), (k40, 1, "triton"),
+            (narrow, 2, "triton"), (wide, 2, "mma"), (wide, 8, "mma"), (narrow, 8, "triton"),
+            (wide, 9, None)):  # 9 rows: cuBLAS on bf16 slices
+        k = w.shape[1]  # the path does not depend on what x holds
+        for x in (torch.randn(m, k, generator=gen).to(bf16), torch.zeros(m, k, dtype=bf16)):
+            calls.clear()
+            out = lt.fp8_linear(x, w, sc, bias, mma=Recorder())
+            assert out.shape == (m, w.shape[0])
+            assert rel(out, fp8_linear_torch(x.float(), w, sc, bias)) < 1e-2
+            assert calls == ([path] if path else []), (w.shape, m, calls)
+    calls.clear()
+    lt.fp8_linear(torch.randn(1, 64, generator=gen).to(bf16), *narrow[:2], None, mma=None)
+    assert calls == ["triton"]  # no library: the Triton GEMV
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880), (1441, 2880),
+                                 (2561, 1040), (13, 4096), (7, 16)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fp8_streaming_gemv_gpu(n: int, k: int, with_bias: bool, mma) -> None:
+    """The FP8 streaming GEMV against `fp8_linear_torch` (fp32) and against its dequantize-then-
+    F.linear in fp64 (exact here) on q/k/v, o and lm_head shapes, rows not in the 8s a block
+    takes, K of a partly used last load (1040, 2880) and 16 (one 16-byte vector a row); and
+    `fp8_linear` at one row takes it.
+
+    Tolerance against fp64, per output: the kernel's fp32 value v sums exact products (e4m3 and
+    bf16 are exact in fp32) in at most 128 FMAs a lane, 5 shuffle adds, then the scale and the
+    bias: within 135 * 2**-24 < 2**-16.9 of sum|x_k w_k| + |b|; the bf16 output is v rounded
+    to nearest, at most 2**-8 |v| off. So |out - ref| <= 2**-8 |ref| + 2**-15 (sum|x_k w_k| +
+    |b|), with margin. Against fp32 `fp8_linear_torch`: rtol 1e-2, atol 1e-2. Replayed from a
+    CUDA graph on a new x, the same."""
+    from tinyoss.kernels.linear_fp8_torch import fp8_linear_torch
+    from tinyoss.model.quant_linear import quantize_fp8
+
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    q, s = quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16) if with_bias else None
+    w64 = q.float().double() * s.double()[:, None]
+    b64 = None if b is None else b.double()
+
+    def check(out: torch.Tensor) -> None:
+        assert out.dtype == torch.bfloat16 and out.shape == (1, n)
+        torch.testing.assert_close(out.float(), fp8_linear_torch(x.float(), q, s, b),
+                                   rtol=1e-2, atol=1e-2)
+        x64 = x.double()
+        ref = F.linear(x64, w64, b64)
+        mag = F.linear(x64.abs(), w64.abs(), None if b64 is None else b64.abs())
+        err = (out.double() - ref).abs()
+        bound = 2**-8 * ref.abs() + 2**-15 * mag
+        assert (err <= bound).all(), f"worst {(err - bound).max().item():.3g} over the bound"
+
+    assert mma.supports_stream(x, q, b, s)
+    out = mma.stream_linear(x, q, b, s)
+    check(out)
+    assert torch.equal(lt.fp8_linear(x, q, s, b, mma=mma), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mma.stream_linear(x, q, b, s)
+    x.copy_(torch.randn_like(x) * 100)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out)
+
+
+@gpu
+def test_fp8_streaming_gemv_refuses_gpu(mma) -> None:
+    """K not in 16s, K above 4096 and a scale of the wrong shape fail `supports_stream` (so
+    `fp8_linear` takes the Triton GEMV), and the library's entry refuses such K itself,
+    returning cudaErrorInvalidValue (1) without writing the output."""
+    from tinyoss.model.quant_linear import quantize_fp8
+
+    for k in (2888, 4112):
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        q, s = quantize_fp8(torch.randn(64, k, device="cuda"))
+        assert not mma.supports_stream(x, q, None, s)
+        out = torch.full((1, 64), 7.0, dtype=torch.bfloat16, device="cuda")
+        err = mma.fp8_stream_fn(x.data_ptr(), q.data_ptr(), s.data_ptr(), None, out.data_ptr(),
+                                64, k, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert err == 1 and (out == 7).all()
+        want = F.linear(x.float(), q.float() * s[:, None])
+        assert rel(lt.fp8_linear(x, q, s, None, mma=mma), want) < 1e-2
+    x = torch.randn(1, 2880, device="cuda").to(torch.bfloat16)
+    q, s = quantize_fp8(torch.randn(64, 2880, device="cuda"))
+    assert mma.supports_stream(x, q, None, s)
+    assert not mma.supports_stream(x, q, None, s[:-1]) and not mma.supports_stream(x, q, None,
+                                                                                   s[:, None])
 
 
 @gpu

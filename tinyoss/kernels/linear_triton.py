@@ -10,7 +10,9 @@ slower (bench/dense_gemv.py; bench/results/2026-11-23_h100_kernels_e5bac60.txt).
 than GEMV_MAX_M go to torch (cuBLAS tensor-core GEMMs), where weights are reused. FP8 weights
 take the same GEMV with their row scales applied once after K, up to FP8_GEMV_MAX_M rows (it
 reads half the bytes cuBLAS's bf16 GEMM would), and above that a bf16 copy of a slice of rows at
-a time for cuBLAS.
+a time for cuBLAS. Where the CUDA GEMV library (`moe_gemv_mma`, Hopper) loaded, its kernels take
+some of these instead: its streaming CUDA-core GEMV every bf16 and FP8 layer at one row of x and
+bf16 q/k/v and o at two (STREAM_ROWS), its tensor-core GEMV lm_head at a few more (MMA_ROWS).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ MMA_ROWS = {"bf16": range(2, 5), "fp8": range(2, 9)}
 # takes bf16 layers at these rows of x: every layer at one row (lm_head too: its kernel alone is
 # 2% slower than the Triton GEMV's, the decode step 0.2-0.3% faster in two A/B runs), those of
 # fewer than MMA_MIN_N rows (q/k/v, o) at two; q/k/v loses to cuBLAS from 4
-# (bench/results/2026-11-26_session18.md)
-STREAM_ROWS = range(1, 3)
+# (bench/results/2026-11-26_session18.md). FP8 layers at one row, every layer too: against the
+# Triton GEMV, q/k/v 8.9 us against 11.4, o 7.7 against 9.6, lm_head 212 against 213, a tie
+# that keeps one rule (bench/results/2026-11-27_h100_fp8_stream.md); from 2 rows the kernel
+# takes none (MMA_ROWS["fp8"] and the Triton GEMV)
+STREAM_ROWS = {"bf16": range(1, 3), "fp8": range(1, 2)}
 _FP8_SLICE = 8192  # rows of an FP8 weight dequantized at a time above FP8_GEMV_MAX_M
 
 
@@ -119,12 +124,12 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   mma: MmaGemv | None = None) -> torch.Tensor:
     """Drop-in for F.linear on 2-D x: with `mma` (the CUDA GEMV library), its streaming GEMV
-    for STREAM_ROWS rows of the layers it takes (at two rows only those below MMA_MIN_N rows)
-    and its tensor-core GEMV for MMA_ROWS["bf16"] rows of layers of MMA_MIN_N rows or more; else
-    the Triton GEMV up to GEMV_MAX_M rows and cuBLAS above. The path depends only on the static
-    row count and the layer, so a captured graph never changes path."""
+    for STREAM_ROWS["bf16"] rows of the layers it takes (at two rows only those below MMA_MIN_N
+    rows) and its tensor-core GEMV for MMA_ROWS["bf16"] rows of layers of MMA_MIN_N rows or
+    more; else the Triton GEMV up to GEMV_MAX_M rows and cuBLAS above. The path depends only on
+    the static row count and the layer, so a captured graph never changes path."""
     m = x.shape[0]
-    if (mma is not None and m in STREAM_ROWS and (m == 1 or weight.shape[0] < MMA_MIN_N)
+    if (mma is not None and m in STREAM_ROWS["bf16"] and (m == 1 or weight.shape[0] < MMA_MIN_N)
             and mma.supports_stream(x, weight, bias)):
         return mma.stream_linear(x, weight, bias)
     if (mma is not None and x.shape[0] in MMA_ROWS["bf16"] and weight.shape[0] >= MMA_MIN_N
@@ -137,14 +142,18 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None, mma: MmaGemv | None = None) -> torch.Tensor:
-    """Drop-in for `fp8_linear_torch`: the tensor-core GEMV (`mma`) for MMA_ROWS["fp8"] rows
-    of layers of MMA_MIN_N rows or more that it takes, else the GEMV up to FP8_GEMV_MAX_M rows,
-    above that cuBLAS on bf16 copies of _FP8_SLICE rows of the weight at a time (prefill). The
-    path depends only on the static row count."""
-    if (mma is not None and x.shape[0] in MMA_ROWS["fp8"] and weight.shape[0] >= MMA_MIN_N
+    """Drop-in for `fp8_linear_torch`: with `mma` (the CUDA GEMV library), its streaming GEMV
+    for STREAM_ROWS["fp8"] rows (one) of the layers it takes and its tensor-core GEMV for
+    MMA_ROWS["fp8"] rows of layers of MMA_MIN_N rows or more; else the Triton GEMV up to
+    FP8_GEMV_MAX_M rows, above that cuBLAS on bf16 copies of _FP8_SLICE rows of the weight at a
+    time (prefill). The path depends only on the static row count and the layer."""
+    m = x.shape[0]
+    if mma is not None and m in STREAM_ROWS["fp8"] and mma.supports_stream(x, weight, bias, scale):
+        return mma.stream_linear(x, weight, bias, scale)
+    if (mma is not None and m in MMA_ROWS["fp8"] and weight.shape[0] >= MMA_MIN_N
             and mma.supports_linear(x, weight, scale, bias)):
         return mma.linear(x, weight, bias, scale)
-    if x.shape[0] <= FP8_GEMV_MAX_M:
+    if m <= FP8_GEMV_MAX_M:
         return linear_gemv(x, weight, bias, scale=scale)
     n = weight.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)

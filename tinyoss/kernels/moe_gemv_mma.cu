@@ -2,9 +2,9 @@
 // against one pair's activations; bias, clamped SwiGLU or routing weight fused), a pair a
 // program for 1 to 8 tokens a step, and grouped by expert (up to 8 pairs of one expert a
 // program, one a column of the MMA) for 9 to 64; the pair kernel also serves dense MXFP4 layers
-// (one "pair" a row of x), and dense_gemv_mma bf16 / FP8 layers (below); dense_gemv_stream is
-// the one CUDA-core kernel here, bf16 layers at 1-2 rows of x. See moe_gemv_mma.py for when each
-// runs and how the library is built.
+// (one "pair" a row of x), and dense_gemv_mma bf16 / FP8 layers (below); dense_gemv_stream and
+// fp8_gemv_stream are the CUDA-core kernels here, bf16 layers at 1-2 rows of x and FP8 ones at
+// one. See moe_gemv_mma.py for when each runs and how the library is built.
 //
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
@@ -58,10 +58,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// the low two e4m3 bytes of q as an fp16 pair (exact: e4m3 fits fp16)
+// the low two e4m3 bytes of q as two fp16, one cvt (exact: e4m3 fits fp16)
+__device__ __forceinline__ __half2_raw fp8x2_raw(uint32_t q) {
+  return __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(q & 0xFFFFu), __NV_E4M3);
+}
+
+// ... as an fp16 pair's bits (an MMA operand)
 __device__ __forceinline__ uint32_t fp8x2(uint32_t q) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-      static_cast<__nv_fp8x2_storage_t>(q & 0xFFFFu), __NV_E4M3);
+  const __half2_raw h = fp8x2_raw(q);
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
@@ -948,6 +952,82 @@ int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias,
                          : launch_dense_stream<16, MAXM>;
   return run(x, m, w, bias, out, N, K, stream);
 }
+
+// Dense FP8 layers (e4m3, an fp32 scale a row) at one row of x, as dense_gemv_stream: a warp
+// takes STREAM_ROWS rows, lane l loads 16-byte vectors l, l + 32, ... of each (VPL of them a
+// row, 16 weights each; the last one repeated past K, where x counts zero), all written ahead
+// of the math. Two codes become two fp16 with one cvt (fp8x2_raw, exact), then fp32; fp32 FMAs
+// with bf16 x, a warp reduction, the row's scale once at the end. It reads q/k/v and o faster
+// than the Triton GEMV and lm_head as fast (2 rows a warp; 4 and 8 were slower:
+// bench/results/2026-11-27_h100_fp8_stream.md). As in dense_gemv_stream ptxas moves math in
+// among the loads: 6 of a lane's 12 (K 2880) or 16 (K 4096) are issued before its first FMA
+// (sm_90a, nvcc 13.0).
+template <int VPL>
+__global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
+    fp8_gemv_stream(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
+                    const float* __restrict__ scale, const __nv_bfloat16* __restrict__ bias,
+                    __nv_bfloat16* __restrict__ out, int N, int K) {
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
+  if (row0 >= N) return;
+  const int kv = K >> 4;  // 16-byte vectors a row
+  uint4 wv[STREAM_ROWS][VPL];
+#pragma unroll
+  for (int r = 0; r < STREAM_ROWS; ++r) {
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * K);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
+  }
+  float acc[STREAM_ROWS] = {};
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int j = lane + 32 * i;  // weights 16j .. 16j + 15: x's 16-byte vectors 2j, 2j + 1
+    uint4 xa = {0, 0, 0, 0}, xb = xa;
+    if (j < kv) {
+      xa = __ldg(reinterpret_cast<const uint4*>(x) + 2 * j);
+      xb = __ldg(reinterpret_cast<const uint4*>(x) + 2 * j + 1);
+    }
+    const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    float xf[16];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      xf[2 * c] = __uint_as_float(xs[c] << 16);
+      xf[2 * c + 1] = __uint_as_float(xs[c] & 0xffff0000u);
+    }
+#pragma unroll
+    for (int r = 0; r < STREAM_ROWS; ++r) {
+      const uint32_t ws[4] = {wv[r][i].x, wv[r][i].y, wv[r][i].z, wv[r][i].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {  // word c: weights 4c .. 4c + 3
+        const float2 a = __half22float2(__half2(fp8x2_raw(ws[c])));
+        const float2 b = __half22float2(__half2(fp8x2_raw(ws[c] >> 16)));
+        acc[r] = fmaf(a.x, xf[4 * c], acc[r]);
+        acc[r] = fmaf(a.y, xf[4 * c + 1], acc[r]);
+        acc[r] = fmaf(b.x, xf[4 * c + 2], acc[r]);
+        acc[r] = fmaf(b.y, xf[4 * c + 3], acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < STREAM_ROWS; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && row0 + r < N)
+      out[row0 + r] = __float2bfloat16(v * scale[row0 + r] +
+                                       (bias ? __bfloat162float(bias[row0 + r]) : 0.f));
+  }
+}
+
+template <int VPL>
+int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const void* bias,
+                      void* out, int N, int K, cudaStream_t stream) {
+  const int rows = STREAM_WARPS * STREAM_ROWS;
+  fp8_gemv_stream<VPL><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), w, scale, static_cast<const __nv_bfloat16*>(bias),
+      static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
+}
 }  // namespace
 
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
@@ -1029,6 +1109,20 @@ extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, co
   return run(x, m, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
+// A dense FP8 layer (e4m3, scale [N] fp32) at one row of x [1, K] (x and W 16-byte aligned, K in
+// 16s up to 4096): q/k/v, o and lm_head at batch 1 under --fp8-layers, and a tensor-parallel
+// rank's shares.
+extern "C" int tinyoss_fp8_gemv_stream(const void* x, const uint8_t* w, const float* scale,
+                                       const void* bias, void* out, int N, int K, void* stream) {
+  if (N < 1 || K < 16 || K % 16 || K > 4096) return (int)cudaErrorInvalidValue;
+  const int vpl = (K + 511) / 512;  // 16-byte vectors a lane
+  auto run = vpl <= 2   ? launch_fp8_stream<2>
+             : vpl <= 4 ? launch_fp8_stream<4>
+             : vpl <= 6 ? launch_fp8_stream<6>
+                        : launch_fp8_stream<8>;
+  return run(x, w, scale, bias, out, N, K, static_cast<cudaStream_t>(stream));
+}
+
 extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const int* groups,
                                    int G, const int* sorted_ids, const int* order, int pairs,
                                    const uint8_t* q, const uint8_t* s, const void* bias,
@@ -1083,6 +1177,10 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)dense_gemv_stream<8, 2>,
                            (const void*)dense_gemv_stream<12, 2>,
                            (const void*)dense_gemv_stream<16, 2>,
+                           (const void*)fp8_gemv_stream<2>,
+                           (const void*)fp8_gemv_stream<4>,
+                           (const void*)fp8_gemv_stream<6>,
+                           (const void*)fp8_gemv_stream<8>,
                            (const void*)sort_pairs};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

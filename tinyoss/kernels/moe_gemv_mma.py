@@ -7,10 +7,11 @@ whose K is 2880 (q/k/v, lm_head) at decode, in place of the CUDA-core Triton GEM
 out);
 and `linear` runs bf16 or FP8 dense layers for 1-8 rows of x, each a column of the MMA (the
 weights read once), which `linear_triton` takes for lm_head from 2 rows, where it measured
-faster (bench/results/2026-11-25_h100_dense_mma.md). `stream_linear`, the library's one
-CUDA-core kernel, takes bf16 layers at one row of x and q/k/v and o at two: every weight load
-of a warp in flight at once, faster there than the Triton GEMV's shared-memory pipeline and
-cuBLAS (bench/results/2026-11-26_session18.md).
+faster (bench/results/2026-11-25_h100_dense_mma.md). `stream_linear`, the library's CUDA-core
+kernels, takes bf16 layers at one row of x and q/k/v and o at two, and FP8 layers at one row:
+every weight load of a warp in flight at once, faster there than the Triton GEMV's
+shared-memory pipeline and cuBLAS (bench/results/2026-11-26_session18.md; FP8:
+bench/results/2026-11-27_h100_fp8_stream.md).
 
 The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
@@ -105,6 +106,11 @@ class MmaGemv:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                    ctypes.c_void_p]
         self.stream_fn.restype = ctypes.c_int
+        self.fp8_stream_fn = lib.tinyoss_fp8_gemv_stream
+        self.fp8_stream_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_void_p]
+        self.fp8_stream_fn.restype = ctypes.c_int
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
@@ -207,33 +213,50 @@ class MmaGemv:
         return out
 
     @staticmethod
-    def supports_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """A bf16 dense layer `stream_linear` takes: 1-2 contiguous bf16 rows of x and a
-        contiguous 2-D weight of at least one row on x's device, both 16-byte aligned (read 16
-        bytes a load), K in 8s from 8 to 4096, a bias of one bf16 value a row or none."""
+    def supports_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        scale: torch.Tensor | None = None) -> bool:
+        """A dense layer `stream_linear` takes: a contiguous 2-D weight of at least one row,
+        bf16 with 1-2 rows of x and K in 8s from 8 to 4096, or FP8 (e4m3, `scale` one fp32 value
+        a row) with one row of x and K in 16s from 16 to 4096 (a 16-byte load holds 8 or 16
+        weights); contiguous bf16 rows of x; x and the weight 16-byte aligned; a bias of one
+        bf16 value a row or none; all on x's device."""
         if weight.dim() != 2:
             return False
         n, k = weight.shape
-        return (x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2
-                and 1 <= x.shape[0] <= 2 and x.shape[1] == k and x.is_contiguous()
-                and weight.is_contiguous() and n >= 1 and k % 8 == 0 and 8 <= k <= 4096
-                and x.device == weight.device
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        per_load, max_rows = (16, 1) if fp8 else (8, 2)
+
+        def a_row_each(t: torch.Tensor, dtype: torch.dtype) -> bool:
+            return (t.dtype == dtype and t.shape == (n,) and t.is_contiguous()
+                    and t.device == x.device)
+
+        return ((fp8 or weight.dtype == torch.bfloat16) and x.dtype == torch.bfloat16
+                and x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.shape[1] == k
+                and x.is_contiguous() and weight.is_contiguous() and n >= 1
+                and k % per_load == 0 and per_load <= k <= 4096 and x.device == weight.device
                 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (n,)
-                                      and bias.is_contiguous() and bias.device == x.device)))
+                and (scale is not None) == fp8
+                and (scale is None or a_row_each(scale, torch.float32))
+                and (bias is None or a_row_each(bias, torch.bfloat16)))
 
     def stream_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ W.T (+ bias) -> [M, N] bf16 for 1-2 rows of x (`supports_stream`) on the
-        CUDA cores, every weight load of a warp in flight at once, the weights read once."""
+                      bias: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ W.T (* scale) (+ bias) -> [M, N] bf16 (`supports_stream`: 1-2 rows of x
+        for bf16 W, one for FP8 W and its row scales) on the CUDA cores, fp32 sums, every weight
+        load of a warp in flight at once, the weights read once."""
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
-        err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             weight.shape[0], weight.shape[1],
-                             torch.cuda.current_stream(x.device).cuda_stream)
+        b = None if bias is None else bias.data_ptr()
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if scale is None:
+            err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(), b, out.data_ptr(),
+                                 weight.shape[0], weight.shape[1], stream)
+        else:
+            err = self.fp8_stream_fn(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), b,
+                                     out.data_ptr(), weight.shape[0], weight.shape[1], stream)
         if err:
             raise RuntimeError(f"the streaming dense GEMV failed to launch: {self.error(err)} "
-                               f"({tuple(weight.shape)}, rows {x.shape[0]})")
+                               f"({tuple(weight.shape)} {weight.dtype}, rows {x.shape[0]})")
         return out
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
