@@ -8,7 +8,9 @@ on bf16, errors against the dequantized weights, GB/s of the FP8 bytes.
     python bench/dense_gemv.py [--fp8] --mma --m 1,2,4,8 --configs 8/1024/4/4   # tensor cores
 
 --mma adds the tensor-core GEMV and the streaming CUDA-core GEMV (`moe_gemv_mma`, Hopper with
-nvcc; `mma` and `stream` in the output) on the same weights.
+nvcc; `mma` and `stream` in the output) on the same weights (the streaming one at 1-2 rows of
+bf16, 1 of FP8: `python bench/dense_gemv.py --fp8 --mma --m 1` is the comparison of
+bench/results/2026-11-27_h100_fp8_stream.md on the product's kernels).
 """
 
 from __future__ import annotations
@@ -89,12 +91,12 @@ def main() -> None:
                 us = graph_time(lambda: [mma.linear(x, q, b, s) for (q, s), b in zip(qs, bs)],
                                 sets)
                 row.append(f"mma: {us:7.1f} us {gemv_mb / us * 1e3:5.0f} GB/s err {err:.0e}")
-            if mma is not None and s0 is None and mma.supports_stream(x, q0, bs[0]):
-                out = mma.stream_linear(x, q0, bs[0]).float()
+            if mma is not None and mma.supports_stream(x, q0, bs[0], s0):
+                out = mma.stream_linear(x, q0, bs[0], s0).float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                us = graph_time(lambda: [mma.stream_linear(x, q, b) for (q, _), b in zip(qs, bs)],
-                                sets)
-                row.append(f"stream: {us:7.1f} us {mb / us * 1e3:5.0f} GB/s err {err:.0e}")
+                us = graph_time(lambda: [mma.stream_linear(x, q, b, s)
+                                         for (q, s), b in zip(qs, bs)], sets)
+                row.append(f"stream: {us:7.1f} us {gemv_mb / us * 1e3:5.0f} GB/s err {err:.0e}")
             print(" | ".join(row), flush=True)
     # A chain: 24 layers of qkv then o, as a decode step runs them.
     qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
@@ -126,6 +128,9 @@ def main() -> None:
             us = graph_time(lambda: chain(lambda h, w: mma.linear(
                 h.contiguous(), fp8[id(w)][0], scale=fp8[id(w)][1])))
             row.append(f"mma fp8 {us:7.1f} us {mb / 2 / us * 1e3:5.0f} GB/s")
+            us = graph_time(lambda: chain(lambda h, w: mma.stream_linear(
+                h.contiguous(), fp8[id(w)][0], scale=fp8[id(w)][1])))
+            row.append(f"stream fp8 {us:7.1f} us {mb / 2 / us * 1e3:5.0f} GB/s")
     print(" | ".join(row), flush=True)
 
 
