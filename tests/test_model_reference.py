@@ -78,3 +78,21 @@ def test_sinks_and_window_matter(models):
     full = run_paged(ours, config.with_(layer_types=("full_attention",) * 4), ids)
     assert torch.allclose(full[:128], base[:128], rtol=1e-4, atol=1e-4)  # inside the window: same
     assert ((full[128:] - base[128:]).norm() / base[128:].norm()).item() > 1e-2
+
+
+def test_logits_written_into_a_buffer_equal_the_returned_ones(models):
+    """`compute_logits(out=...)` (a CUDA graph's fixed buffer) converts bf16 logits to float32
+    in the copy itself: the same values as the float32 logits it returns without `out`."""
+    config, ours, _ = models
+    hidden = torch.randn(3, config.hidden_size)
+    head = ours.lm_head.weight.data
+    try:
+        ours.lm_head.weight.data = head.to(torch.bfloat16)
+        with torch.inference_mode():
+            want = ours.compute_logits(hidden.to(torch.bfloat16))
+            buf = torch.full((4, config.vocab_size), float("nan"))
+            got = ours.compute_logits(hidden.to(torch.bfloat16), out=buf[:3])
+    finally:
+        ours.lm_head.weight.data = head
+    assert want.dtype == got.dtype == torch.float32 and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, want) and torch.isnan(buf[3]).all()

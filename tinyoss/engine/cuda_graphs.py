@@ -78,7 +78,7 @@ class CudaGraphRunner:
 
     def _forward(self, size: int) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.attention)
-        self.logits[:size] = self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, out=self.logits[:size])
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

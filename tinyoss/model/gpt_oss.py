@@ -271,8 +271,10 @@ class GptOssForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rope_cache, attn, nxt)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [T, V]; written into `out` when given (a CUDA graph's fixed buffer:
+        one converting copy instead of a float32 temporary and a second copy)."""
         logits = self.lm_head(hidden)
         if self.kernels.all_gather is not None:
             logits = self.kernels.all_gather(logits)[:, : self.config.vocab_size]
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
