@@ -84,23 +84,6 @@ __device__ __forceinline__ void block_mma(float (&d)[4], uint32_t qa, uint32_t q
   }
 }
 
-// VEC loads: lane t of a quad holds words 0..3 of block t of four consecutive blocks of one row
-// (one 16-byte load); returns word t of blocks 0..3, what block_mma takes from that lane. A 4 x 4
-// transpose across the quad: the off-diagonal 2 x 2 halves swap with lane t ^ 2, then the
-// off-diagonal words of each half with lane t ^ 1.
-__device__ __forceinline__ uint4 quad_transpose(uint4 v, int t) {
-  const bool hi = t & 2, odd = t & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffffu, hi ? v.x : v.z, 2);
-  uint32_t r1 = __shfl_xor_sync(0xffffffffu, hi ? v.y : v.w, 2);
-  if (hi) v.x = r0, v.y = r1;
-  else v.z = r0, v.w = r1;
-  r0 = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.y, 1);
-  r1 = __shfl_xor_sync(0xffffffffu, odd ? v.z : v.w, 1);
-  if (odd) v.x = r0, v.z = r1;
-  else v.y = r0, v.w = r1;
-  return v;
-}
-
 __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
   return (uint32_t)__half_as_ushort(lo) | ((uint32_t)__half_as_ushort(hi) << 16);
 }
@@ -198,10 +181,9 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
 // TILES: 16-row tiles a program; TAIL: K's blocks need not divide into KSPLIT parts of whole
 // load groups (a tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
-// OT: the output's type (bf16 for a dense layer). VEC: a lane loads whole blocks of a row, 16
-// contiguous bytes (a quad 64 of one row), and quad_transpose hands out the words; U in 4s.
+// OT: the output's type (bf16 for a dense layer).
 template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, bool TAIL = false,
-          typename OT = float, bool VEC = false>
+          typename OT = float>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -232,26 +214,12 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                                                          (long)(row0 + la) * stride_q) + t + 4 * first;
   const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
                                                          (long)(row0 + lb) * stride_q) + t + 4 * first;
-  static_assert(!VEC || U % 4 == 0, "VEC loads take U in 4s");
-  constexpr int V = VEC ? U / 4 : 1;
-  const uint4* va_p = reinterpret_cast<const uint4*>(qa - t);  // block `first` of row la
-  const uint4* vb_p = reinterpret_cast<const uint4*>(qb - t);
   uint32_t wa[U], wb[U];
-  uint4 va[V], vb[V];
-  if (VEC) {
 #pragma unroll
-    for (int v = 0; v < V; ++v) {  // the first group's weights are on their way while x stages
-      const bool in = !TAIL || 4 * v + t < cnt;
-      va[v] = in ? __ldg(va_p + 4 * v + t) : uint4{0, 0, 0, 0};
-      vb[v] = in ? __ldg(vb_p + 4 * v + t) : uint4{0, 0, 0, 0};
-    }
-  } else {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
-      if (!TAIL || u < cnt) {
-        wa[u] = __ldg(qa + 4 * u);
-        wb[u] = __ldg(qb + 4 * u);
-      }
+  for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
+    if (!TAIL || u < cnt) {
+      wa[u] = __ldg(qa + 4 * u);
+      wb[u] = __ldg(qb + 4 * u);
     }
   }
   const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
@@ -263,14 +231,6 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   __syncthreads();
   float acc_a = 0.f, acc_b = 0.f;
   for (int b0 = 0; b0 < cnt; b0 += U) {
-    if (VEC) {
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const uint4 a = quad_transpose(va[v], t), b = quad_transpose(vb[v], t);
-        wa[4 * v] = a.x, wa[4 * v + 1] = a.y, wa[4 * v + 2] = a.z, wa[4 * v + 3] = a.w;
-        wb[4 * v] = b.x, wb[4 * v + 1] = b.y, wb[4 * v + 2] = b.z, wb[4 * v + 3] = b.w;
-      }
-    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (TAIL && b0 + u >= cnt) break;
@@ -281,20 +241,11 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
       acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
     }
     if (b0 + U < cnt) {
-      if (VEC) {
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const bool in = !TAIL || b0 + U + 4 * v + t < cnt;
-          va[v] = in ? __ldg(va_p + b0 + U + 4 * v + t) : uint4{0, 0, 0, 0};
-          vb[v] = in ? __ldg(vb_p + b0 + U + 4 * v + t) : uint4{0, 0, 0, 0};
-        }
-      } else {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (!TAIL || b0 + U + u < cnt) {
-            wa[u] = __ldg(qa + 4 * (b0 + U + u));
-            wb[u] = __ldg(qb + 4 * (b0 + U + u));
-          }
+      for (int u = 0; u < U; ++u) {
+        if (!TAIL || b0 + U + u < cnt) {
+          wa[u] = __ldg(qa + 4 * (b0 + U + u));
+          wb[u] = __ldg(qb + 4 * (b0 + U + u));
         }
       }
     }
@@ -320,8 +271,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float,
-          bool VEC = false>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
            const uint8_t* s, const void* bias, const float* wts, OT* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
@@ -330,12 +280,9 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
   if (N % ROWS || K % 32 || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (std::is_same<XT, float>::value ? 2 : 1) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
-  if (VEC && (stride_q % 16 || stride_qe % 16 || reinterpret_cast<uintptr_t>(q) % 16)) {
-    return (int)cudaErrorInvalidValue;  // 16-byte loads of whole blocks
-  }
   auto kernel = K % (32 * U * KSPLIT)
-                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT, VEC>
-                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT, VEC>;
+                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT>
+                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT>;
   kernel<<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);

@@ -25,15 +25,6 @@
   X(54, false, 10, 4, 2) X(55, false, 10, 6, 2)                                               \
   X(56, false, 10, 9, 1) X(57, false, 10, 9, 2) X(58, false, 10, 9, 4) X(59, false, 18, 5, 2)
 
-// VEC loads (16 bytes of one row a lane, quad_transpose): (variant, swiglu, U, KSPLIT, TILES)
-#define TINYOSS_VEC(X)                                                                        \
-  X(64, true, 8, 2, 4) X(65, true, 12, 2, 4) X(66, true, 8, 1, 4) X(67, true, 12, 1, 4)       \
-  X(68, true, 16, 2, 2) X(69, true, 12, 3, 2) X(70, true, 32, 3, 2) X(71, true, 8, 3, 4)      \
-  X(72, true, 24, 2, 2) X(73, true, 12, 2, 2)                                                 \
-  X(80, false, 8, 1, 4) X(81, false, 12, 1, 4) X(82, false, 16, 1, 4) X(83, false, 12, 2, 2)  \
-  X(84, false, 8, 3, 2) X(85, false, 12, 3, 2) X(86, false, 32, 3, 2) X(87, false, 16, 2, 4)  \
-  X(88, false, 8, 2, 2) X(89, false, 24, 2, 2) X(90, false, 12, 3, 1) X(91, false, 8, 5, 2)
-
 // gate_up (bf16 x) or down (fp32 x), as the name says; -1 for an unknown variant
 extern "C" int tinyoss_pair_variant(int variant, const void* x, int x_div, const int* ids,
                                     int pairs, const uint8_t* q, const uint8_t* s,
@@ -53,12 +44,6 @@ extern "C" int tinyoss_pair_variant(int variant, const void* x, int x_div, const
         x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
         alpha, limit, static_cast<cudaStream_t>(stream));
     TINYOSS_STREAMED(TINYOSS_SCASE)
-#define TINYOSS_VCASE(V, SW, U, KS, TL)                                                       \
-  case V:                                                                                     \
-    return launch<SW, U, KS, TL, std::conditional_t<SW, __nv_bfloat16, float>, float, true>(  \
-        x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
-        alpha, limit, static_cast<cudaStream_t>(stream));
-    TINYOSS_VEC(TINYOSS_VCASE)
   }
   return -1;
 }
@@ -73,10 +58,6 @@ extern "C" const char* tinyoss_pair_variant_name(int variant) {
   case V:                             \
     return SW ? "gate_up streamed C" #C " S" #S " W" #W : "down streamed C" #C " S" #S " W" #W;
     TINYOSS_STREAMED(TINYOSS_SNAME)
-#define TINYOSS_VNAME(V, SW, U, KS, TL) \
-  case V:                               \
-    return SW ? "gate_up vec U" #U " KSPLIT" #KS " TILES" #TL : "down vec U" #U " KSPLIT" #KS " TILES" #TL;
-    TINYOSS_VEC(TINYOSS_VNAME)
   }
   return nullptr;
 }
