@@ -107,7 +107,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--grouped", action="store_true", help="the grouped kernel's tiles instead")
-    p.add_argument("--only", default="", help="grouped variants whose name holds this")
+    p.add_argument("--only", default="",
+                   help="variants whose name holds one of these (comma-separated)")
     args = p.parse_args()
     mma, why = mm.load(capability())
     if mma is None:
@@ -117,6 +118,9 @@ def main() -> None:
         sweep_grouped(lib, mma, [int(t) for t in args.tokens.split(",")], args.only)
         return
     variants = [v for v in range(64) if lib.tinyoss_pair_variant_name(v)]
+    if args.only:
+        variants = [v for v in variants if any(o in lib.tinyoss_pair_variant_name(v).decode()
+                                               for o in args.only.split(","))]
     h = i = 2880
     ws = [weights(s, 32, h, i) for s in range(4)]
     ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
