@@ -230,6 +230,22 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
     return record
 
 
+def graph_alone_ms(engine, batch: int, replays: int = 20) -> float:
+    """GPU milliseconds of the decode graph for `batch` sequences replayed back to back on its
+    current inputs (nan without graphs): the step's kernels without the host or the copies."""
+    graphs = engine.executor.graphs
+    if graphs is None:
+        return float("nan")
+    graph = graphs.graphs[graphs.bucket(batch)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def profile(engine, args: argparse.Namespace) -> None:
     """Where a decode step's time goes: GPU time of the decode graph alone, per-kernel GPU time
     (torch profiler), and the host's Python time by function (cProfile)."""
@@ -244,18 +260,11 @@ def profile(engine, args: argparse.Namespace) -> None:
         engine.add(CoreRequest(f"prof-{b}", [1] * args.input_len, params))
     while any(s.num_computed < s.num_prompt for r in engine.requests.values() for s in r):
         engine.step()
-    graphs = engine.executor.graphs
     if engine.executor.peers is not None:  # a replay on rank 0 alone would wait in its all-reduces
         print("decode graph alone: not timed under tensor parallelism (every rank must replay)")
-    elif graphs is not None:
-        graph = graphs.graphs[graphs.bucket(args.batch_size)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        print(f"decode graph alone: {start.elapsed_time(end) / 20:.3f} ms GPU time per step")
+    elif engine.executor.graphs is not None:
+        print(f"decode graph alone: {graph_alone_ms(engine, args.batch_size):.3f} ms GPU time "
+              "per step")
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
             engine.step()

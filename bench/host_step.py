@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.decode_latency import graph_alone_ms  # noqa: E402
 from bench.step_timer import start_streams  # noqa: E402
 from tinyoss import LLM  # noqa: E402
 from tinyoss.engine import executor as executor_module  # noqa: E402
@@ -46,20 +47,6 @@ class Clock:
     def take(self) -> float:
         spent, self.spent = self.spent, 0.0
         return spent
-
-
-def graph_alone_ms(core, batch: int) -> float:
-    graphs = core.executor.graphs
-    if graphs is None:
-        return float("nan")
-    graph = graphs.graphs[graphs.bucket(batch)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 20
 
 
 def main() -> None:

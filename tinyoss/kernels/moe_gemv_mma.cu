@@ -874,6 +874,22 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
+// A warp's STREAM_ROWS rows from row0 (rows past N repeat the last), row_bytes each: lane l's
+// 16-byte vectors l, l + 32, ... (VPL of them a row; past the row the last one repeats, where
+// x counts zero), every load issued before any math. W's rows are bf16 or FP8: bytes here.
+template <int VPL>
+__device__ __forceinline__ void load_stream_rows(const uint8_t* w, long row_bytes, int row0,
+                                                 int N, int lane,
+                                                 uint4 (&wv)[STREAM_ROWS][VPL]) {
+  const int kv = (int)(row_bytes >> 4);
+#pragma unroll
+  for (int r = 0; r < STREAM_ROWS; ++r) {
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * row_bytes);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
+  }
+}
+
 template <int VPL, int MAXM>
 __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
@@ -884,12 +900,7 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
   if (row0 >= N) return;
   const int kv = K >> 3;  // 16-byte vectors a row
   uint4 wv[STREAM_ROWS][VPL];
-#pragma unroll
-  for (int r = 0; r < STREAM_ROWS; ++r) {
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * K);
-#pragma unroll
-    for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
-  }
+  load_stream_rows(reinterpret_cast<const uint8_t*>(w), 2L * K, row0, N, lane, wv);
   float acc[MAXM][STREAM_ROWS] = {};
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
@@ -972,12 +983,7 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
   if (row0 >= N) return;
   const int kv = K >> 4;  // 16-byte vectors a row
   uint4 wv[STREAM_ROWS][VPL];
-#pragma unroll
-  for (int r = 0; r < STREAM_ROWS; ++r) {
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (long)min(row0 + r, N - 1) * K);
-#pragma unroll
-    for (int i = 0; i < VPL; ++i) wv[r][i] = ldg_stream(wr + min(lane + 32 * i, kv - 1));
-  }
+  load_stream_rows(w, K, row0, N, lane, wv);
   float acc[STREAM_ROWS] = {};
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
