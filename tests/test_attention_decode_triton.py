@@ -112,3 +112,56 @@ def test_negative_slot_stores_nothing():
                     torch.zeros(hq, device=DEVICE), d ** -0.5)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
     assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("groups,spaced", [(2, True), (2, False), (1, True), (3, True),
+                                           (3, False)])
+@pytest.mark.parametrize("with_inputs", [False, True])
+def test_stage_decode_plan_writes_what_the_copies_wrote(groups, spaced, with_inputs):
+    """One copy and one launch put every group's key ranges, block tables (ragged, each into
+    its row of the fixed [seqs, max_blocks] buffer) and slots (the real ones, then padding) where
+    per-group copies put them, leave the rest of each buffer alone, and, given `inputs`, copy
+    the token ids and positions too. `spaced`: the groups' slots side by side in one tensor, as
+    build_batch makes them; else separate tensors (stacked first)."""
+    from tinyoss.kernels.attention_flashinfer import _slot_source
+
+    rng = random.Random(groups * 2 + spaced)
+    real, pad, max_seqs, max_blocks, pad_slot = 3, 2, 8, 40, 999
+    rows = real + pad
+    tables = [[[rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))] for _ in range(real)]
+              + [[7]] * pad for _ in range(groups)]
+    ranges = [[(rng.randrange(0, 50), rng.randrange(50, 500)) for _ in range(rows)]
+              for _ in range(groups)]
+    flat = torch.tensor([rng.randrange(0, 10**6) for _ in range((groups + 2) * real)],
+                        device=DEVICE)
+    uneven = torch.arange(10**5, 10**5 + 30, device=DEVICE)  # steps 4, then 5, ...
+    slot_views = [flat[(g + 1) * real:(g + 2) * real] if spaced
+                  else uneven[g * (real + 1) + g * (g - 1) // 2:][:real] for g in range(groups)]
+    src, stride = _slot_source(slot_views)
+    assert (src.dim() == 1) == (spaced or groups <= 2)  # two points are always evenly apart
+    slots = torch.full((groups, 16), -5, dtype=torch.long, device=DEVICE)
+    tables_out = torch.full((groups, max_seqs, max_blocks), -1, dtype=torch.int32, device=DEVICE)
+    ranges_out = torch.full((groups, max_seqs, 2), -1, dtype=torch.int32, device=DEVICE)
+    ids_out = torch.full((8,), -3, dtype=torch.long, device=DEVICE)
+    pos_out = torch.full((8,), -4, dtype=torch.long, device=DEVICE)
+    inputs = (flat[:real], flat[real:2 * real], ids_out, pos_out) if with_inputs else None
+    for _ in range(2):  # the same again changes nothing
+        adt.stage_decode_plan(ranges, tables, src, stride, real, pad_slot, slots, tables_out,
+                              ranges_out, inputs)
+    for g in range(groups):
+        width = max(len(t) for t in tables[g])  # as the copies did: rows padded with 0 to it
+        for r in range(rows):
+            t = tables[g][r]
+            assert tables_out[g, r, :width].tolist() == t + [0] * (width - len(t))
+            assert (tables_out[g, r, width:] == -1).all()
+            assert tuple(ranges_out[g, r].tolist()) == ranges[g][r]
+        assert (tables_out[g, rows:] == -1).all() and (ranges_out[g, rows:] == -1).all()
+        assert slots[g, :real].tolist() == slot_views[g].tolist()
+        assert slots[g, real:rows].tolist() == [pad_slot] * pad
+        assert (slots[g, rows:] == -5).all()
+    if with_inputs:
+        assert ids_out[:real].tolist() == flat[:real].tolist()
+        assert pos_out[:real].tolist() == flat[real:2 * real].tolist()
+        assert (ids_out[real:] == -3).all() and (pos_out[real:] == -4).all()
+    else:
+        assert (ids_out == -3).all() and (pos_out == -4).all()

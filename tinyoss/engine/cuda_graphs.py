@@ -3,7 +3,8 @@
 A decode step at small batch is hundreds of short kernels; replaying them as one graph removes
 the launch gaps. Graphs are captured largest first and share one memory pool. Each takes the
 token ids and positions from static buffers; attention reads its plan (made outside the graph,
-before every replay) from its own fixed buffers. Padded rows attend to a dummy cache block, and
+before every replay) from its own fixed buffers; the ids and positions go in with the plan's
+launch. Padded rows attend to a dummy cache block, and
 their logits are ignored.
 
 With `rows=True` a runner replays speculative verify steps instead: a graph per count of query
@@ -88,8 +89,7 @@ class CudaGraphRunner:
         b = input_ids.shape[0]
         size = self.bucket(b)
         assert size is not None
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.attention.plan(meta, graph_size=size, rows=self.rows)
+        inputs = (input_ids.contiguous(), positions.contiguous(), self.input_ids, self.positions)
+        self.attention.plan(meta, graph_size=size, rows=self.rows, inputs=inputs)
         self.graphs[size].replay()
         return self.logits[:b]

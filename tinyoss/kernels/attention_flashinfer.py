@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tinyoss.kernels.attention import AttentionMetadata
-from tinyoss.kernels.attention_decode_triton import DecodeAttention
+from tinyoss.kernels.attention_decode_triton import DecodeAttention, stage_decode_plan
 from tinyoss.kernels.layer_ops_triton import rope_triton, store_kv_triton
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -89,31 +89,36 @@ class FlashInferAttention:
                 window_left=w - 1 if w else -1))
             for w in group_windows
         ]
-        self.slots = [torch.full((max_num_tokens,), dummy_block * block_size, dtype=torch.long,
-                                 device=self.device) for _ in group_windows]
+        # each group's slots, block tables and key ranges: views of one tensor a kind, so a
+        # decode step's plan is one copy and one launch for every group (stage_decode_plan)
+        groups = len(group_windows)
+        self.all_slots = torch.full((groups, max(max_num_tokens, max_num_seqs)),
+                                    dummy_block * block_size, dtype=torch.long, device=self.device)
         max_blocks = -(-max_model_len // block_size) + 1
-        self.tables = [torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=self.device)
-                       for _ in group_windows]
-        self.ranges = [torch.zeros(max_num_seqs, 2, dtype=torch.int32, device=self.device)
-                       for _ in group_windows]
+        self.all_tables = torch.zeros(groups, max_num_seqs, max_blocks, dtype=torch.int32,
+                                      device=self.device)
+        self.all_ranges = torch.zeros(groups, max_num_seqs, 2, dtype=torch.int32,
+                                      device=self.device)
+        self.slots, self.tables, self.ranges = (list(t) for t in (self.all_slots,
+                                                                   self.all_tables,
+                                                                   self.all_ranges))
         self.decode_attention = DecodeAttention(max_num_seqs, max_model_len, num_qo_heads,
                                                 num_kv_heads, head_dim, self.device)
         self.decoding = False
         self.stored = False  # decode kernel after a separate K/V store (`rows`)
 
     def plan(self, meta: AttentionMetadata, graph_size: int | None = None,
-             rows: bool = False) -> None:
+             rows: bool = False, inputs: tuple[torch.Tensor, ...] | None = None) -> None:
         """Prepares every group for this step; `graph_size` pads a decode batch to that size;
         `rows`: each query token is a row of the decode kernel (a verify step's graph), and
-        `graph_size` counts rows."""
+        `graph_size` counts rows. `inputs` (a decode graph's token ids and positions, and the
+        buffers they go to) travel with a decode step's plan, in the same launch."""
         num_rows = sum(meta.query_lens) if rows else meta.num_seqs
         pad = (graph_size or num_rows) - num_rows
         self.decoding = graph_size is not None or all(q == 1 for q in meta.query_lens)
         self.stored = rows
+        all_ranges, all_tables = [], []
         for g, group in enumerate(meta.groups):
-            n = group.slot_mapping.shape[0]
-            self.slots[g][:n].copy_(group.slot_mapping, non_blocking=True)
-            self.slots[g][n:n + pad].fill_(self.dummy_block * self.block_size)
             kv_lens = [s - k for s, k in zip(meta.seq_lens, group.kv_starts)]
             tables = group.block_tables
             if rows:  # row i of a sequence's q tokens sees keys up to its own position
@@ -123,19 +128,18 @@ class FlashInferAttention:
             kv_lens = kv_lens + [1] * pad
             tables = tables + [[self.dummy_block]] * pad
             if self.decoding:
-                self._plan_decode(g, kv_lens, tables)
-            else:
-                self._plan_prefill(g, meta.query_lens, kv_lens, tables)
-
-    def _plan_decode(self, g: int, kv_lens: list[int], tables: list[list[int]]) -> None:
-        window = self.group_windows[g]
-        width = max(len(t) for t in tables)
-        flat = [b for t in tables for b in t + [0] * (width - len(t))]
-        rows = len(tables)
-        self.tables[g][:rows, :width].copy_(
-            torch.tensor(flat, dtype=torch.int32).view(rows, width), non_blocking=True)
-        ranges = [(max(0, n - window) if window else 0, n) for n in kv_lens]
-        self.ranges[g][:rows].copy_(torch.tensor(ranges, dtype=torch.int32), non_blocking=True)
+                window = self.group_windows[g]
+                all_ranges.append([(max(0, n - window) if window else 0, n) for n in kv_lens])
+                all_tables.append(tables)
+                continue
+            n = group.slot_mapping.shape[0]
+            self.slots[g][:n].copy_(group.slot_mapping, non_blocking=True)
+            self._plan_prefill(g, meta.query_lens, kv_lens, tables)
+        if self.decoding:
+            src, stride = _slot_source([group.slot_mapping for group in meta.groups])
+            stage_decode_plan(all_ranges, all_tables, src, stride, src.shape[-1],
+                              self.dummy_block * self.block_size, self.all_slots,
+                              self.all_tables, self.all_ranges, inputs)
 
     def _plan_prefill(self, g: int, query_lens: list[int], kv_lens: list[int],
                       tables: list[list[int]]) -> None:
@@ -180,6 +184,18 @@ class FlashInferAttention:
         return self.decode_attention(q, k, v, k_cache, v_cache, slots, positions, rope_cache,
                                      tables, ranges, sinks, self.scale,
                                      self.group_windows[self.layer_groups[layer]])
+
+
+def _slot_source(slots: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Every group's slots as one base and a stride between groups: build_batch puts them
+    side by side in one tensor (stride = its length); otherwise they are stacked first."""
+    n, base = slots[0].shape[0], slots[0]
+    step = slots[1].data_ptr() - base.data_ptr() if len(slots) > 1 else 0
+    if step % base.element_size() == 0 and all(
+            s.shape == (n,) and s.dtype == base.dtype and s.is_contiguous()
+            and s.data_ptr() - base.data_ptr() == g * step for g, s in enumerate(slots)):
+        return base, step // base.element_size()
+    return torch.stack(slots), n
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
