@@ -2,8 +2,9 @@
 
 A decode step has one query per sequence. FlashInfer's planner costs a few hundred microseconds
 of host time per cache group and step, more than the attention itself at batch 1; this kernel
-needs no plan: each step only copies the block tables and key ranges into fixed buffers, so it
-replays inside CUDA graphs as is.
+needs no plan: each step only copies the block tables and key ranges into fixed buffers (every
+cache group's in one copy and one launch, `stage_decode_plan`), so it replays inside CUDA graphs
+as is.
 
 Flash-decoding in one launch: programs (sequence, KV head, split) each take one split of the
 sequence's range for the KV head's group of query heads and write a partial softmax (max, sum,
