@@ -123,7 +123,7 @@ class LaunchedStep:
 
     seq_ids: list[int]  # the sequence of each sampled row
     tokens: torch.Tensor | None  # [len(seq_ids)] on the device
-    host: HostCopy | None  # token ids, row sums of the logits, logprobs, top ids, top logprobs
+    host: HostCopy | None  # [token ids, finite rows], logprobs, top ids, top logprobs
     prompt_logprobs: dict[int, list[TokenLogprob]]
     placeholders: list[tuple[SamplerState, int]]  # where each row's token goes in its state
     logits: torch.Tensor | None = None  # kept until `Executor.complete` samples them
@@ -175,7 +175,7 @@ class Executor:
         self.graphs = graphs
         self.pieces = pieces
         self.grammars = grammars
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.kernels.greedy_pick)
         self.states: dict[int, SamplerState] = {}
         # grammar matchers built off the step loop, by sequence, until it is first planned
         self.prebuilt: dict[int, Matcher | ValueError] = {}
@@ -274,11 +274,8 @@ class Executor:
         batch = SamplingBatch.build(states, logits.shape[-1], logits.device)
         batch.allowed = self._masks(states)
         out = self.sampler(logits, batch)
-        sums = logits.sum(-1, dtype=torch.float32)  # finite iff the row is: NaN/Inf detection
         launched.tokens = out.token_ids
-        launched.host = HostCopy.start(
-            [out.token_ids, sums, out.logprobs, out.top_ids, out.top_logprobs]
-        )
+        launched.host = HostCopy.start([out.checked, out.logprobs, out.top_ids, out.top_logprobs])
         for i, (state, _) in enumerate(launched.placeholders):
             launched.placeholders[i] = (state, len(state.output_token_ids))
             state.output_token_ids.append(_PENDING)
@@ -299,8 +296,11 @@ class Executor:
         last = self._last
         assert last is not None and last.tokens is not None, "a chained step follows a sample"
         row_of = {seq_id: row for row, seq_id in enumerate(last.seq_ids)}
-        rows = torch.tensor([row_of[s.seq_id] for s in plan.seqs])
-        ids = last.tokens.index_select(0, to_device(rows, last.tokens.device))
+        rows = [row_of[s.seq_id] for s in plan.seqs]
+        if rows == list(range(len(last.seq_ids))):  # the same sequences in the same order
+            ids = last.tokens
+        else:
+            ids = last.tokens.index_select(0, to_device(torch.tensor(rows), last.tokens.device))
         return ids if self.peers is None else self.peers.group.broadcast(ids)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -323,8 +323,8 @@ class Executor:
         batch = SamplingBatch.build(states, logits.shape[-1], logits.device)
         drafted = to_device(torch.tensor(drafts), self.device)
         tokens, accepted = verify(logits, batch, drafted)
-        sums = logits.sum(-1, dtype=torch.float32)  # finite iff the row is
-        host = HostCopy.start([tokens, sums, accepted])
+        finite = self.sampler.pick(logits)[1]  # 0 where a row holds a NaN or an infinity
+        host = HostCopy.start([tokens, finite, accepted])
         chosen = torch.where(accepted, drafted, tokens)  # the token after each row
         return LaunchedStep(seq_ids, None, host, prompt, [], drafts=drafts,
                             verified=(chosen, accepted))
@@ -363,7 +363,7 @@ class Executor:
             out.drafts = dict(zip(ids, drafts))
         if launched.drafts is not None:
             return self._verified(launched, out)
-        tokens, sums, logprobs, top_ids, top_lps = (
+        (tokens, finite), logprobs, top_ids, top_lps = (
             None if t is None else t.tolist() for t in launched.host.wait()
         )
         for row, (seq_id, (state, at)) in enumerate(zip(launched.seq_ids, launched.placeholders)):
@@ -373,7 +373,7 @@ class Executor:
             if state.error is not None:
                 out.errors[seq_id] = state.error
                 continue
-            if not math.isfinite(sums[row]):
+            if not finite[row]:
                 out.failed.add(seq_id)
                 continue
             out.sampled[seq_id] = [tokens[row]]
@@ -385,13 +385,13 @@ class Executor:
 
     def _verified(self, launched: LaunchedStep, out: StepResult) -> StepResult:
         """Each sequence of a verify step emits its accepted drafts and one token more."""
-        tokens, sums, accepted = (t.tolist() for t in launched.host.wait())
+        tokens, finite, accepted = (t.tolist() for t in launched.host.wait())
         ids, drafts, row = launched.seq_ids, launched.drafts, 0
         while row < len(ids):
             end = row + 1
             while end < len(ids) and ids[end] == ids[row]:
                 end += 1
-            if all(math.isfinite(x) for x in sums[row:end]):
+            if all(finite[row:end]):
                 a = next((j for j in range(row, end - 1) if not accepted[j]), end - 1) - row
                 emitted = drafts[row : row + a] + [tokens[row + a]]
                 out.sampled[ids[row]] = emitted

@@ -12,7 +12,7 @@ caller's final `.tolist()`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from tinyoss.engine.transfer import to_device
+from tinyoss.kernels import greedy_pick_torch
 from tinyoss.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -139,29 +140,41 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [B] int64
-    logprobs: Tensor | None  # [B] log-probability of the sampled token (raw model distribution)
+    # [2, B] int64: the token ids, and 1 where the row's raw logits are all finite (0: a NaN or
+    # an infinity): both go to the host in one copy
+    checked: Tensor
+    logprobs: Tensor | None = None  # [B] log-probability of the sampled token (raw distribution)
     top_ids: Tensor | None = None  # [B, k], k = the most any row asked for; rows use their first n
     top_logprobs: Tensor | None = None  # [B, k], sorted descending
 
 
 class Sampler:
+    def __init__(self, pick: Callable[[Tensor], Tensor] = greedy_pick_torch) -> None:
+        self.pick = pick  # logits -> [2, B] (argmax, finite) in one pass: `Kernels.greedy_pick`
+
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.shape != (batch.size, batch.vocab_size):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match the batch "
                 f"({batch.size}, {batch.vocab_size})"
             )
+        picked = self.pick(logits)
         x = _processed(logits, batch)
-        tokens = x.argmax(-1) if batch.all_greedy or batch.greedy is not None else None
-        if not batch.all_greedy:
-            sampled = race(_filter(x, batch), batch)
-            tokens = sampled if tokens is None else torch.where(batch.greedy, tokens, sampled)
+        if x is logits:  # plain greedy: the pick's argmax is the token
+            checked = picked
+        else:
+            tokens = x.argmax(-1) if batch.all_greedy or batch.greedy is not None else None
+            if not batch.all_greedy:
+                sampled = race(_filter(x, batch), batch)
+                tokens = sampled if tokens is None else torch.where(batch.greedy, tokens, sampled)
+            checked = torch.stack([tokens, picked[1]])
+        tokens = checked[0]
         if not batch.needs_logprobs:
-            return SamplerOutput(tokens, None)
+            return SamplerOutput(tokens, checked, None)
         lp, top_ids, top_lp = compute_logprobs(logits, tokens, batch.max_logprobs)
         if batch.max_logprobs == 0:
-            return SamplerOutput(tokens, lp)
-        return SamplerOutput(tokens, lp, top_ids, top_lp)
+            return SamplerOutput(tokens, checked, lp)
+        return SamplerOutput(tokens, checked, lp, top_ids, top_lp)
 
 
 def _processed(logits: Tensor, batch: SamplingBatch) -> Tensor:

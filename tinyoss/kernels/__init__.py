@@ -57,6 +57,14 @@ def router_topk_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     return torch.softmax(top_logits.float(), dim=-1), top_ids
 
 
+def greedy_pick_torch(logits: torch.Tensor) -> torch.Tensor:
+    """[2, B] int64: each row's argmax (the first largest; NaN never counts as largest) and
+    whether the row holds no NaN or infinity (1) or does (0). `greedy_triton` in one pass."""
+    x = logits.float()
+    tokens = x.masked_fill(x.isnan(), float("-inf")).argmax(-1)
+    return torch.stack([tokens, torch.isfinite(x).all(-1).long()])
+
+
 @dataclass
 class Kernels:
     moe: MoEFn = moe_torch
@@ -70,6 +78,8 @@ class Kernels:
     mxfp4_linear: LinearFn = mxfp4_linear_torch  # dense layers quantized at load
     fp8_linear: LinearFn = fp8_linear_torch
     linear: DenseFn = F.linear  # q/k/v, o, router, lm_head
+    # logits [B, V] -> [2, B] int64: argmax, finite (the sampler's greedy pick and NaN check)
+    greedy_pick: Callable[[torch.Tensor], torch.Tensor] = greedy_pick_torch
     # The norm after attention, the router and its top-k fused (None: the kernels above in turn)
     norm_route: NormRouteFn | None = None
     # The experts, the residual add and the next RMSNorm fused (None: `moe`, then `rms_norm`)
@@ -83,7 +93,7 @@ class Kernels:
     all_reduce_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
                               tuple[torch.Tensor, torch.Tensor]] | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
-        ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear"), "torch"))
+        ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear", "greedy"), "torch"))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the tensor-parallel ranks (x itself on one)."""

@@ -65,13 +65,15 @@ def select_backends(
             rms_norm_triton,
             router_topk_triton,
         )
+        from tinyoss.kernels.greedy_triton import greedy_pick_triton
         from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear
         from tinyoss.kernels.linear_triton import fp8_linear
 
+        kernels.greedy_pick = greedy_pick_triton
         kernels.rms_norm, kernels.router_topk = rms_norm_triton, router_topk_triton
         kernels.mxfp4_linear, kernels.fp8_linear = mxfp4_linear, fp8_linear
         kernels.norm_route = norm_route_triton
-        kernels.names.update(norm="triton", router="triton+norm",
+        kernels.names.update(norm="triton", router="triton+norm", greedy="triton",
                              mxfp4_linear="triton", fp8_linear="triton")
     _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
