@@ -240,14 +240,41 @@ def bench(tokens: list[int]) -> None:
               f"({b16 / base - 1:+.1%}, err {err16:.1e})", flush=True)
 
 
+def sweep(tokens: list[int]) -> None:
+    """Tiles of the x-permuted, bf16-decode form (block_m tokens, block_n weight rows, stages,
+    warps), us a layer, against the product's default in the same run."""
+    from moe_kernels import call_sets, timed, weights
+
+    ws = [weights(s, 32, 2880, 2880) for s in range(4)]
+    tiles = [(64, 128, 3, 4), (64, 128, 4, 4), (128, 128, 3, 8), (64, 256, 3, 8),
+             (128, 256, 3, 8), (32, 128, 4, 4)]
+    for t in tokens:
+        sets = list(call_sets(t, ws))
+        base = timed(lambda: [mt._prefill_pairs(*c, None) for c in sets], [()]) / len(sets)
+        line = [f"T={t:<5} product {base:8.1f}"]
+        for bm, bn, st, nw in tiles:
+            cfg = mt.PrefillConfig(block_m=bm, block_n1=bn, block_n2=bn, num_warps=nw,
+                                   num_stages=st)
+            try:
+                us = timed(lambda: [prefill_pairs_xperm(*c, cfg, True) for c in sets],
+                           [()]) / len(sets)
+                line.append(f"{bm}x{bn}/s{st}/w{nw} {us:8.1f}")
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit: say so, go on
+                line.append(f"{bm}x{bn}/s{st}/w{nw} {type(e).__name__}")
+        print("  ".join(line), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sass", action="store_true", help="offline sm_90 report, no GPU")
     p.add_argument("--tokens", default="128,512,2048,8192")
+    p.add_argument("--sweep", action="store_true", help="GPU: tiles of the bf16-decode form")
     args = p.parse_args()
     if args.sass:
         sass_report()
+    elif args.sweep:
+        sweep([int(t) for t in args.tokens.split(",")])
     else:
         bench([int(t) for t in args.tokens.split(",")])
 
