@@ -28,7 +28,8 @@ from tinyoss.model.synthetic import random_experts  # noqa: E402
 # block_n1/block_n2/block_k/warps/stages; on a GPU the Gluon kernel runs them, which takes
 # block_k 256-1024 (`moe_gemv_gluon.check`)
 GEMV_CONFIGS = "8/8/1024/1/4,8/8/512/1/4,16/16/512/2/4,4/4/1024/1/4"
-GEMM_CONFIGS = "16/4,32/8,64/8,128/8"  # block_m/warps[/block_n/block_k/stages]
+# block_m/warps[/block_n/block_k/stages]; block_n is one tile for both GEMMs, or n1:n2
+GEMM_CONFIGS = "16/4,32/8,64/8,128/8"
 
 
 def weights(seed: int, e: int, h: int, i: int) -> ExpertWeights:
@@ -73,12 +74,15 @@ def candidates(t: int, e: int, args: argparse.Namespace) -> list[tuple[str, obje
             out.append((f"gemv {c}", lambda *a, cfg=cfg: mt.moe_gemv(*a, cfg)))
     base = mt.prefill_config(t, e, 4)
     for c in args.gemm_configs.split(","):
-        block_m, warps, *rest = map(int, c.split("/"))
+        block_m, warps, *rest = c.split("/")
+        block_m, warps = int(block_m), int(warps)
         cfg = replace(base, block_m=block_m, num_warps=warps)
-        if rest:  # block_n (both GEMMs), block_k, stages
+        if rest:  # block_n (both GEMMs, or gate_up:down), block_k, stages
             n, k, stages = rest
-            cfg = replace(cfg, block_n1=n, block_n2=n, block_k=k, num_stages=stages)
-        out.append((f"gemm m{block_m}/w{warps}", lambda *a, cfg=cfg: mt.moe_prefill(*a, cfg)))
+            n1, _, n2 = n.partition(":")
+            cfg = replace(cfg, block_n1=int(n1), block_n2=int(n2 or n1), block_k=int(k),
+                          num_stages=int(stages))
+        out.append((f"gemm {c}", lambda *a, cfg=cfg: mt.moe_prefill(*a, cfg)))
     return out
 
 

@@ -379,3 +379,31 @@ def test_mma_gemv_captures_in_cuda_graph(t, mma):
     ids.copy_(ids2)
     graph.replay()
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
+
+
+def test_the_grouped_gemms_read_each_code_phase_as_one_slice():
+    """`_permute_columns`: column 8w + j of each K tile lands at (tile/8) j + w, past K zeros;
+    `_permuted` (where gate_up writes down's input) agrees with it column for column."""
+    import triton
+    import triton.language as tl
+
+    x = torch.arange(1, 3 * 200 + 1, dtype=torch.float32).view(3, 200)
+    for tile in (64, 128):
+        xp = mt._permute_columns(x, tile)
+        assert xp.shape == (3, triton.cdiv(200, tile) * tile)
+        for c in range(xp.shape[1]):
+            t0, r = divmod(c, tile)
+            want = x[:, c] if c < 200 else torch.zeros(3)
+            assert torch.equal(xp[:, t0 * tile + (tile // 8) * (r % 8) + r // 8], want)
+
+        @triton.jit
+        def where(out_ptr, N: tl.constexpr, TILE: tl.constexpr):
+            c = tl.arange(0, N)
+            tl.store(out_ptr + c, mt._permuted(c, TILE))
+
+        at = torch.empty(256, dtype=torch.int32, device=DEVICE)
+        where[(1,)](at, N=256, TILE=tile)
+        at = at.cpu()
+        moved = torch.zeros_like(xp)
+        moved[:, at[:200].long()] = x
+        assert torch.equal(moved, xp)

@@ -16,16 +16,20 @@ every grid has a static size, so both can be captured in CUDA graphs.
 * grouped GEMMs: pairs sorted by expert on the device (`torch.sort` + `torch.searchsorted`), a
   static grid of ceil(pairs / BLOCK_M) + E row tiles (programs past the last tile return at
   once), `_prefill_gate_up` (bias + SwiGLU in the epilogue) and `_prefill_down` (bias, routing
-  weight), then `_combine`. Token tiles are sized to the rows an expert gets.
+  weight), then `_combine`. Token tiles are sized to the rows an expert gets. The weights are
+  `tl.dot`'s left operand (wgmma takes it from registers) and the activations come with their
+  columns permuted per K tile (`_permute_columns`; gate_up writes down's input so), so that no
+  operand passes through registers into shared memory (`_mx_gemm_wx`).
 
 `moe_norm_triton` (`Kernels.moe_then_norm`) ends either path with `_combine_norm` instead: the
 top-k sum, the residual add and the next layer's RMSNorm in one launch.
 
 Both dequantize without a table: three integer ops a value on 32-bit words of eight codes put
-the code's bits into a float (see `_mx_gemm` and `_pair_gemv`). The GEMV multiplies on the CUDA
-cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs dequantize tiles to
-bf16 for `tl.dot` on the tensor cores (scale bytes up to 240). Real checkpoints are far inside
-these limits.
+the code's bits into a float (see `_mx_gemm_wx` and `_pair_gemv`). The GEMV multiplies on the
+CUDA cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs dequantize tiles
+to bf16 for `tl.dot` on the tensor cores, exactly. Real checkpoints are far inside these
+limits. (`_mx_gemm`, the same GEMM with the weights on the right, serves the dense MXFP4 layers
+of `linear_mxfp4_triton`.)
 
 On CPU the kernels run in the Triton interpreter with fp32 operands (bf16 `tl.dot` is wrong
 there), so both paths match `moe_torch` to fp32 rounding.
@@ -51,8 +55,9 @@ from tinyoss.kernels.moe_torch import ExpertWeights
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tiles of the grouped GEMMs: a 64-row token tile keeps the padding per expert small;
-    K tiles of 128 are the least the eight per-phase dots of 16 allow."""
+    """Tiles of the grouped GEMMs: block_m sorted (token, expert) rows, block_n1 / block_n2
+    weight rows of gate_up / down, K tiles of 128 (the least the eight per-phase dots of 16
+    allow; the activations are phase-permuted per K tile)."""
 
     block_m: int = 64
     block_n1: int = 128
@@ -63,13 +68,15 @@ class PrefillConfig:
 
 
 def prefill_config(num_tokens: int, num_experts: int, top_k: int) -> PrefillConfig:
-    """Token tiles sized to the rows an expert gets on average (T * K / E): 16-row tiles up to
-    8 rows, 32 up to 16, 64 beyond, on 4 warps: the best of a sweep at gpt-oss-20b and 120b
-    shapes from 16 to 8192 tokens, where 128-row tiles and 8 warps lost at every size
-    (bench/results/2026-11-24_h100_moe_prefill_tiles.txt)."""
+    """Tiles sized to the rows an expert gets on average (T * K / E): 16-row tiles up to 8 rows,
+    32 up to 16, 64 on 4 warps up to 64, then 128 rows on 8 warps, and 256 weight rows a tile
+    beyond 256 (the best of a sweep of the weights-left GEMMs at gpt-oss-20b shapes,
+    bench/results/2026-11-27_session23.md)."""
     rows = max(1, num_tokens * top_k // num_experts)
-    block_m = 16 if rows <= 8 else 32 if rows <= 16 else 64
-    return PrefillConfig(block_m=block_m)
+    if rows <= 64:
+        return PrefillConfig(block_m=16 if rows <= 8 else 32 if rows <= 16 else 64)
+    n = 128 if rows <= 256 else 256
+    return PrefillConfig(block_m=128, block_n1=n, block_n2=n, num_warps=8)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -228,119 +235,109 @@ def _tile_rows(off_ptr, tile, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _prefill_gate_up(
-    x_ptr,
-    order_ptr,
-    off_ptr,
-    q_ptr,
-    s_ptr,
-    b_ptr,
-    act_ptr,
-    E,
-    H,
-    N,
-    stride_qe,
-    stride_q,
-    stride_se,
-    stride_s,
-    alpha,
-    limit,
-    TOPK: tl.constexpr,
-    E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e), one [BLOCK_M, BLOCK_N] tile."""
-    e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
-    if row0 >= row_end:
-        return
-    r = row0 + tl.arange(0, BLOCK_M)
-    ok = r < row_end
-    tok = tl.load(order_ptr + r, mask=ok, other=0) // TOPK
-    pid_n = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    acc = _mx_gemm(
-        tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-        x_ptr,
-        tok,
-        ok,
-        H,
-        q_ptr + e * stride_qe,
-        s_ptr + e * stride_se,
-        stride_q,
-        stride_s,
-        rows,
-        row_ok,
-        BLOCK_K,
-        DOT_DTYPE,
-    )
-    bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
-    y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
-    half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(
-        act_ptr + r.to(tl.int64)[:, None] * (N // 2) + half[None, :],
-        y.to(act_ptr.dtype.element_ty),
-        mask=ok[:, None] & (half < N // 2)[None, :],
-    )
+def _permuted(c, BLOCK_K: tl.constexpr):
+    """Where column c of the activations lands in the phase-permuted layout
+    (`_permute_columns`): column 8w + j of a K tile at (BLOCK_K/8) j + w."""
+    r = c % BLOCK_K
+    return c - r + (BLOCK_K // 8) * (r % 8) + r // 8
 
 
 @triton.jit
-def _prefill_down(
-    act_ptr,
-    order_ptr,
-    off_ptr,
-    wts_ptr,
-    q_ptr,
-    s_ptr,
-    b_ptr,
-    y_ptr,
-    E,
-    I,
-    H,
-    stride_qe,
-    stride_q,
-    stride_se,
-    stride_s,
-    E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), one [BLOCK_M, BLOCK_N] tile, fp32."""
+def _mx_gemm_wx(acc, xp_ptr, a_rows, a_ok, KP, K, q_ptr, s_ptr, stride_q, stride_s, rows,
+                row_ok, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """acc [N, M] + W[rows, :K] @ A[a_rows, :K].T, the weights on the left of `tl.dot`.
+
+    W is one expert's MXFP4 rows (bytes at q_ptr, row stride stride_q = K/2; scales at s_ptr,
+    stride_s = K/32). A comes phase-permuted ([*, KP], KP = K in whole K tiles, `_permuted`):
+    a word's eight codes are k = 8w + j, so the tile is eight dots of K = BLOCK_K/8, one a code
+    phase j, and phase j of A is one contiguous [M, BLOCK_K/8] slice. With W on the left the
+    decoded weights reach wgmma from registers, and each phase of A goes global -> shared memory
+    by cp.async untouched: no thread stores an operand to shared memory (with W on the right the
+    decoded tile did, and with A unpermuted A's phases did).
+
+    Decoding, no table, three integer ops a code: on the GPU straight to bf16 bits (sign to bit
+    15, exponent and mantissa to bits 8..6: the value times 2**-126, the code 0.5 a subnormal),
+    then two packed bf16 multiplies, by 2**126 and by the scale: exact, every product has at
+    most two significant bits. In the interpreter (fp32 dots; its bf16 flushes subnormals) to
+    fp16 bits times 2**(s - 127 + 14) in fp32."""
+    a_off = a_rows.to(tl.int64)[:, None] * KP
+    r = rows.to(tl.int64)[:, None]
+    c = tl.arange(0, BLOCK_K // 8)
+    for k0 in range(0, K, BLOCK_K):
+        kw = k0 // 8 + c
+        q = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
+                    mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :], other=0)
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_ptr + r * stride_s + kg[None, :],
+                    mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
+        if DOT_DTYPE == tl.bfloat16:
+            sc = tl.where(s == 0, 0x40, s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            sc = ((s + 14) << 23).to(tl.float32, bitcast=True)
+        sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4)).reshape(q.shape)
+        for j in tl.static_range(8):
+            xj = tl.load(xp_ptr + a_off + (k0 + (BLOCK_K // 8) * j + c)[None, :],
+                         mask=a_ok[:, None], other=0.0)
+            if DOT_DTYPE == tl.bfloat16:
+                w = (((q << (28 - 4 * j)) >> 22) & 0x81C0).to(tl.uint16)
+                w = (w.to(tl.bfloat16, bitcast=True) * 2.0**126).to(tl.bfloat16) * sc
+                acc = tl.dot(w, tl.trans(xj.to(tl.bfloat16)), acc)
+            else:
+                w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
+                w = w.to(tl.float16, bitcast=True).to(tl.float32) * sc
+                acc = tl.dot(w, tl.trans(xj.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _prefill_gate_up(xp_ptr, order_ptr, off_ptr, q_ptr, s_ptr, b_ptr, act_ptr, E, H, HP, N, IP,
+                     stride_qe, stride_q, stride_se, stride_s, alpha, limit, TOPK: tl.constexpr,
+                     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e) for a tile of BLOCK_M sorted rows
+    and BLOCK_N weight rows; x comes phase-permuted ([T, HP]) and act goes out phase-permuted
+    ([pairs, IP]) for `_prefill_down`."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
     if row0 >= row_end:
         return
-    r = row0 + tl.arange(0, BLOCK_M)
-    ok = r < row_end
-    slot = tl.load(order_ptr + r, mask=ok, other=0)
+    m = row0 + tl.arange(0, BLOCK_M)
+    ok = m < row_end
+    tok = tl.load(order_ptr + m, mask=ok, other=0) // TOPK
+    pid_n = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = tl.trans(_mx_gemm_wx(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), xp_ptr, tok, ok, HP, H,
+                               q_ptr + e * stride_qe, s_ptr + e * stride_se, stride_q, stride_s,
+                               rows, row_ok, BLOCK_K, DOT_DTYPE))
+    bias = tl.load(b_ptr + e * N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    y = _swiglu(acc + bias[None, :], alpha, limit, BLOCK_M, BLOCK_N)
+    half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_ptr + m.to(tl.int64)[:, None] * IP + _permuted(half, BLOCK_K)[None, :],
+             y.to(act_ptr.dtype.element_ty), mask=ok[:, None] & (half < N // 2)[None, :])
+
+
+@triton.jit
+def _prefill_down(act_ptr, order_ptr, off_ptr, wts_ptr, q_ptr, s_ptr, b_ptr, y_ptr, E, I, IP, H,
+                  stride_qe, stride_q, stride_se, stride_s, E_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """y[pair] = w_pair * (act[sorted row] @ down_e.T + b_e), fp32, stored transposed from the
+    [BLOCK_N, BLOCK_M] accumulator (no layout conversion)."""
+    e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
+    if row0 >= row_end:
+        return
+    m = row0 + tl.arange(0, BLOCK_M)
+    ok = m < row_end
+    slot = tl.load(order_ptr + m, mask=ok, other=0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
-    acc = _mx_gemm(
-        tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-        act_ptr,
-        r,
-        ok,
-        I,
-        q_ptr + e * stride_qe,
-        s_ptr + e * stride_se,
-        stride_q,
-        stride_s,
-        rows,
-        row_ok,
-        BLOCK_K,
-        DOT_DTYPE,
-    )
+    acc = _mx_gemm_wx(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), act_ptr, m, ok, IP, I,
+                      q_ptr + e * stride_qe, s_ptr + e * stride_se, stride_q, stride_s, rows,
+                      row_ok, BLOCK_K, DOT_DTYPE)
     bias = tl.load(b_ptr + e * H + rows, mask=row_ok, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-    tl.store(
-        y_ptr + slot.to(tl.int64)[:, None] * H + rows[None, :],
-        (acc + bias[None, :]) * wt[:, None],
-        mask=ok[:, None] & row_ok[None, :],
-    )
+    tl.store(y_ptr + slot.to(tl.int64)[None, :] * H + rows[:, None],
+             (acc + bias[:, None]) * wt[None, :], mask=ok[None, :] & row_ok[:, None])
 
 
 @triton.jit
@@ -456,6 +453,16 @@ def moe_prefill(
     return out
 
 
+def _permute_columns(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [R, K] -> [R, KP], KP = K in whole K tiles (zero columns added): within each tile,
+    column (block_k/8) j + w holds x's column 8w + j, so each code phase j of the grouped GEMMs
+    reads one contiguous slice (`_permuted` says where a column goes)."""
+    r, k = x.shape
+    kp = triton.cdiv(k, block_k) * block_k
+    xp = torch.nn.functional.pad(x, (0, kp - k))
+    return xp.view(r, kp // block_k, block_k // 8, 8).transpose(2, 3).reshape(r, kp)
+
+
 def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w: ExpertWeights, config: PrefillConfig | None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by grouped GEMMs."""
@@ -466,54 +473,26 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     y = _empty((pairs, h), torch.float32, x.device)
     if t == 0:
         return y
-    x = x.contiguous()
+    xp = _permute_columns(x, cfg.block_k)
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     bounds = torch.arange(e + 1, device=x.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, bounds)  # [E+1]: first sorted row of each expert
-    act = _empty((pairs, i), x.dtype, x.device)
+    bk = cfg.block_k
+    ip = triton.cdiv(i, bk) * bk
+    act = _empty((pairs, ip), x.dtype, x.device)  # phase-permuted, as down reads it
+    if ip > i:  # the padding: columns 8w + j >= i of the last K tile, at (bk/8) j + w
+        act.view(pairs, ip // bk, 8, bk // 8)[:, -1, :, (i % bk) // 8:] = 0
     n_tiles = triton.cdiv(pairs, cfg.block_m) + e  # static bound on sum_e ceil(count_e / BLOCK_M)
-    common = {
-        "E_PAD": triton.next_power_of_2(e),
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_K": cfg.block_k,
-        "DOT_DTYPE": _dot_dtype(x),
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-    }
+    common = dict(E_PAD=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+                  DOT_DTYPE=_dot_dtype(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _prefill_gate_up[(n_tiles, triton.cdiv(2 * i, cfg.block_n1))](
-        x,
-        order,
-        offsets,
-        w.gate_up_blocks,
-        w.gate_up_scales,
-        w.gate_up_bias,
-        act,
-        e,
-        h,
-        2 * i,
-        *_strides(w.gate_up_blocks, w.gate_up_scales),
-        float(w.alpha),
-        float(w.limit),
-        TOPK=k,
-        BLOCK_N=cfg.block_n1,
-        **common,
-    )
+        xp, order, offsets, w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, act, e, h,
+        xp.shape[1], 2 * i, ip, *_strides(w.gate_up_blocks, w.gate_up_scales), float(w.alpha),
+        float(w.limit), TOPK=k, BLOCK_N=cfg.block_n1, **common)
     _prefill_down[(n_tiles, triton.cdiv(h, cfg.block_n2))](
-        act,
-        order,
-        offsets,
-        topk_weights.contiguous().view(-1),
-        w.down_blocks,
-        w.down_scales,
-        w.down_bias,
-        y,
-        e,
-        i,
-        h,
-        *_strides(w.down_blocks, w.down_scales),
-        BLOCK_N=cfg.block_n2,
-        **common,
-    )
+        act, order, offsets, topk_weights.contiguous().view(-1), w.down_blocks, w.down_scales,
+        w.down_bias, y, e, i, ip, h, *_strides(w.down_blocks, w.down_scales),
+        BLOCK_N=cfg.block_n2, **common)
     return y
 
 
