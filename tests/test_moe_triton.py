@@ -407,3 +407,18 @@ def test_the_grouped_gemms_read_each_code_phase_as_one_slice():
         moved = torch.zeros_like(xp)
         moved[:, at[:200].long()] = x
         assert torch.equal(moved, xp)
+
+
+@pytest.mark.parametrize("h,i", [(160, 96), (96, 160)])
+def test_grouped_gemms_with_k_tails_on_both_projections(h, i):
+    """K tiles of 128 over H and I that leave a last tile of one or three scale blocks (as a
+    tensor-parallel rank's I = 1440 does): x and down's input are padded with zero columns
+    (the workspace starts as NaN, so an unzeroed pad cannot pass)."""
+    gen = torch.Generator().manual_seed(h + i)
+    w = small_weights(gen, E, h, i)
+    t = 24
+    x = (torch.randn(t, h, generator=gen) * 2).to(DEVICE, DTYPE)
+    weights, ids = routing(gen, t)
+    cfg = mt.PrefillConfig(block_m=16, block_n1=32, block_n2=32, block_k=128, num_warps=4)
+    out = mt.moe_prefill(x, weights, ids, w, cfg)
+    assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
