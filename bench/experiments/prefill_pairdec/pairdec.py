@@ -160,11 +160,8 @@ def prefill_pairs_dec(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     offsets = torch.searchsorted(sorted_ids, bounds)
     ip = triton.cdiv(i, bk) * bk
     act = torch.empty(pairs, ip, dtype=x.dtype, device=x.device)
-    if ip > i:  # the padding: x's columns >= i of the last tile, wherever they land
-        pad = torch.arange(i, ip, device=x.device)
-        r = pad % bk
-        at = pad - r + (bk // 4) * (r % 8 % 4) + 2 * (r // 8) + (r % 8) // 4
-        act[:, at] = 0
+    if ip > i:  # the padding: words w >= (i % bk) / 8 of the last K tile, in every pair phase
+        act.view(pairs, ip // bk, 4, bk // 8, 2)[:, -1, :, (i % bk) // 8:] = 0
     n_tiles = triton.cdiv(pairs, cfg.block_m) + e
     common = dict(E_PAD=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_K=bk,
                   DOT_DTYPE=mt._dot_dtype(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
