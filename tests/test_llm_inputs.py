@@ -30,6 +30,14 @@ def test_vllm_prompt_dicts_match_plain_forms(tiny_llm):
     assert streamed[-1].outputs[0].token_ids == want[0]
 
 
+def test_a_text_prompt_reads_special_token_names_as_vllm_does(tiny_llm):
+    text = "<|start|>user<|message|>Hello<|end|><|start|>assistant"
+    ids = tiny_llm.tokenizer.encode_prompt(text)
+    assert len(ids) == 7 and sum(map(tiny_llm.tokenizer.is_special, ids)) == 4
+    by_text, by_ids = tiny_llm.generate([text, ids], GREEDY, use_tqdm=False)
+    assert by_text.prompt_token_ids == ids and tokens([by_text]) == tokens([by_ids])
+
+
 @pytest.mark.parametrize(
     "prompts, error, match",
     [

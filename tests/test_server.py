@@ -349,6 +349,21 @@ def test_completions_prompt_forms_and_echo(srv, client):
     assert echo.choices[0].text == "Hello" + r.choices[0].text
 
 
+def test_completions_read_special_token_names_as_vllm_does(srv, client):
+    """A harmony prompt rendered by the client and sent as text is the same tokens as its ids
+    (transformers, and so vLLM, split special-token names out of a prompt)."""
+    text = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    ids = srv.tokenizer.encode_prompt(text)
+    assert sum(srv.tokenizer.is_special(i) for i in ids) == 4 and len(ids) == 7
+    kw = dict(model="tiny", max_tokens=5, seed=1, temperature=0.9)
+    by_text = client.completions.create(prompt=text, **kw)
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert by_text.usage.prompt_tokens == len(ids)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    echo = client.completions.create(prompt=text, echo=True, **kw)
+    assert echo.choices[0].text == text + by_ids.choices[0].text
+
+
 def test_completions_logprobs_stream_equals_non_stream(client):
     kw = {"model": "tiny", "prompt": "Once upon", "max_tokens": 6, "seed": 9, "logprobs": 3}
     whole = client.completions.create(**kw).choices[0]
@@ -877,6 +892,7 @@ def test_text_without_cut_points_is_tokenized_off_the_event_loop():
             self.threads, self.main = [], threading.main_thread()
 
         pieces = staticmethod(lambda text, size: iter([text]))
+        split_special = staticmethod(lambda text: [text])
 
         def encode(self, text):
             self.threads.append((len(text), True, threading.current_thread() is self.main))

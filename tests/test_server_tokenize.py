@@ -51,12 +51,12 @@ TEXTS = ["Hello, world!", "héllo wörld 🤖 你好 <|start|> tabs\tand\nnewlin
 def test_prompt_round_trip(srv, text):
     out = ok(post(srv, "/tokenize", {"prompt": text}))
     assert set(out) == {"count", "max_model_len", "tokens", "token_strs"}
-    assert out["tokens"] == srv.tokenizer.encode(text)
+    assert out["tokens"] == srv.tokenizer.encode_prompt(text)
     assert out["count"] == len(out["tokens"]) and out["max_model_len"] == TINY.max_model_len
     assert out["token_strs"] is None
     assert ok(post(srv, "/detokenize", {"tokens": out["tokens"]})) == {"prompt": text}
-    # special-token look-alikes typed by a user stay text: never a special id
-    assert not any(srv.tokenizer.is_special(t) for t in out["tokens"])
+    # a special token's name in a prompt is that token, as vLLM reads it
+    assert any(srv.tokenizer.is_special(t) for t in out["tokens"]) == ("<|start|>" in text)
 
 
 def test_token_strs_and_options(srv):

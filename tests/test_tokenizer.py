@@ -106,11 +106,25 @@ def test_transformers_autotokenizer_loads_folder(folder: Path, tok: Tokenizer) -
         "<|return|>",
         "<|endoftext|>",
     )
-    for text in TEXTS:
-        if "<|" in text:  # transformers matches typed special tokens; tinyoss does not
-            continue
-        assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+    raw = ["a<|call|>b<|return|>", "<|start|>", "<|reserved_200013|>x", "<|end|><|start|>"]
+    for text in TEXTS + raw:
+        # transformers reads typed special-token names as those tokens (a raw prompt, as
+        # vLLM reads it: `encode_prompt`); `encode` (chat content) keeps them text
+        assert hf.encode(text, add_special_tokens=False) == tok.encode_prompt(text)
+        if "<|" not in text:
+            assert tok.encode(text) == tok.encode_prompt(text)
     assert hf.convert_tokens_to_ids("<|start|>") == T.START
+
+
+def test_raw_prompts_name_special_tokens(tok: Tokenizer) -> None:
+    text = "<|start|>user<|message|>hi<|end|><|start|>assistant"
+    assert tok.split_special(text) == [T.START, "user", T.MESSAGE, "hi", T.END, T.START,
+                                       "assistant"]
+    assert tok.encode_prompt(text) == [200006, 1428, 200008, 3686, 200007, 200006, 173781]
+    assert tok.split_special("") == [""] and tok.encode_prompt("") == []
+    assert tok.split_special("<|start") == ["<|start"]  # half a name is text
+    # an id past the published file's list has no name to type: text, as in transformers
+    assert not any(tok.is_special(i) for i in tok.encode_prompt("<|reserved_201000|>"))
 
 
 def test_written_files(tmp_path: Path) -> None:

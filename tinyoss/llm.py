@@ -131,7 +131,7 @@ class LLM:
         """Queues one checked prompt; returns its request id. The engine's own refusals (empty,
         outside the vocabulary, too long) are prefixed with `where`, the prompt's place."""
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         with self._lock:
             if self._closed:
                 raise RuntimeError("this LLM was closed: start a new one to generate")

@@ -85,6 +85,11 @@ class Tokenizer:
         }
         self._special.update((i, f"<|reserved_{i}|>") for i in range(listed, self.vocab_size))
         self._special_ids = {name: i for i, name in self._special.items()}
+        # the names a raw prompt may spell its special tokens with: every token the
+        # tokenizer.json adds, longest first, as transformers (and so vLLM) split them out
+        added = {t.content: i for i, t in hf.get_added_tokens_decoder().items()}
+        self._added = added
+        self._added_re = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))))
         self._byte_of = {c: b for b, c in enumerate(byte_to_unicode())}
         self._bytes: dict[int, bytes] = {}
 
@@ -111,6 +116,28 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """BPE ids of `text`; special-token look-alikes in it are encoded as ordinary text."""
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    def split_special(self, text: str) -> list[str | int]:
+        """`text` as plain-text runs and the ids of the special-token names in it
+        ("a<|end|>b" -> ["a", 200007, "b"]): how a raw prompt (completions, `LLM.generate`) is
+        read, as vLLM reads one. Chat content never goes through here: typed there, "<|end|>"
+        stays text."""
+        out: list[str | int] = []
+        start = 0
+        for m in self._added_re.finditer(text) if self._added else ():
+            if m.start() > start:
+                out.append(text[start : m.start()])
+            out.append(self._added[m.group()])
+            start = m.end()
+        if start < len(text) or not out:
+            out.append(text[start:])
+        return out
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a raw prompt: `encode` of its text runs, its special-token names as those
+        tokens (`split_special`)."""
+        return [i for part in self.split_special(text)
+                for i in ([part] if isinstance(part, int) else self.encode(part))]
 
     def encode_released(self, text: str) -> list[int]:
         """`encode`, releasing the GIL meanwhile (tokenizers' batch call does, its single call

@@ -158,6 +158,9 @@ class Prepared:
     echo: list[str] | None = None  # completions: text put before each prompt's choices
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
+    # a raw prompt's text names special tokens ("<|start|>"), read as those tokens as vLLM
+    # reads them; chat text never does
+    special_names: bool = False
     prompts: list[list[int]] = field(default_factory=list)
 
 
@@ -323,7 +326,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     _check_chars(sources, info.max_model_len, "prompt")
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
-                    return_token_ids=bool(req.return_token_ids))
+                    return_token_ids=bool(req.return_token_ids), special_names=True)
 
 
 def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:
@@ -347,7 +350,9 @@ def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:
         req = validate(TokenizeCompletionRequest, body)
         segments, what = [req.prompt], "prompt"
     _check_chars([segments], info.max_model_len, what)
-    return Prepared([segments], what, SamplingParams(max_tokens=None)), bool(req.return_token_strs)
+    prep = Prepared([segments], what, SamplingParams(max_tokens=None),
+                    special_names=what == "prompt")
+    return prep, bool(req.return_token_strs)
 
 
 def parse_detokenize(body: dict, info: EngineInfo) -> list[int]:
@@ -367,7 +372,9 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
     loop running between them; refuses a prompt as soon as it cannot fit the context."""
     for source in prep.sources:
         ids: list[int] = []
-        for segment in source:
+        for segment in (part for seg in source for part in (
+                tokenizer.split_special(seg) if prep.special_names and isinstance(seg, str)
+                else (seg,))):
             if isinstance(segment, int):
                 ids.append(segment)
                 continue
