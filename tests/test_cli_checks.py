@@ -280,6 +280,25 @@ def test_os_errors_and_ctrl_c_are_one_line(tmp_path, capsys, monkeypatch):
     assert e.value.code == 130 and "tinyoss generate: interrupted" in err
 
 
+def test_output_piped_into_a_reader_that_leaves_ends_quietly():
+    """`tinyoss generate ... | head -c 5`: once the reader has gone, the command stops with
+    status 141 (128 + SIGPIPE, as `yes | head` does) and no BrokenPipeError traceback."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinyoss", "generate", "Hello", "--max-tokens", "4000",
+         "--temperature", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout.read(5)  # the first text: generation has started
+    proc.stdout.close()
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
 def test_the_logged_url_can_be_pasted():
     """An IPv6 host is bracketed in the URL the server logs (it had read http://::1:8000/v1)."""
     from tinyoss.server.cli import base_url

@@ -385,6 +385,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C while loading or generating: no torch traceback
         print(f"tinyoss {args.command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError:  # `tinyoss generate ... | head`: the reader left, so stop quietly,
+        # as `yes | head` does; stdout goes to /dev/null first, or Python's flush at exit
+        # would raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None  # 128 + SIGPIPE: what a shell reports for `yes`
 
 
 if __name__ == "__main__":
