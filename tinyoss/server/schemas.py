@@ -239,7 +239,7 @@ class ResponseFormatJsonSchema(_Body):
 ResponseFormat = _by_type(
     ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
     '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-    '{"name": N, "schema": SCHEMA}}, SCHEMA a JSON schema object',
+    '{"name": N, "schema": SCHEMA}}, SCHEMA a JSON schema object (left out: any JSON object)',
 ) | None
 
 
@@ -675,7 +675,7 @@ class TextFormatJsonSchema(_Body):
 TextFormat = _by_type(
     TextFormatText | TextFormatJsonObject | TextFormatJsonSchema,
     '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name": N, '
-    '"schema": SCHEMA}, SCHEMA a JSON schema object',
+    '"schema": SCHEMA}, SCHEMA a JSON schema object (left out: any JSON object)',
 ) | None
 
 
