@@ -38,6 +38,9 @@ _VACUOUS_INCLUDES = (
     "message.input_image.image_url",
     "computer_call_output.output.image_url",
     "code_interpreter_call.outputs",
+    # stateless clients (store: false) ask for it; reasoning comes back as plain reasoning_text,
+    # which they send back as it came
+    "reasoning.encrypted_content",
 )
 _LOGPROBS = "message.output_text.logprobs"  # output_text's logprobs: the answer's tokens'
 # What a stored response holds, as `footprint` counts it: the response's own fields, and each
@@ -46,10 +49,6 @@ _LOGPROBS = "message.output_text.logprobs"  # output_text's logprobs: the answer
 _RESPONSE_BYTES = 16384
 _ENTRY_BYTES = 640
 _ALTERNATIVE_BYTES = 448
-_REFUSED_INCLUDES = {
-    "reasoning.encrypted_content": "reasoning is not encrypted here: reasoning items carry it "
-    "as plain reasoning_text; send them back as they are, or use previous_response_id",
-}
 # chat fields (in parse_chat's errors) -> the Responses fields they came from
 _RENAMES = (
     ("max_completion_tokens", "max_output_tokens"),
@@ -216,11 +215,6 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
 
 def _check_include(include: list[str]) -> None:
     for i, value in enumerate(include):
-        _need(
-            value not in _REFUSED_INCLUDES,
-            f"include[{i}]",
-            f"include[{i}]={value!r} is not supported: {_REFUSED_INCLUDES.get(value)}",
-        )
         _need(
             value in _VACUOUS_INCLUDES or value == _LOGPROBS,
             f"include[{i}]",
@@ -699,7 +693,8 @@ class ResponseRun:
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         self.usage = {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": cached},
+            # nothing is written to a cache that is billed apart: 0, as OpenAI's types need it
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": output.parser.reasoning_tokens},
             "total_tokens": usage["total_tokens"],

@@ -1057,6 +1057,7 @@ class FunctionToolOut(_Out):
 
 class InputTokensDetails(_Out):
     cached_tokens: int = Field(description="Input tokens whose KV came from the prefix cache.")
+    cache_write_tokens: int = Field(description="Always 0: no cache here is written apart.")
 
 
 class OutputTokensDetails(_Out):
