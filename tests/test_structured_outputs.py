@@ -269,6 +269,19 @@ def test_tool_choice_required_and_named_force_valid_calls(llm, choice):
         assert r.output.outputs[0].token_ids[-1] == harmony.CALL
 
 
+def test_a_forced_call_of_a_function_without_parameters_takes_none(llm):
+    """OpenAI: a function whose `parameters` are left out takes none, so its arguments are {}
+    (they had been any JSON object: `{"=>": [{}]}` came back)."""
+    bare = {"type": "function", "function": {"name": "noparams"}}
+    replies = llm.chat(
+        [HI] * 3, [SamplingParams(max_tokens=60, seed=s) for s in range(1, 4)], tools=[bare],
+        tool_choice={"type": "function", "function": {"name": "noparams"}},
+        thinking_token_budget=2, use_tqdm=False,
+    )
+    for r in replies:
+        assert r.finish_reason == "tool_calls" and json.loads(r.tool_calls[0].arguments) == {}
+
+
 def test_a_zero_budget_answers_at_once(llm):
     (reply,) = llm.chat(HI, SamplingParams(max_tokens=50, seed=3), thinking_token_budget=0,
                         response_format={"type": "json_object"}, use_tqdm=False)  # fmt: skip

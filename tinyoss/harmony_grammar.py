@@ -151,7 +151,10 @@ def _forced_tools(tools: list[dict], tool_choice: Any) -> list[dict] | None:
 def _arguments_schema(schema: dict | None, lenient: bool, index: int) -> dict:
     """A tool's arguments grammar. A call the reply must make follows its schema exactly (400
     when it cannot be enforced); one the model may choose follows what can be enforced of it,
-    or is any JSON object."""
+    or is any JSON object. A function without `parameters` takes none, as OpenAI defines it
+    (and as the model is shown it: `() => any`): its arguments are `{}`."""
+    if schema is None:
+        schema = {"type": "object", "properties": {}, "additionalProperties": False}
     schema = schema or {"type": "object"}
     try:
         _check(StructuredOutputs(json=schema), f"tools[{index}].function.parameters")
