@@ -102,6 +102,33 @@ def test_serve_port_check_comes_first(capsys, monkeypatch):
     assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
 
 
+def test_uvicorn_log_flags_reach_uvicorn(monkeypatch):
+    """vLLM's --uvicorn-log-level and --disable-uvicorn-access-log set uvicorn's (they were a
+    no-op and a refusal: health probes logged a line each, whatever was asked)."""
+    import uvicorn
+
+    import tinyoss.server.app as app_module
+
+    seen = []
+
+    class Server:
+        def __init__(self, config):
+            seen.append(config)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    monkeypatch.setattr(app_module, "create_app", lambda *a, **k: object())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli.main(["serve", "tiny", "--port", str(port), "--uvicorn-log-level", "warning",
+              "--disable-uvicorn-access-log"])
+    cli.main(["serve", "tiny", "--port", str(port)])
+    assert [(c.log_level, c.access_log) for c in seen] == [("warning", False), ("info", True)]
+
+
 @pytest.mark.parametrize("command", [["serve", "tiny"], ["chat", "hi"], ["generate", "hi"]])
 def test_device_cuda_without_a_gpu(command, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_cuda_available", lambda: False)

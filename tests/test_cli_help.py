@@ -144,9 +144,25 @@ def test_errors_are_short_and_point_to_help(capsys):
         cli.main(["serve", "--max-num-seqs", "many"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "tinyoss serve: error: argument --max-num-seqs: invalid int value: 'many'" in err
+    assert ("tinyoss serve: error: argument --max-num-seqs: invalid integer 'many': give one "
+            "such as 32768, 32k (32,000) or 32K (32,768)") in err
     assert "`tinyoss serve --help` lists the flags" in err
     assert "usage:" not in err  # not serve's fifty lines of usage
+
+
+def test_vllm_spellings_of_values():
+    """vLLM's `--max-model-len 32k` (32,000), `32K` (32,768) and `--dtype half` mean what they
+    mean there; a fraction of a token is refused."""
+    parse = cli.build_parser().parse_known_args
+    args, _ = parse(["serve", "tiny", "--max-model-len", "32k", "--max-num-batched-tokens", "8K",
+                     "--dtype", "half"])
+    assert (args.max_model_len, args.max_num_batched_tokens, args.dtype) == (32000, 8192,
+                                                                             "float16")
+    assert parse(["serve", "--dtype", "float", "--max-model-len", "1.5k"])[0].dtype == "float32"
+    assert cli.human_int("25.6k") == 25600 and cli.human_int("2M") == 2 * 2**20
+    for bad in ("1.5K", "3.3", "x1k", ""):
+        with pytest.raises(Exception, match="invalid integer"):
+            cli.human_int(bad)
 
 
 def test_unknown_flag_names_it_and_the_vllm_table(capsys):

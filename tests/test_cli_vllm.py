@@ -46,6 +46,10 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         ["--swap-space", "4"],
         ["--task", "generate"],
         ["--runner", "auto"],
+        ["--stream-interval", "20"],
+        ["--max-cudagraph-capture-size", "2048"],
+        ["--enable-log-requests"],
+        ["--max-log-len", "100"],
     ],
 )
 def test_harmless_vllm_flags_are_accepted_and_noted(argv):
@@ -78,6 +82,8 @@ def test_the_parser_flags_say_harmony():
         (["--download-dir", "/data"], ["--download-dir /data", "HF_HUB_CACHE"]),
         (["--max-logprobs", "50"], ["--max-logprobs 50", "at most 20"]),
         (["--task", "embed"], ["--task embed", "only auto or generate", "text generation"]),
+        (["--tool-server", "demo"], ["--tool-server demo", "function tools"]),
+        (["--config", "GPT-OSS_Hopper.yaml"], ["--config GPT-OSS_Hopper.yaml", "command line"]),
     ],
 )
 def test_vllm_flags_that_would_change_results_are_refused(argv, names, capsys):

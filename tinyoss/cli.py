@@ -91,6 +91,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_dataclass_args(p.add_argument_group("engine options"), EngineConfig)
 
 
+_SPELLINGS = {"dtype": {"half": "float16", "float": "float32"}}  # vLLM's other names of values
+_HUMAN_INT = re.compile(r"(-?\d+(?:\.\d+)?)([kmgKMG]?)")
+_MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int:
+    """An integer flag's value as vLLM reads it: 32768, 32k (32,000), 32K (32,768), 1.5m."""
+    m = _HUMAN_INT.fullmatch(text.strip())
+    value = float(m[1]) * _MULTIPLIERS[m[2]] if m else 0.5
+    if value != int(value) or (m and "." in m[1] and m[2].isupper()):
+        raise argparse.ArgumentTypeError(
+            f"invalid integer {text!r}: give one such as 32768, 32k (32,000) or 32K (32,768)")
+    return int(value)
+
+
 def add_dataclass_args(group: argparse._ArgumentGroup, cls: type) -> None:
     """One flag per field of an options dataclass (but `model`), from its `option` metadata."""
     for f in dataclasses.fields(cls):
@@ -99,8 +114,10 @@ def add_dataclass_args(group: argparse._ArgumentGroup, cls: type) -> None:
         kwargs: dict = {"dest": f.name, "default": f.default, "choices": f.metadata["choices"]}
         if f.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name in _SPELLINGS:
+            kwargs["type"] = lambda v, names=_SPELLINGS[f.name]: names.get(v, v)
         else:
-            kwargs["type"] = int if "int" in f.type else float if "float" in f.type else str
+            kwargs["type"] = human_int if "int" in f.type else float if "float" in f.type else str
         default = "" if f.default is None else f" (default: {f.default})"
         group.add_argument(
             "--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()),

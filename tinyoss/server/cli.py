@@ -71,6 +71,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "env VLLM_API_KEY; neither set: no key)",
     )
     p.add_argument(
+        "--uvicorn-log-level", default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level, as vLLM's flag sets it (tinyoss's own lines are at info)",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log", action="store_true",
+        help="no line a request (health probes included), as vLLM's flag (default: off)",
+    )
+    p.add_argument(
         "--max-stored-responses",
         type=int,
         default=1000,
@@ -275,7 +284,8 @@ def serve(args: argparse.Namespace) -> None:
             _cut_off_quietly(app),
             host=args.host,
             port=args.port,
-            log_level="info",
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
             http=limited_http(limits),
             timeout_keep_alive=limits.timeout_keep_alive,
             # uvicorn waits for every request in flight before shutting down, with no limit:

@@ -48,7 +48,14 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "tinyoss always prefills long prompts in chunks of --max-num-batched-tokens"),
     VllmFlag(("--swap-space",), True, ANY,
              "tinyoss never swaps the KV cache to the CPU: a preempted sequence is recomputed"),
-    VllmFlag(("--uvicorn-log-level",), True, ANY, "the server logs at level info"),
+    VllmFlag(("--enable-log-requests",), False, ANY, "tinyoss never logs prompts or outputs"),
+    VllmFlag(("--enable-log-outputs",), False, ANY, "tinyoss never logs prompts or outputs"),
+    VllmFlag(("--max-log-len",), True, ANY, "tinyoss never logs prompts or outputs"),
+    VllmFlag(("--stream-interval",), True, ANY,
+             "a stream sends each engine step's new text as one chunk, as soon as it is made"),
+    VllmFlag(("--max-cudagraph-capture-size",), True, ANY,
+             "tinyoss sizes its decode graphs by --max-num-seqs and its piecewise prefill "
+             "graphs by --max-prefill-graph-tokens"),
     VllmFlag(("--generation-config",), True, ("auto", "vllm"),
              "gpt-oss's generation_config.json sets no sampling defaults; tinyoss's are "
              "OpenAI's (temperature 1, top_p 1): give sampling parameters in each request"),
@@ -79,6 +86,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--download-dir",), True, (),
              "set HF_HUB_CACHE (or HF_HOME) to choose where hub downloads go"),
     VllmFlag(("--enable-lora",), False, (), "LoRA adapters are not supported yet"),
+    VllmFlag(("--tool-server",), True, (),
+             "gpt-oss's built-in browser and python tools are not served: give function "
+             "tools in each request"),
+    VllmFlag(("--config",), True, (), "give the flags on the command line"),
     VllmFlag(("--cpu-offload-gb",), True, (),
              "offloading weights to the CPU is not supported"),
 )
