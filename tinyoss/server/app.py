@@ -77,6 +77,7 @@ class ServerState:
         limits: ServerLimits,
     ) -> None:
         self.config, self.model_name, self.api_key = config, model_name, api_key
+        self.names = (model_name,)  # every name clients may send, model_name first
         self.limits = limits
         self.logprobs = LogprobBudget(_gib(limits.max_logprob_memory))
         self.on_fatal = on_fatal
@@ -102,6 +103,11 @@ class ServerState:
                 log.error("loading the model failed: %s", e)
             if self.on_fatal is not None:
                 self.on_fatal(str(e))
+
+    def unknown_model(self, name: str) -> APIError:
+        also = "".join(f", or `{n}`" for n in self.names[1:])
+        return APIError(404, f"The model `{_clip(name)}` does not exist (this server serves "
+                        f"`{self.model_name}`{also}).", param="model", code="model_not_found")
 
     def ready(self) -> CoreClient:
         client = self.client
@@ -680,6 +686,7 @@ def create_app(
     config: EngineConfig,
     *,
     model_name: str,
+    aliases: tuple[str, ...] = (),
     api_key: str | None = None,
     on_fatal: Callable[[str], None] | None = None,
     limits: ServerLimits | None = None,
@@ -689,9 +696,11 @@ def create_app(
     """The server app; its engine core starts in a process of its own once the app starts.
     `on_fatal` is called when no core can run (a failed load, a failed restart). `cors`: None,
     no CORS headers at all. `max_stored_responses`: how many /v1/responses answers are kept
-    (LRU) for GET and previous_response_id; 0 keeps none."""
+    (LRU) for GET and previous_response_id; 0 keeps none. `aliases`: more names clients may send
+    for the model (vLLM's several --served-model-name); answers name `model_name`."""
     limits = limits or ServerLimits()
     state = ServerState(config, model_name, api_key, on_fatal, limits)
+    state.names = (model_name, *(a for a in dict.fromkeys(aliases) if a != model_name))
     store = ResponseStore(max_stored_responses)
 
     def authorized(request: Request) -> bool:
@@ -767,14 +776,8 @@ def create_app(
         name = body.get("model")
         if name is not None and not isinstance(name, str):
             raise APIError(400, f"model must be a string, not {_clip(name)}", param="model")
-        if name is not None and name != state.model_name:
-            raise APIError(
-                404,
-                f"The model `{_clip(name)}` does not exist (this server serves "
-                f"`{state.model_name}`).",
-                param="model",
-                code="model_not_found",
-            )
+        if name is not None and name not in state.names:
+            raise state.unknown_model(name)
         return body
 
     async def prepare(request: Request, parse: Callable) -> tuple[CoreClient, Prepared]:
@@ -907,23 +910,22 @@ def create_app(
         text = await asyncio.to_thread(decode, ids) if len(ids) > 1 << 16 else decode(ids)
         return JSONResponse({"prompt": text})
 
-    def model_card() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created}
+    def model_card(name: str) -> dict:
+        card = {"id": name, "object": "model", "created": state.created}
         card["owned_by"] = "tinyoss"
         if state.client is not None and state.client.info is not None:
             card["max_model_len"] = state.client.info.max_model_len
         return card
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in state.names]})
 
     async def model(request: Request) -> Response:
         """GET /v1/models/{id} (the openai client's models.retrieve)."""
         name = request.path_params["id"]
-        if name != state.model_name:
-            raise APIError(404, f"The model `{_clip(name)}` does not exist (this server serves "
-                           f"`{state.model_name}`).", param="model", code="model_not_found")
-        return JSONResponse(model_card())
+        if name not in state.names:
+            raise state.unknown_model(name)
+        return JSONResponse(model_card(name))
 
     async def health(request: Request) -> Response:
         client, error = state.client, state.load_error

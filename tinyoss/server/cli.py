@@ -62,7 +62,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
-        "--served-model-name", default=None, help="the model name clients send (default: MODEL)"
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="the model name clients send (default: MODEL); several: any of them, answers "
+        "named by the first (as vLLM's flag)",
     )
     p.add_argument(
         "--api-key",
@@ -262,10 +264,11 @@ def serve(args: argparse.Namespace) -> None:
         fatal.append(why)
         server.should_exit = True
 
-    name = args.served_model_name or model
+    name, *aliases = args.served_model_name or [model]
     app = create_app(
         config,
         model_name=name,
+        aliases=tuple(aliases),
         api_key=key,
         on_fatal=on_fatal,
         limits=limits,
