@@ -219,6 +219,22 @@ def test_reasoning_and_answer(srv, client):
     assert joined["reasoning"] == joined["reasoning_content"] == "Let me think."
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(client):
+    """vLLM's `include_reasoning: false`: the same answer, without its reasoning, streamed or
+    not (the model still reasons: the usage counts those tokens)."""
+    kw = {"messages": user(ANSWER), "max_tokens": 64}
+    whole = client.chat.completions.create(model="tiny", **kw)
+    r = client.chat.completions.create(model="tiny", extra_body={"include_reasoning": False},
+                                       **kw)
+    msg = r.choices[0].message
+    assert msg.content == "Hello there, Paris!" and r.choices[0].finish_reason == "stop"
+    assert msg.model_extra["reasoning"] is None and msg.model_extra["reasoning_content"] is None
+    assert r.usage.completion_tokens == whole.usage.completion_tokens
+    joined, _ = stream_chat(client, extra_body={"include_reasoning": False}, **kw)
+    assert joined["content"] == msg.content and joined["finish"] == "stop"
+    assert joined["reasoning"] == joined["reasoning_content"] == ""
+
+
 def test_stop_strings_cut_the_answer_only(client):
     kw = {"messages": user(ANSWER), "stop": [", Par", "think"], "max_tokens": 64}
     r = client.chat.completions.create(model="tiny", **kw)

@@ -806,9 +806,10 @@ def create_app(
         client, prep = await prepare(request, parse_chat)
         tok, lp, keep = client.tokenizer, prep.params.logprobs, not prep.stream
         ids = prep.return_token_ids
-        choices: list[Choice] = [  # tool call ids are random even under a seed: ids a client
-            ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep)  # keys history by
-            for i in range(prep.params.n)  # are unique
+        # tool call ids are random even under a seed: ids a client keys history by are unique
+        choices: list[Choice] = [
+            ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep, prep.reasoning)
+            for i in range(prep.params.n)
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None
         run = Run(state, prep, "chat.completion", choices, top, keep_logprobs=keep)

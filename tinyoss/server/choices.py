@@ -85,9 +85,12 @@ class ChatChoice:
         logprobs: bool,
         token_ids: bool = False,
         keep_logprobs: bool = True,
+        reasoning: bool = True,
     ) -> None:
-        """`keep_logprobs`: keep the entries sent for `final` (False: a stream's)."""
+        """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `reasoning`:
+        send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons)."""
         self.index, self.tokenizer = index, tokenizer
+        self.reasoning = reasoning
         self.keep_logprobs = keep_logprobs
         self.ids = _TokenIds() if token_ids else None
         self.parser = harmony.HarmonyStreamParser(
@@ -138,7 +141,7 @@ class ChatChoice:
             release(out.logprobs, len(out.logprobs) if self.finish_reason else needed)
         if self.ids is not None:
             self.ids.all += out.token_ids[start : self.num_tokens]
-        delta = _delta(deltas)
+        delta = _delta([d for d in deltas if self.reasoning or d.kind != "reasoning"])
         if not (delta or self.finish_reason):
             return None
         lps_field = {"content": lps, "refusal": None} if lps else None
@@ -147,6 +150,7 @@ class ChatChoice:
 
     def final(self) -> dict:
         content, reasoning = ("".join(self.parts[k]) or None for k in ("content", "reasoning"))
+        reasoning = reasoning if self.reasoning else None
         message = {
             "role": "assistant",
             "content": content,

@@ -158,6 +158,7 @@ class Prepared:
     echo: list[str] | None = None  # completions: text put before each prompt's choices
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
+    reasoning: bool = True  # chat: the answer carries the reasoning (vLLM's include_reasoning)
     # a raw prompt's text names special tokens ("<|start|>"), read as those tokens as vLLM
     # reads them; chat text never does
     special_names: bool = False
@@ -208,7 +209,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     stops, params.stop = params.stop, []
     _check_chars([segments], info.max_model_len, "messages")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
-                    return_token_ids=bool(req.return_token_ids))
+                    return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning)
 
 
 def _path_in(message: str, field: str) -> str:

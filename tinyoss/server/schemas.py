@@ -437,6 +437,10 @@ class ChatCompletionRequest(_Sampling, ChatInput):
     thinking_token_budget: StrictInt | None = Field(
         None, ge=0, description="vLLM: tokens of reasoning at most (enforced by a grammar)."
     )
+    include_reasoning: StrictBool = Field(
+        True, description="vLLM: false leaves the reasoning out of the answer (the model still "
+        "reasons)."
+    )
     functions: list[dict[str, Any]] | None = Field(
         None, description="Legacy; not supported (empty only): use tools."
     )
