@@ -75,9 +75,11 @@ class ServerState:
         api_key: str | None,
         on_fatal: Callable[[str], None] | None,
         limits: ServerLimits,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.config, self.model_name, self.api_key = config, model_name, api_key
-        self.names = (model_name,)  # every name clients may send, model_name first
+        # every name clients may send, model_name first
+        self.names = (model_name, *(a for a in dict.fromkeys(aliases) if a != model_name))
         self.limits = limits
         self.logprobs = LogprobBudget(_gib(limits.max_logprob_memory))
         self.on_fatal = on_fatal
@@ -699,8 +701,7 @@ def create_app(
     (LRU) for GET and previous_response_id; 0 keeps none. `aliases`: more names clients may send
     for the model (vLLM's several --served-model-name); answers name `model_name`."""
     limits = limits or ServerLimits()
-    state = ServerState(config, model_name, api_key, on_fatal, limits)
-    state.names = (model_name, *(a for a in dict.fromkeys(aliases) if a != model_name))
+    state = ServerState(config, model_name, api_key, on_fatal, limits, aliases)
     store = ResponseStore(max_stored_responses)
 
     def authorized(request: Request) -> bool:

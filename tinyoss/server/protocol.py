@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -368,14 +369,22 @@ def parse_detokenize(body: dict, info: EngineInfo) -> list[int]:
     return tokens
 
 
+def _segments(prep: Prepared, source: list[harmony.Segment],
+              tokenizer: Tokenizer) -> Iterator[harmony.Segment]:
+    """A prompt's segments, a raw prompt's text split at its special-token names."""
+    for segment in source:
+        if prep.special_names and isinstance(segment, str):
+            yield from tokenizer.split_special(segment)
+        else:
+            yield segment
+
+
 async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> None:
     """Encodes `prep`'s prompts into `prep.prompts`, in pieces of a few ms each with the event
     loop running between them; refuses a prompt as soon as it cannot fit the context."""
     for source in prep.sources:
         ids: list[int] = []
-        for segment in (part for seg in source for part in (
-                tokenizer.split_special(seg) if prep.special_names and isinstance(seg, str)
-                else (seg,))):
+        for segment in _segments(prep, source, tokenizer):
             if isinstance(segment, int):
                 ids.append(segment)
                 continue
