@@ -329,7 +329,7 @@ def test_parse_functions_keep_their_contract():
 @pytest.mark.parametrize("field, value", [
     ("functions", []), ("function_call", "none"), ("audio", {}),
     ("prediction", {}), ("web_search_options", None), ("audio", None), ("logit_bias", {}),
-    ("modalities", ["text"]),
+    ("modalities", ["text"]), ("verbosity", "medium"),
 ])  # fmt: skip
 def test_unsupported_fields_pass_when_they_ask_for_nothing(field, value):
     """An empty list or object (as JSON has them) asks for nothing: the check had compared
@@ -341,7 +341,7 @@ def test_unsupported_fields_pass_when_they_ask_for_nothing(field, value):
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
     ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
     ("modalities", ["text", "audio"]), ("modalities", []), ("function_call", "auto"),
-    ("logit_bias", {"1": 5}),
+    ("logit_bias", {"1": 5}), ("verbosity", "low"),  # as Responses refuses text.verbosity
 ])  # fmt: skip
 def test_unsupported_fields_are_refused_when_they_ask(field, value):
     with pytest.raises(APIError) as e:

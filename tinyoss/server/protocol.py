@@ -64,6 +64,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": (({},), "tinyoss takes no predicted outputs (its speculative decoding "
                           "drafts its own)"),
     "web_search_options": ((), "tinyoss runs no web search"),
+    "verbosity": (("medium",), "gpt-oss has no verbosity control; leave it out (or 'medium'), "
+                               "or ask for brevity in the messages"),
     "prompt_logprobs": ((), "prompt logprobs are not served over HTTP (the Python API returns "
                             "them: SamplingParams(prompt_logprobs=k))"),
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "

@@ -448,6 +448,9 @@ class ChatCompletionRequest(_Sampling, ChatInput):
     audio: dict[str, Any] | None = Field(None, description="Not supported ({} only): text only.")
     modalities: list[StrictStr] | None = Field(None, description='Only ["text"] is supported.')
     prediction: dict[str, Any] | None = Field(None, description="Not supported ({} only).")
+    verbosity: StrictStr | None = Field(
+        None, description="medium only: gpt-oss has no verbosity control."
+    )
     web_search_options: dict[str, Any] | None = Field(
         None, description="Not supported ({} asks for a search)."
     )
