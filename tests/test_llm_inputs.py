@@ -167,6 +167,11 @@ def test_chat_stop_strings_cut_the_answer_only(tiny_llm):
     assert got.content == (free.content[:cut] or None) and got.finish_reason == "stop"
     text = tiny_llm.tokenizer.decode([e.token_id for e in got.logprobs])
     assert text.startswith(free.content[:cut]) and len(text) < len(free.content)
+    # include_stop_str_in_output keeps the stop string, as in generate (it had been ignored)
+    kept = tiny_llm.chat(HI, dataclasses.replace(params, stop=[stop],
+                                                 include_stop_str_in_output=True),
+                         use_tqdm=False)[0]
+    assert kept.content == free.content[:cut + len(stop)] and kept.finish_reason == "stop"
     tools = dict(tools=[TOOL], tool_choice="required", thinking_token_budget=10, use_tqdm=False)
     free = tiny_llm.chat(HI, params, **tools)[0]
     assert free.reasoning and free.tool_calls
@@ -175,6 +180,46 @@ def test_chat_stop_strings_cut_the_answer_only(tiny_llm):
     calls = [[(c.name, c.arguments) for c in r.tool_calls] for r in (got, free)]
     assert (got.reasoning, got.finish_reason, calls[0]) == (
         free.reasoning, free.finish_reason, calls[1])
+
+
+def test_chat_takes_vllms_arguments(tiny_llm):
+    """vLLM's chat(messages, params, use_tqdm, ..., chat_template_kwargs=...): gpt-oss's effort
+    is often given in chat_template_kwargs; keys the template does not read are refused."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    by_kwargs = tiny_llm.chat(HI, params, False, chat_template_kwargs={
+        "reasoning_effort": "low", "model_identity": "You are Tiny."})[0]
+    by_name = tiny_llm.chat(HI, params, use_tqdm=False, reasoning_effort="low")[0]
+    assert by_kwargs.output.prompt_token_ids != by_name.output.prompt_token_ids  # the identity
+    low = tiny_llm.tokenizer.encode("Reasoning: low")
+    ids = by_kwargs.output.prompt_token_ids
+    assert any(ids[i:i + len(low)] == low for i in range(len(ids)))
+    default = tiny_llm.chat(HI, params, False, reasoning_effort=None)[0].output.prompt_token_ids
+    assert default == tiny_llm.chat(HI, params, False)[0].output.prompt_token_ids  # medium
+    medium = tiny_llm.tokenizer.encode("Reasoning: medium")
+    assert any(default[i:i + len(medium)] == medium for i in range(len(default)))
+    for kw, match in (({"chat_template_kwargs": {"enable_thinking": False}}, "enable_thinking"),
+                      ({"chat_template_kwargs": {"reasoning_effort": "low"},
+                        "reasoning_effort": "high"}, "contradicts"),
+                      ({"chat_template_kwargs": {"builtin_tools": ["browser"]}}, "browser"),
+                      ({"add_generation_prompt": False}, "add_generation_prompt")):
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.chat(HI, params, False, **kw)
+    with pytest.raises(TypeError, match="list of chat messages: give them to chat"):
+        list(tiny_llm.stream(HI, params))
+    assert tiny_llm.chat(HI, params, False)[0].finish_reason  # still serving
+
+
+def test_cumulative_logprob_is_vllms(tiny_llm):
+    """vLLM scripts rank n samples by `cumulative_logprob`: the sum of the sampled tokens'
+    logprobs, None when none were asked for."""
+    out = tiny_llm.generate("Hello", SamplingParams(n=2, seed=0, max_tokens=4, logprobs=1),
+                            use_tqdm=False)[0]
+    for c in out.outputs:
+        assert c.cumulative_logprob == pytest.approx(sum(e.logprob for e in c.logprobs))
+        assert c.cumulative_logprob < 0
+    assert max(out.outputs, key=lambda c: c.cumulative_logprob) in out.outputs
+    plain = tiny_llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None
 
 
 def test_chat_takes_every_choice_apart(tiny_llm):

@@ -223,13 +223,15 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
         *,
-        reasoning_effort: str = "medium",
+        reasoning_effort: str | None = None,
         tools: list[dict] | None = None,
         tool_choice: str | dict = "auto",
         response_format: dict | None = None,
         thinking_token_budget: int | None = None,
-        use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[ChatOutput]:
         """Chat through the harmony format: one conversation or a list of them.
 
@@ -237,9 +239,17 @@ class LLM:
         sampling params constrains the final answer only, `tool_choice` "required" or a named
         function forces a valid call, `thinking_token_budget` bounds the reasoning. Stop
         strings cut the answer (`content`) before the first one, never the reasoning or a
-        tool call; the reply is cut once generated (the raw output runs on to its end)."""
-        _check_chat_options(reasoning_effort, tools, tool_choice)
-        options = {"reasoning_effort": reasoning_effort, "tools": tools, "tool_choice": tool_choice}
+        tool call; the reply is cut once generated (the raw output runs on to its end).
+        `reasoning_effort` (default medium) may come as vLLM users give it, in
+        `chat_template_kwargs`, which also takes `model_identity`; `use_tqdm` is the third
+        argument, as in vLLM."""
+        if add_generation_prompt is not True:
+            raise ValueError("add_generation_prompt=False is not supported: a gpt-oss chat "
+                             "prompt always ends with the assistant's turn (use generate for "
+                             "a prompt of your own)")
+        options = _template_options(reasoning_effort, chat_template_kwargs)
+        _check_chat_options(options["reasoning_effort"], tools, tool_choice)
+        options.update(tools=tools, tool_choice=tool_choice)
         fmt = response_format if isinstance(response_format, dict) else {}
         if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
             options["response_format"] = fmt["json_schema"]
@@ -267,8 +277,8 @@ class LLM:
                 if parsed.tool_calls and finish == "stop":
                     finish = "tool_calls"
                 positions, content = parsed.content_tokens, parsed.content
-                cut = _first_stop(content, p.stop)
-                if cut is not None:  # the answer ends before its first stop string
+                cut = _first_stop(content, p.stop, p.include_stop_str_in_output)
+                if cut is not None:  # the answer ends at its first stop string
                     positions = _tokens_before(self.tokenizer, completion.token_ids, positions,
                                                cut)
                     content, finish = content[:cut] or None, "stop"
@@ -361,6 +371,9 @@ def _prompt(prompt: object, where: str) -> str | list[int]:
     if isinstance(prompt, dict):
         return _dict_prompt(prompt, where)
     if _is_seq(prompt):
+        if prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+            raise TypeError(f"{where} is a list of chat messages: give them to chat(), which "
+                            "renders them in harmony; a prompt is " + PROMPT_FORMS)
         return _token_ids(prompt, where)
     raise TypeError(f"{where}={_given(prompt)} is invalid: a prompt is {PROMPT_FORMS}")
 
@@ -479,10 +492,14 @@ def _chat_params(
     )
 
 
-def _first_stop(content: str | None, stops: list[str]) -> int | None:
-    """Where the first of `stops` begins in the answer, or None."""
-    hits = [i for s in stops if content and (i := content.find(s)) >= 0]
-    return min(hits) if hits else None
+def _first_stop(content: str | None, stops: list[str], included: bool = False) -> int | None:
+    """Where the answer ends at the first of `stops`: where it begins, or with `included`
+    (`include_stop_str_in_output`) where it ends; None without one."""
+    hits = [(i, len(s)) for s in stops if content and (i := content.find(s)) >= 0]
+    if not hits:
+        return None
+    at, size = min(hits)  # the earliest, and of those starting there the one that ends first
+    return at + size if included else at
 
 
 def _tokens_before(tokenizer: Any, token_ids: list[int], positions: list[int],
@@ -497,6 +514,32 @@ def _tokens_before(tokenizer: Any, token_ids: list[int], positions: list[int],
         kept.append(p)
         at += len(decoder.decode(tokenizer.token_bytes(token_ids[p])))
     return kept
+
+
+def _template_options(effort: str | None, kwargs: dict | None) -> dict[str, Any]:
+    """Harmony's options from `reasoning_effort` and vLLM's `chat_template_kwargs` (the keys
+    gpt-oss's template reads; any other would go unread: an error naming it)."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"chat_template_kwargs={kwargs!r} is invalid: give a dict")
+    kwargs = dict(kwargs or {})
+    unread = sorted(k for k in kwargs if k not in ("reasoning_effort", "model_identity",
+                                                   "builtin_tools"))
+    if unread:
+        raise ValueError(f"chat_template_kwargs key {unread[0]!r} is not read by gpt-oss's "
+                         "chat template: it reads reasoning_effort, model_identity and "
+                         "builtin_tools")
+    if kwargs.get("builtin_tools"):
+        raise ValueError(f"chat_template_kwargs builtin_tools={kwargs['builtin_tools']!r} is not "
+                         "supported: tinyoss runs no browser or python tool; offer functions "
+                         "as tools")
+    inner = kwargs.get("reasoning_effort")
+    if None not in (effort, inner) and effort != inner:
+        raise ValueError(f"chat_template_kwargs reasoning_effort={inner!r} contradicts "
+                         f"reasoning_effort={effort!r}: give one of them")
+    options: dict[str, Any] = {"reasoning_effort": effort or inner or "medium"}
+    if kwargs.get("model_identity") is not None:
+        options["model_identity"] = kwargs["model_identity"]
+    return options
 
 
 def _check_chat_options(reasoning_effort: object, tools: object, tool_choice: object) -> None:

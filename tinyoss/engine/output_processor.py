@@ -86,6 +86,14 @@ class CompletionOutput:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs so far (None without logprobs, or
+        from a windowed processor, which lets entries go)."""
+        if not isinstance(self.logprobs, list):
+            return None
+        return float(sum(e.logprob for e in self.logprobs))
+
     def __repr__(self) -> str:  # the text first, as vLLM's shows it
         return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
                 f"token_ids={self.token_ids!r}, finish_reason={self.finish_reason!r}, "
