@@ -243,6 +243,15 @@ def test_stop_strings_cut_the_answer_only(client):
     assert msg.model_extra["reasoning"] == "Let me think."  # stops do not apply to reasoning
     joined, _ = stream_chat(client, **kw)
     assert joined["content"] == "Hello there" and joined["finish"] == "stop"
+    # vLLM's include_stop_str_in_output keeps the stop string in the answer (it was refused)
+    keep = {**kw, "extra_body": {"include_stop_str_in_output": True}, "logprobs": True}
+    r = client.chat.completions.create(model="tiny", **keep)
+    msg = r.choices[0].message
+    assert msg.content == "Hello there, Par" and r.choices[0].finish_reason == "stop"
+    text = b"".join(bytes(e.bytes) for e in r.choices[0].logprobs.content).decode()
+    assert text.startswith(msg.content)  # the answer's tokens, the stop string's included
+    joined, _ = stream_chat(client, **keep)
+    assert joined["content"] == "Hello there, Par" and joined["finish"] == "stop"
 
 
 def test_tool_call_and_tool_result(srv, client):

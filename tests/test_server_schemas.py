@@ -172,8 +172,6 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "prompt_logprobs": 0}, "prompt_logprobs", "not served over"),
         (CMPL, {"prompt": "a", "guided_choice": ["y"]}, "guided_choice", "structured_outputs"),
         (CHAT, {"messages": HI, "guided_json": {}}, "guided_json", "give structured_outputs"),
-        (CHAT, {"messages": HI, "include_stop_str_in_output": True},
-         "include_stop_str_in_output", "chat leaves stop strings out"),
         (CHAT, {"messages": HI, "skip_special_tokens": False}, "skip_special_tokens",
          "/v1/completions returns them as text"),
         (CMPL, {"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids", "token ids"),

@@ -809,7 +809,8 @@ def create_app(
         ids = prep.return_token_ids
         # tool call ids are random even under a seed: ids a client keys history by are unique
         choices: list[Choice] = [
-            ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep, prep.reasoning)
+            ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep, prep.reasoning,
+                       prep.content_stop_kept)
             for i in range(prep.params.n)
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None

@@ -86,9 +86,11 @@ class ChatChoice:
         token_ids: bool = False,
         keep_logprobs: bool = True,
         reasoning: bool = True,
+        stop_kept: bool = False,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `reasoning`:
-        send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons)."""
+        send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons).
+        `stop_kept`: the answer keeps the stop string that ended it (include_stop_str_in_output)."""
         self.index, self.tokenizer = index, tokenizer
         self.reasoning = reasoning
         self.keep_logprobs = keep_logprobs
@@ -96,7 +98,7 @@ class ChatChoice:
         self.parser = harmony.HarmonyStreamParser(
             tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
         )
-        self.stop = StopStrings(stops) if stops else None
+        self.stop = StopStrings(stops, stop_kept) if stops else None
         self.num_tokens = 0
         self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}  # joined at the end
         self.calls: list[dict] = []

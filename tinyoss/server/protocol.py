@@ -84,8 +84,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "structural_tag": ((), "tinyoss enforces no structural tags: give structured_outputs or "
                            "response_format"),
     # chat only: its text is the harmony parser's, its prompt harmony's
-    "include_stop_str_in_output": ((False,), "chat leaves stop strings out of the content; "
-                                             "/v1/completions keeps them on request"),
     "skip_special_tokens": ((True,), "chat parses the special tokens into reasoning, content "
                                      "and tool calls; /v1/completions returns them as text"),
     "chat_template": ((), "tinyoss renders gpt-oss's harmony format itself"),
@@ -161,6 +159,7 @@ class Prepared:
     echo: list[str] | None = None  # completions: text put before each prompt's choices
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
+    content_stop_kept: bool = False  # chat: the answer keeps the stop string that ended it
     reasoning: bool = True  # chat: the answer carries the reasoning (vLLM's include_reasoning)
     # a raw prompt's text names special tokens ("<|start|>"), read as those tokens as vLLM
     # reads them; chat text never does
@@ -212,6 +211,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     stops, params.stop = params.stop, []
     _check_chars([segments], info.max_model_len, "messages")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
+                    content_stop_kept=params.include_stop_str_in_output,
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning)
 
 
