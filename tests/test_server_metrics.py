@@ -182,7 +182,31 @@ def test_scraper_gets_the_format_it_asks_for(srv):
     assert value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 0
 
 
-def test_tool_call_counts_as_stop_and_a_client_gone_as_abort(srv):
+def test_responses_by_status_and_engine_restarts(srv):
+    """An operator's error-rate and load-shedding alerts read the API's responses by status
+    (429s, turned away at capacity, had been in no metric); restarts of the core, after which
+    the vllm: counters start again at 0, are counted."""
+    before, _ = scrape(srv)
+    post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    for body, status in (({"model": "gpt-5", "prompt": "x"}, 404), ({"prompt": 5}, 400)):
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, **body},
+                       headers=HEADERS, timeout=60)
+        assert r.status_code == status, r.text
+    after, _ = scrape(srv)
+
+    def delta(status: str) -> float:
+        family = "tinyoss_http_responses"
+        get = (lambda f: value(f, family, family + "_total", status=status)
+               if any(x.labels.get("status") == status for x in f[family].samples) else 0)
+        return get(after) - get(before)
+
+    assert (delta("200"), delta("404"), delta("400")) == (1, 1, 1)
+    restarts = "tinyoss_engine_restarts"
+    assert value(after, restarts, restarts + "_total") == srv.client.restarts
+
+
+def test_tool_call_counts_as_stop_and_a_client_gone_as_abort(srv, caplog):
+    caplog.set_level("INFO", logger="tinyoss.server")
     before, _ = scrape(srv)
     messages = [{"role": "user", "content": WEATHER}]
     answer = post(srv, "/v1/chat/completions", {"messages": messages, "tools": TOOLS})
@@ -212,6 +236,9 @@ def test_tool_call_counts_as_stop_and_a_client_gone_as_abort(srv):
         assert delta(*success, finished_reason=reason) == 0
     assert delta("tinyoss_requests_aborted", "tinyoss_requests_aborted_total") == 1
     assert delta("tinyoss_requests_finished", "tinyoss_requests_finished_total") == 1
+    # one log line names it, as vLLM's "Aborted request" does
+    assert any(m.startswith("aborted request cmpl-") and m.endswith(": its client left")
+               for m in caplog.messages), caplog.messages
     h = "vllm:e2e_request_latency_seconds"
     assert delta(h, h + "_count") == 2
     h = "vllm:request_generation_tokens"

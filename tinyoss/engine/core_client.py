@@ -255,6 +255,8 @@ class CoreClient:
         self.restarts += 1
         try:
             await self.start()
+            log.info("the engine core is ready again (restart %d); its counters start at 0",
+                     self.restarts)
         except Exception as e:  # noqa: BLE001 - reported through state and on_fatal
             log.error("the engine core could not be restarted: %s", e)
             if self.on_fatal is not None:

@@ -64,6 +64,7 @@ from tinyoss.server.schemas import openapi_json
 from tinyoss.server.responses_api import Output, ResponseRun, translate
 
 log = logging.getLogger("tinyoss.server")
+_API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what tinyoss_http_responses counts
 Choice = ChatChoice | TextChoice | Output
 
 
@@ -86,7 +87,8 @@ class ServerState:
         self.client: CoreClient | None = None
         self.load_error: BaseException | None = None
         self.metrics = Metrics(model_name, lambda: self.client and self.client.stats,
-                               lambda: (self.logprobs.used, self.logprobs.total))
+                               lambda: (self.logprobs.used, self.logprobs.total),
+                               lambda: self.client.restarts if self.client else 0)
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -282,6 +284,9 @@ class Run:
                                       max(ended.get(j, now) for j in mine) - start, len(prompt),
                                       sum(self.choices[j].num_tokens for j in mine))
             (metrics.finished if self.done else metrics.aborted).inc()
+            if not self.done:  # one line, as vLLM's "Aborted request": to match a balancer's
+                log.info("aborted request %s: %s", self.rid,
+                         "the engine failed it" if cut == "error" else "its client left")
 
     @property
     def done(self) -> bool:
@@ -715,12 +720,15 @@ def create_app(
             try:
                 if auth and state.api_key and not authorized(request):
                     raise _unauthorized()
-                return await handler(request)
+                response = await handler(request)
             except ClientDisconnect:  # gone while sending its body: nothing ran
                 state.metrics.aborted.inc()
-                return Response(status_code=499)
+                response = Response(status_code=499)
             except Exception as e:  # a bad request must never take the server down
-                return _error_response(_error(e))
+                response = _error_response(_error(e))
+            if request.url.path.startswith(_API_PATHS):  # not probes and scrapes
+                state.metrics.responded(response.status_code)
+            return response
 
         return wrapped
 

@@ -41,8 +41,9 @@ _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10*
 class _EngineCollector(Collector):
     """The core's latest CoreStats as vLLM's gauges and counters (they are totals already)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], CoreStats | None]) -> None:
-        self.model_name, self.stats = model_name, stats
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats | None],
+                 restarts: Callable[[], int]) -> None:
+        self.model_name, self.stats, self.restarts = model_name, stats, restarts
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats() or CoreStats()  # no engine yet: nothing ran
@@ -76,6 +77,12 @@ class _EngineCollector(Collector):
             family = kind(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        # the vllm: counters above start again from 0 in a new core; this says when that was
+        family = CounterMetricFamily("tinyoss_engine_restarts", "Engine cores started again "
+                                     "after one stopped (the engine's counters start again at 0).",
+                                     labels=["model_name"])
+        family.add_metric([self.model_name], self.restarts())
+        yield family
 
 
 class _LogprobCollector(Collector):
@@ -102,10 +109,12 @@ class Metrics:
     """One app's metrics; the server side is touched only from the event loop."""
 
     def __init__(self, model_name: str, stats: Callable[[], CoreStats | None],
-                 logprob_budget: Callable[[], tuple[int, int]] | None = None) -> None:
-        """`logprob_budget`: (bytes used, bytes in all) of the logprob budget, if any."""
+                 logprob_budget: Callable[[], tuple[int, int]] | None = None,
+                 restarts: Callable[[], int] = lambda: 0) -> None:
+        """`logprob_budget`: (bytes used, bytes in all) of the logprob budget, if any;
+        `restarts`: how many times the engine core was started again."""
         self.registry = r = CollectorRegistry()
-        r.register(_EngineCollector(model_name, stats))
+        r.register(_EngineCollector(model_name, stats, restarts))
         if logprob_budget is not None:
             r.register(_LogprobCollector(model_name, logprob_budget))
         labels = ["model_name"]
@@ -158,6 +167,15 @@ class Metrics:
         self.aborted = counter(
             "tinyoss_requests_aborted", "API requests cut short (client gone, engine error)."
         )
+        self._responses = Counter(
+            "tinyoss_http_responses", "API responses (/v1, /tokenize, /detokenize) by HTTP "
+            "status: 429 turned away at capacity, 4xx refused, 5xx failed (a stream counts its "
+            "200 when it starts).",
+            [*labels, "status"], registry=r,
+        )
+
+    def responded(self, status: int) -> None:
+        self._responses.labels(self.model_name, str(status)).inc()
 
     def request_ended(self, finish_reasons: Sequence[str | None], seconds: float,
                       prompt_tokens: int, generation_tokens: int) -> None:
