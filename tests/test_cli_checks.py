@@ -326,6 +326,20 @@ def test_output_piped_into_a_reader_that_leaves_ends_quietly():
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
 
 
+def test_serve_with_a_cache_that_cannot_be_written_says_so_before_listening(tmp_path, capsys,
+                                                                            monkeypatch):
+    """It had started, then printed the engine core's traceback without naming TINYOSS_CACHE."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("TINYOSS_CACHE", str(tmp_path / "afile" / "sub"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "tiny", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "set TINYOSS_CACHE to a writable folder" in err, err
+
+
 def test_the_logged_url_can_be_pasted():
     """An IPv6 host is bracketed in the URL the server logs (it had read http://::1:8000/v1)."""
     from tinyoss.server.cli import base_url

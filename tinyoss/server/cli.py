@@ -226,10 +226,11 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from tinyoss.cli import CliError, check_device, default_model, engine_kwargs
+    from tinyoss.cli import CliError, _os_error, check_device, default_model, engine_kwargs
     from tinyoss.config import EngineConfig
     from tinyoss.engine.builder import check_config
     from tinyoss.server.limits import ServerLimits, limited_http
+    from tinyoss.tools.make_checkpoint import cache_dir
 
     # what can be checked without loading anything, before the model (or uvicorn) loads
     check_port(args.host, args.port)
@@ -248,8 +249,11 @@ def serve(args: argparse.Namespace) -> None:
         config = EngineConfig(model=model, **engine_kwargs(args))
         limits = ServerLimits(**engine_kwargs(args, ServerLimits))
         check_config(config)  # before the server listens: a supervisor sees exit 2 at once
+        cache_dir().mkdir(parents=True, exist_ok=True)  # the engine core writes there
     except ValueError as e:
         raise CliError(str(e)) from None
+    except OSError as e:  # a folder without config.json, a cache that cannot be written
+        raise CliError(_os_error(e)) from None
 
     import uvicorn
 
