@@ -3,7 +3,7 @@
 W [N, K] is `blocks` [N, K/32, 16] uint8 (two E2M1 codes a byte) and `scales` [N, K/32] uint8
 (UE8M0), the layout `mxfp4.quantize` writes; no dequantized copy of W ever exists. The
 dequantization tricks are `moe_triton`'s: the GEMV uses its pair GEMV's fp32 arithmetic, the
-GEMM calls its `_mx_gemm`.
+GEMM calls its `_mx_gemm_wx`.
 
 Two paths, chosen by the static row count M (never by data). Nothing syncs with the host and
 every grid has a static size, so decode steps that call them can be captured in CUDA graphs.
@@ -15,8 +15,10 @@ every grid has a static size, so decode steps that call them can be captured in 
   at batch 1 runs hundreds of programs.
   On Hopper with nvcc, `moe_gemv_mma`'s tensor-core pair kernel takes the layers it supports
   (K 2880: q/k/v, lm_head) instead (`mma`).
-* GEMM (prefill): tiles dequantized to bf16 in registers, `tl.dot` on the tensor cores, fp32
-  accumulation; correct for any M.
+* GEMM (prefill): tiles dequantized to bf16 in registers as `tl.dot`'s left operand (the
+  MoE prefill's `_mx_gemm_wx`: wgmma takes them from registers, and x, phase-permuted per K
+  tile by one copy, goes to shared memory by cp.async untouched), fp32 accumulation; correct
+  for any M.
 
 Limits inherited from the tricks: activations below 2**64 in magnitude (GEMV) and scale bytes
 up to 240 (GEMM); `mxfp4.quantize` of real weights stays far inside both. On CPU the kernels run
@@ -32,7 +34,8 @@ import triton
 import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_mma import MmaGemv
-from tinyoss.kernels.moe_triton import _dot_dtype, _e2m1_fp32, _mx_gemm, _phases, _ue8m0_fp32
+from tinyoss.kernels.moe_triton import (_dot_dtype, _e2m1_fp32, _mx_gemm_wx, _permute_columns,
+                                        _phases, _ue8m0_fp32)
 
 GEMV_MAX_M = 4  # up to this many rows the CUDA-core GEMV runs, above it the tensor-core GEMM
 
@@ -126,20 +129,21 @@ def _gemv(
 
 @triton.jit
 def _gemm(
-    x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_q, stride_s,
+    xp_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, KP, stride_q, stride_s,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of out = x @ W.T (+ b). Token tiles are grid axis 0, so the
-    programs that run together share a weight tile (read from L2, not DRAM, by all but one)."""
+    """One [BLOCK_M, BLOCK_N] tile of out = x @ W.T (+ b), x phase-permuted ([M, KP]). Token
+    tiles are grid axis 0, so the programs that run together share a weight tile (read from L2,
+    not DRAM, by all but one)."""
     toks = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_ok = toks < M
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    acc = _mx_gemm(
-        tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_ptr, toks, tok_ok, K, q_ptr, s_ptr,
+    acc = tl.trans(_mx_gemm_wx(
+        tl.zeros((BLOCK_N, BLOCK_M), tl.float32), xp_ptr, toks, tok_ok, KP, K, q_ptr, s_ptr,
         stride_q, stride_s, rows, row_ok, BLOCK_K, DOT_DTYPE,
-    )
+    ))
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -216,8 +220,9 @@ def linear_gemm(
     out = _empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
+    xp = _permute_columns(x.contiguous(), cfg.block_k)
     _gemm[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
-        x.contiguous(), blocks, scales, out if bias is None else bias, out, m, n, x.shape[1],
+        xp, blocks, scales, out if bias is None else bias, out, m, n, x.shape[1], xp.shape[1],
         blocks.stride(0), scales.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_DTYPE=_dot_dtype(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -28,8 +28,7 @@ Both dequantize without a table: three integer ops a value on 32-bit words of ei
 the code's bits into a float (see `_mx_gemm_wx` and `_pair_gemv`). The GEMV multiplies on the
 CUDA cores in fp32 (activations below 2**64 in magnitude); the grouped GEMMs dequantize tiles
 to bf16 for `tl.dot` on the tensor cores, exactly. Real checkpoints are far inside these
-limits. (`_mx_gemm`, the same GEMM with the weights on the right, serves the dense MXFP4 layers
-of `linear_mxfp4_triton`.)
+limits. (`_mx_gemm_wx` serves the dense MXFP4 layers of `linear_mxfp4_triton` too.)
 
 On CPU the kernels run in the Triton interpreter with fp32 operands (bf16 `tl.dot` is wrong
 there), so both paths match `moe_torch` to fp32 rounding.
@@ -85,43 +84,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 # ------------------------------------------------------------------------------------------------
-# Tile helpers (the K loop lives in `_mx_gemm`: the interpreter pays for every helper call)
-
-
-@triton.jit
-def _mx_load(
-    a_ptr,
-    a_off,
-    a_ok,
-    K,
-    q_ptr,
-    s_ptr,
-    stride_q,
-    stride_s,
-    rows,
-    row_ok,
-    k0,
-    BLOCK_K: tl.constexpr,
-):
-    """One K tile: activations a [M, BLOCK_K], weights q as 32-bit words [N, BLOCK_K/8] of eight
-    E2M1 codes and scales s [N, BLOCK_K/32].
-
-    A weight row's bytes are contiguous and the K mask is constant over each 16 bytes, so a
-    thread loads 16-byte vectors (one scale group) and a warp whole 128-byte lines."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    r = rows.to(tl.int64)[:, None]
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    q = tl.load(
-        q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
-        mask=row_ok[:, None] & (kw // 4 < K // 32)[None, :],
-        other=0,
-    )
-    s = tl.load(
-        s_ptr + r * stride_s + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0
-    )
-    a = tl.load(a_ptr + a_off + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
-    return a, q, s
+# Tile helpers (the K loops inline their loads: the interpreter pays for every helper call)
 
 
 @triton.jit
@@ -135,73 +98,6 @@ def _phases(a, BLOCK_K: tl.constexpr):
     a1, a5 = tl.split(o0)
     a3, a7 = tl.split(o1)
     return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _mx_gemm(
-    acc,
-    a_ptr,
-    a_rows,
-    a_ok,
-    K,
-    q_ptr,
-    s_ptr,
-    stride_q,
-    stride_s,
-    rows,
-    row_ok,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """acc [M, N] + A[a_rows, :K] @ W[rows, :K].T.
-
-    A is row-major [*, K], rows a_rows masked by a_ok. W is one expert's MXFP4 rows: bytes at
-    q_ptr (row stride stride_q = K/2), scales at s_ptr (row stride stride_s = K/32). The next
-    tile's loads are issued before this tile's arithmetic (a register double buffer), so each
-    thread keeps two tiles of loads in flight.
-
-    Dequantization, no table: the j-th code of a 32-bit word of codes is shifted to the top,
-    then arithmetic-shifted down so that its sign lands on the float's sign bit (the shift
-    copies it) and its exponent(2)/mantissa(1) bits on the bottom of the float's exponent
-    field, then masked: three integer ops a value, with no byte unpacking. The codes of a word
-    are k = 8w + j, so they meet the activations' eight column phases (`_phases`).
-    """
-    a_off = a_rows.to(tl.int64)[:, None] * K
-    nxt = _mx_load(
-        a_ptr, a_off, a_ok, K, q_ptr, s_ptr, stride_q, stride_s, rows, row_ok, 0, BLOCK_K
-    )
-    for k0 in range(0, K, BLOCK_K):
-        a, q, s = nxt
-        nxt = _mx_load(
-            a_ptr,
-            a_off,
-            a_ok,
-            K,
-            q_ptr,
-            s_ptr,
-            stride_q,
-            stride_s,
-            rows,
-            row_ok,
-            k0 + BLOCK_K,
-            BLOCK_K,
-        )
-        # fp16 bits (mask 0x8E00): the value times 2**-14, exactly (the code 0.5 is an fp16
-        # subnormal), widened to fp32 and multiplied by 2**(s - 127 + 14): normal for every
-        # s <= 240 (weights up to 6 * 2**113; checkpoints stay far below). Eight dots of
-        # K = BLOCK_K/8, one per phase, share the accumulator.
-        phase = _phases(a.to(DOT_DTYPE), BLOCK_K)
-        sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [N, G]
-        sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4))
-        sc = sc.reshape(q.shape)  # each word's scale
-        for j in tl.static_range(8):
-            w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
-            w = w.to(tl.float16, bitcast=True).to(tl.float32) * sc
-            if DOT_DTYPE == tl.float32:
-                acc = tl.dot(phase[j], tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(phase[j], tl.trans(w.to(DOT_DTYPE)), acc)
-    return acc
 
 
 @triton.jit
