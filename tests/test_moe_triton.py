@@ -381,9 +381,10 @@ def test_mma_gemv_captures_in_cuda_graph(t, mma):
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
 
 
-def test_the_grouped_gemms_read_each_code_phase_as_one_slice():
-    """`_permute_columns`: column 8w + j of each K tile lands at (tile/8) j + w, past K zeros;
-    `_permuted` (where gate_up writes down's input) agrees with it column for column."""
+def test_the_grouped_gemms_read_each_pair_phase_as_one_slice():
+    """`_permute_columns`: column 8w + jj + 4h of each K tile lands at (tile/4) jj + 2w + h,
+    past K zeros; `_permuted` (where gate_up writes down's input) agrees with it column for
+    column."""
     import triton
     import triton.language as tl
 
@@ -393,8 +394,9 @@ def test_the_grouped_gemms_read_each_code_phase_as_one_slice():
         assert xp.shape == (3, triton.cdiv(200, tile) * tile)
         for c in range(xp.shape[1]):
             t0, r = divmod(c, tile)
+            w, j = divmod(r, 8)
             want = x[:, c] if c < 200 else torch.zeros(3)
-            assert torch.equal(xp[:, t0 * tile + (tile // 8) * (r % 8) + r // 8], want)
+            assert torch.equal(xp[:, t0 * tile + (tile // 4) * (j % 4) + 2 * w + j // 4], want)
 
         @triton.jit
         def where(out_ptr, N: tl.constexpr, TILE: tl.constexpr):

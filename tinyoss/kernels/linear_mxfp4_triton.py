@@ -16,7 +16,7 @@ every grid has a static size, so decode steps that call them can be captured in 
   On Hopper with nvcc, `moe_gemv_mma`'s tensor-core pair kernel takes the layers it supports
   (K 2880: q/k/v, lm_head) instead (`mma`).
 * GEMM (prefill): tiles dequantized to bf16 in registers as `tl.dot`'s left operand (the
-  MoE prefill's `_mx_gemm_wx`: wgmma takes them from registers, and x, phase-permuted per K
+  MoE prefill's `_mx_gemm_wx`: wgmma takes them from registers, and x, pair-permuted per K
   tile by one copy, goes to shared memory by cp.async untouched), fp32 accumulation; correct
   for any M.
 
@@ -54,8 +54,8 @@ class GemvConfig:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles of the GEMM: moe_triton's prefill tiles (K tiles of 128 are the least its eight
-    per-phase dots of 16 allow on tensor cores)."""
+    """Tiles of the GEMM: block_m tokens, block_n weight rows (wgmma's M, 64 a warpgroup), K
+    tiles of 128 (moe_triton's `_mx_gemm_wx`: four pair-phase dots of 32)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -76,8 +76,12 @@ def gemv_config(m: int, n: int) -> GemvConfig:
 
 
 def gemm_config(m: int) -> GemmConfig:
-    """Default GEMM tiles: a token tile no taller than M needs (at least 16 for tensor cores)."""
-    return GemmConfig(block_m=min(64, max(16, triton.next_power_of_2(m))))
+    """Default GEMM tiles: a token tile no taller than M needs (at least 16 for tensor cores) on
+    4 warps, then 128 tokens on 8 (the best of bench/experiments/linear_wleft's sweep at q/k/v
+    and o shapes, bench/results/2026-11-28_session25.md)."""
+    if m <= 128:
+        return GemmConfig(block_m=min(64, max(16, triton.next_power_of_2(m))), num_warps=4)
+    return GemmConfig(block_m=128)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -133,7 +137,7 @@ def _gemm(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of out = x @ W.T (+ b), x phase-permuted ([M, KP]). Token
+    """One [BLOCK_M, BLOCK_N] tile of out = x @ W.T (+ b), x pair-permuted ([M, KP]). Token
     tiles are grid axis 0, so the programs that run together share a weight tile (read from L2,
     not DRAM, by all but one)."""
     toks = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

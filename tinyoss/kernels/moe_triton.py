@@ -19,7 +19,8 @@ every grid has a static size, so both can be captured in CUDA graphs.
   weight), then `_combine`. Token tiles are sized to the rows an expert gets. The weights are
   `tl.dot`'s left operand (wgmma takes it from registers) and the activations come with their
   columns permuted per K tile (`_permute_columns`; gate_up writes down's input so), so that no
-  operand passes through registers into shared memory (`_mx_gemm_wx`).
+  operand passes through registers into shared memory, and two codes are decoded a 32-bit op
+  (`_mx_gemm_wx`).
 
 `moe_norm_triton` (`Kernels.moe_then_norm`) ends either path with `_combine_norm` instead: the
 top-k sum, the residual add and the next layer's RMSNorm in one launch.
@@ -55,8 +56,8 @@ from tinyoss.kernels.moe_torch import ExpertWeights
 @dataclass(frozen=True)
 class PrefillConfig:
     """Tiles of the grouped GEMMs: block_m sorted (token, expert) rows, block_n1 / block_n2
-    weight rows of gate_up / down, K tiles of 128 (the least the eight per-phase dots of 16
-    allow; the activations are phase-permuted per K tile)."""
+    weight rows of gate_up / down, K tiles of 128 (the activations are pair-permuted per K
+    tile, four dots of 32 a tile)."""
 
     block_m: int = 64
     block_n1: int = 128
@@ -132,10 +133,12 @@ def _tile_rows(off_ptr, tile, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _permuted(c, BLOCK_K: tl.constexpr):
-    """Where column c of the activations lands in the phase-permuted layout
-    (`_permute_columns`): column 8w + j of a K tile at (BLOCK_K/8) j + w."""
+    """Where column c of the activations lands in the pair-permuted layout
+    (`_permute_columns`): column 8w + jj + 4h of a K tile (jj 0..3, h 0..1) at
+    (BLOCK_K/4) jj + 2w + h."""
     r = c % BLOCK_K
-    return c - r + (BLOCK_K // 8) * (r % 8) + r // 8
+    j = r % 8
+    return c - r + (BLOCK_K // 4) * (j % 4) + 2 * (r // 8) + j // 4
 
 
 @triton.jit
@@ -144,21 +147,23 @@ def _mx_gemm_wx(acc, xp_ptr, a_rows, a_ok, KP, K, q_ptr, s_ptr, stride_q, stride
     """acc [N, M] + W[rows, :K] @ A[a_rows, :K].T, the weights on the left of `tl.dot`.
 
     W is one expert's MXFP4 rows (bytes at q_ptr, row stride stride_q = K/2; scales at s_ptr,
-    stride_s = K/32). A comes phase-permuted ([*, KP], KP = K in whole K tiles, `_permuted`):
-    a word's eight codes are k = 8w + j, so the tile is eight dots of K = BLOCK_K/8, one a code
-    phase j, and phase j of A is one contiguous [M, BLOCK_K/8] slice. With W on the left the
-    decoded weights reach wgmma from registers, and each phase of A goes global -> shared memory
-    by cp.async untouched: no thread stores an operand to shared memory (with W on the right the
-    decoded tile did, and with A unpermuted A's phases did).
+    stride_s = K/32). A comes pair-permuted ([*, KP], KP = K in whole K tiles, `_permuted`): a
+    32-bit word holds codes k = 8w + j, and codes jj and jj + 4 sit 16 bits apart, so one
+    shift-and-mask pair decodes both into the two bf16 halves of one register, the two adjacent
+    k positions wgmma's register operand holds. The tile is four dots of K = BLOCK_K/4, one a
+    pair phase jj, and phase jj of A is one contiguous [M, BLOCK_K/4] slice. With W on the left
+    the decoded weights reach wgmma from registers, and each phase of A goes global -> shared
+    memory by cp.async untouched: no thread stores an operand to shared memory.
 
-    Decoding, no table, three integer ops a code: on the GPU straight to bf16 bits (sign to bit
-    15, exponent and mantissa to bits 8..6: the value times 2**-126, the code 0.5 a subnormal),
-    then two packed bf16 multiplies, by 2**126 and by the scale: exact, every product has at
-    most two significant bits. In the interpreter (fp32 dots; its bf16 flushes subnormals) to
-    fp16 bits times 2**(s - 127 + 14) in fp32."""
+    Decoding, no table: on the GPU straight to bf16 bits (sign to bits 15 / 31, exponent and
+    mantissa to bits 8..6 / 24..22: the value times 2**-126, the code 0.5 a subnormal), about
+    three integer ops a pair of codes, then two packed bf16 multiplies, by 2**126 and by the
+    scale: exact, every product has at most two significant bits. In the interpreter (fp32
+    dots; its bf16 flushes subnormals) to fp16 bits times 2**(s - 127 + 14) in fp32."""
     a_off = a_rows.to(tl.int64)[:, None] * KP
     r = rows.to(tl.int64)[:, None]
     c = tl.arange(0, BLOCK_K // 8)
+    c2 = tl.arange(0, BLOCK_K // 4)
     for k0 in range(0, K, BLOCK_K):
         kw = k0 // 8 + c
         q = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + r * (stride_q // 4) + kw[None, :],
@@ -170,17 +175,29 @@ def _mx_gemm_wx(acc, xp_ptr, a_rows, a_ok, KP, K, q_ptr, s_ptr, stride_q, stride
             sc = tl.where(s == 0, 0x40, s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             sc = ((s + 14) << 23).to(tl.float32, bitcast=True)
-        sc = tl.broadcast_to(sc[:, :, None], (rows.shape[0], BLOCK_K // 32, 4)).reshape(q.shape)
-        for j in tl.static_range(8):
-            xj = tl.load(xp_ptr + a_off + (k0 + (BLOCK_K // 8) * j + c)[None, :],
+        # each word's scale, twice: both codes of a pair share it
+        sc = tl.broadcast_to(sc[:, :, None, None], (rows.shape[0], BLOCK_K // 32, 4, 2))
+        sc = sc.reshape(rows.shape[0], BLOCK_K // 4)
+        for jj in tl.static_range(4):
+            xj = tl.load(xp_ptr + a_off + (k0 + (BLOCK_K // 4) * jj + c2)[None, :],
                          mask=a_ok[:, None], other=0.0)
             if DOT_DTYPE == tl.bfloat16:
-                w = (((q << (28 - 4 * j)) >> 22) & 0x81C0).to(tl.uint16)
-                w = (w.to(tl.bfloat16, bitcast=True) * 2.0**126).to(tl.bfloat16) * sc
+                if jj < 2:
+                    em = (q << (6 - 4 * jj)) & 0x01C001C0
+                else:
+                    em = (q >> (4 * jj - 6)) & 0x01C001C0
+                p = ((q << (12 - 4 * jj)) & -0x7FFF8000) | em  # 0x80008000 as an int32
+                lo = (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                hi = ((p >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                w = tl.join(lo, hi).reshape(rows.shape[0], BLOCK_K // 4)
+                w = (w * 2.0**126).to(tl.bfloat16) * sc
                 acc = tl.dot(w, tl.trans(xj.to(tl.bfloat16)), acc)
             else:
-                w = (((q << (28 - 4 * j)) >> 19) & 0x8E00).to(tl.uint16)
-                w = w.to(tl.float16, bitcast=True).to(tl.float32) * sc
+                lo = (((q << (28 - 4 * jj)) >> 19) & 0x8E00).to(tl.uint16)
+                hi = (((q << (12 - 4 * jj)) >> 19) & 0x8E00).to(tl.uint16)
+                w = tl.join(lo.to(tl.float16, bitcast=True).to(tl.float32),
+                            hi.to(tl.float16, bitcast=True).to(tl.float32))
+                w = w.reshape(rows.shape[0], BLOCK_K // 4) * sc
                 acc = tl.dot(w, tl.trans(xj.to(tl.float32)), acc, input_precision="ieee")
     return acc
 
@@ -191,7 +208,7 @@ def _prefill_gate_up(xp_ptr, order_ptr, off_ptr, q_ptr, s_ptr, b_ptr, act_ptr, E
                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """act[sorted row] = swiglu(x[token] @ gate_up_e.T + b_e) for a tile of BLOCK_M sorted rows
-    and BLOCK_N weight rows; x comes phase-permuted ([T, HP]) and act goes out phase-permuted
+    and BLOCK_N weight rows; x comes pair-permuted ([T, HP]) and act goes out pair-permuted
     ([pairs, IP]) for `_prefill_down`."""
     e, row0, row_end = _tile_rows(off_ptr, tl.program_id(0), E, E_PAD, BLOCK_M)
     if row0 >= row_end:
@@ -351,12 +368,13 @@ def moe_prefill(
 
 def _permute_columns(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """x [R, K] -> [R, KP], KP = K in whole K tiles (zero columns added): within each tile,
-    column (block_k/8) j + w holds x's column 8w + j, so each code phase j of the grouped GEMMs
-    reads one contiguous slice (`_permuted` says where a column goes)."""
+    column (block_k/4) jj + 2w + h holds x's column 8w + jj + 4h, so each pair phase jj of the
+    grouped GEMMs reads one contiguous slice (`_permuted` says where a column goes)."""
     r, k = x.shape
     kp = triton.cdiv(k, block_k) * block_k
     xp = torch.nn.functional.pad(x, (0, kp - k))
-    return xp.view(r, kp // block_k, block_k // 8, 8).transpose(2, 3).reshape(r, kp)
+    # [r, tiles, w, h, jj] -> [r, tiles, jj, w, h]
+    return xp.view(r, kp // block_k, block_k // 8, 2, 4).permute(0, 1, 4, 2, 3).reshape(r, kp)
 
 
 def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -375,9 +393,9 @@ def _prefill_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     offsets = torch.searchsorted(sorted_ids, bounds)  # [E+1]: first sorted row of each expert
     bk = cfg.block_k
     ip = triton.cdiv(i, bk) * bk
-    act = _empty((pairs, ip), x.dtype, x.device)  # phase-permuted, as down reads it
-    if ip > i:  # the padding: columns 8w + j >= i of the last K tile, at (bk/8) j + w
-        act.view(pairs, ip // bk, 8, bk // 8)[:, -1, :, (i % bk) // 8:] = 0
+    act = _empty((pairs, ip), x.dtype, x.device)  # pair-permuted, as down reads it
+    if ip > i:  # the padding: words w >= i/8 of the last K tile, at (bk/4) jj + 2w + h
+        act.view(pairs, ip // bk, 4, bk // 8, 2)[:, -1, :, (i % bk) // 8:] = 0
     n_tiles = triton.cdiv(pairs, cfg.block_m) + e  # static bound on sum_e ceil(count_e / BLOCK_M)
     common = dict(E_PAD=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   DOT_DTYPE=_dot_dtype(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
