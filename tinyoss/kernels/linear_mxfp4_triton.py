@@ -78,7 +78,7 @@ def gemv_config(m: int, n: int) -> GemvConfig:
 def gemm_config(m: int) -> GemmConfig:
     """Default GEMM tiles: a token tile no taller than M needs (at least 16 for tensor cores) on
     4 warps, then 128 tokens on 8 (the best of bench/experiments/linear_wleft's sweep at q/k/v
-    and o shapes, bench/results/2026-11-28_session25.md)."""
+    and o shapes, bench/results/2026-11-27_session25.md)."""
     if m <= 128:
         return GemmConfig(block_m=min(64, max(16, triton.next_power_of_2(m))), num_warps=4)
     return GemmConfig(block_m=128)
