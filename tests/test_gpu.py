@@ -2,6 +2,7 @@
 prefill, chunked prefill, decode, graph-mode plans) and end-to-end greedy decoding on `tiny`.
 Skipped without a CUDA GPU; run on the device machine."""
 
+import dataclasses
 import random
 
 import pytest
@@ -338,6 +339,33 @@ def _with_routers(model, run, flip: int | None = None):
         return run(), routers
     finally:
         kernels.router_topk = original
+
+
+def test_logit_bias_and_allowed_token_ids_on_the_gpu(tiny_dir):
+    """The sampler's bias and token masks on CUDA under graphs and async scheduling: sampled
+    tokens stay in allowed_token_ids, a bias of 100 makes its token the greedy pick while other
+    rows of the batch go on as without it, and an id outside the vocabulary is refused before
+    it can index the logits (a device-side assert would end the engine)."""
+    from tinyoss import LLM, SamplingParams
+
+    gpu = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, kv_cache_tokens=8192)
+    prompts = [[7, 8, 9, 10], [11, 12, 13]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = _greedy(gpu, prompts, 8)
+    forced = 4242 if 4242 not in plain[0] else 4243
+    biased = dataclasses.replace(greedy, logit_bias={forced: 100.0})
+    out = gpu.generate(prompts, [biased, greedy], use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [forced] * 8
+    assert out[1].outputs[0].token_ids == plain[1]
+    allowed = [5, 500, 50000]
+    sampled = SamplingParams(temperature=1.0, max_tokens=16, seed=3, allowed_token_ids=allowed,
+                             ignore_eos=True)
+    out = gpu.generate(prompts, sampled, use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in out)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gpu.generate(prompts, dataclasses.replace(greedy, logit_bias={10**7: 1.0}),
+                     use_tqdm=False)
+    assert _greedy(gpu, prompts, 8) == plain
 
 
 def test_piecewise_graphs_match_eager_prefill(tiny_dir):

@@ -416,3 +416,22 @@ def test_close_ends_the_requests_still_running():
     assert "closed while it generated" in str(errors[0])
     with pytest.raises(RuntimeError, match="closed"):
         next(stream)
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_model(tiny_llm):
+    """Through the engine: allowed_token_ids keeps every sampled token inside its set, a bias of
+    100 makes its token the greedy pick, and an id outside the vocabulary is refused before it
+    can index the sampler's logits (a device-side assert on a GPU)."""
+    ids = tiny_llm.tokenizer.encode("Hello there")
+    allowed = [11, 200, 3000]
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, seed=1, allowed_token_ids=allowed)
+    assert set(tokens(tiny_llm.generate(ids, sampled, use_tqdm=False))[0]) <= set(allowed)
+    plain = tokens(tiny_llm.generate(ids, GREEDY, use_tqdm=False))[0]
+    forced = 4242 if plain[0] != 4242 else 4243
+    biased = dataclasses.replace(GREEDY, logit_bias={forced: 100})
+    assert tokens(tiny_llm.generate(ids, biased, use_tqdm=False))[0] == [forced, forced]
+    vocab = tiny_llm.tokenizer.vocab_size
+    for bad in ({"logit_bias": {vocab: 1}}, {"allowed_token_ids": [1, vocab]}):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            tiny_llm.generate(ids, dataclasses.replace(GREEDY, **bad), use_tqdm=False)
+    assert tokens(tiny_llm.generate(ids, GREEDY, use_tqdm=False))[0] == plain  # still serving

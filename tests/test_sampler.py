@@ -153,6 +153,38 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
     check_distribution(got, expected / expected.sum())
 
 
+def test_logit_bias_and_allowed_token_ids() -> None:
+    """logit_bias adds to the logits before sampling (as OpenAI's and vLLM's); allowed_token_ids
+    leaves only its tokens, where a bias still counts; rows without either are untouched."""
+    logits = fixed_logits()
+    order = logits.argsort(descending=True).tolist()
+    bias = {order[5]: 100.0, order[0]: -3.0}
+    rows = [SamplingRow(SamplingParams(temperature=0)),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={order[5]: 100})),
+            SamplingRow(SamplingParams(temperature=0, allowed_token_ids=order[3:6])),
+            SamplingRow(SamplingParams(temperature=0, allowed_token_ids=order[3:6],
+                                       logit_bias={order[5]: 2.0, order[1]: 100}))]
+    got = sample(logits.expand(4, -1), rows).token_ids.tolist()
+    assert got == [order[0], order[5], order[3], order[5] if logits[order[5]] + 2 >
+                   logits[order[3]] else order[3]]
+    expected = torch.softmax(logits.double() + torch.tensor(
+        [bias.get(t, 0.0) for t in range(V)], dtype=torch.float64) * 0.01, -1)
+    got = draws(logits, SamplingParams(logit_bias={t: b * 0.01 for t, b in bias.items()}))
+    check_distribution(got, expected)
+    allowed = [order[2], order[7], order[11]]
+    expected = torch.zeros(V, dtype=torch.float64)
+    expected[allowed] = torch.softmax(logits.double()[allowed], -1)
+    check_distribution(draws(logits, SamplingParams(allowed_token_ids=allowed)), expected)
+
+
+def test_allowed_token_ids_of_ends_only_outrank_min_tokens() -> None:
+    """A row allowed only end tokens still under min_tokens keeps them (else no token is left)."""
+    logits = fixed_logits()
+    params = SamplingParams(temperature=0, min_tokens=4, allowed_token_ids=[3])
+    row = SamplingRow(params, output_token_ids=[1], min_tokens_stop_ids=[3])
+    assert sample(logits[None], [row]).token_ids.tolist() == [3]
+
+
 def penalised(
     logits: torch.Tensor,
     prompt: list[int],
@@ -340,6 +372,14 @@ def test_stop_normalisation() -> None:
         ("seed", 2**64),
         ("ignore_eos", 1),
         ("skip_special_tokens", None),
+        ("logit_bias", {1: 100.5}),
+        ("logit_bias", {"1": 5}),
+        ("logit_bias", {-1: 5}),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", [1, 5]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [1, -2]),
+        ("allowed_token_ids", 3),
     ],
 )
 def test_validation_names_field(field: str, value: object) -> None:

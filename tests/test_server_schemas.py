@@ -162,7 +162,16 @@ def events(r: httpx.Response) -> list[dict]:
          "messages[0].content is missing"),
         (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice", "naming one of the tools"),
-        (CHAT, {"messages": HI, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        (CHAT, {"messages": HI, "logit_bias": {"x1": 5}}, "logit_bias", "is not a token id"),
+        (CHAT, {"messages": HI, "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
+        (CMPL, {"prompt": "a", "logit_bias": {"1": "5"}}, "logit_bias.1", "a number"),
+        (CMPL, {"prompt": "a", "logit_bias": {str(10**8): 5}}, "logit_bias",
+         "outside the vocabulary"),
+        (CHAT, {"messages": HI, "allowed_token_ids": [10**8]}, "allowed_token_ids",
+         "outside the vocabulary"),
+        (CMPL, {"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+        (CMPL, {"prompt": "a", "allowed_token_ids": [1], "structured_outputs": {"regex": "a"}},
+         "allowed_token_ids", "with structured_outputs"),
         (CHAT, {"messages": HI, "continue_final_message": True}, "continue_final_message",
          "a new assistant message"),
         (CMPL, {"prompt": "a", "bad_words": ["x"]}, "bad_words", "bans no words"),
@@ -339,7 +348,7 @@ def test_unsupported_fields_pass_when_they_ask_for_nothing(field, value):
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
     ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
     ("modalities", ["text", "audio"]), ("modalities", []), ("function_call", "auto"),
-    ("logit_bias", {"1": 5}), ("verbosity", "low"),  # as Responses refuses text.verbosity
+    ("verbosity", "low"),  # as Responses refuses text.verbosity
 ])  # fmt: skip
 def test_unsupported_fields_are_refused_when_they_ask(field, value):
     with pytest.raises(APIError) as e:
@@ -347,6 +356,17 @@ def test_unsupported_fields_are_refused_when_they_ask(field, value):
     assert (e.value.status, e.value.param) == (400, field)
     assert "is not supported" in e.value.message and "leave the field out" in e.value.message
     assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_engine():
+    """OpenAI's logit_bias (token ids as string keys) and vLLM's allowed_token_ids had been
+    refused; chat and completions now take them, as ints, to the sampler."""
+    body = {"logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 9]}
+    for params in (parse_chat({"messages": HI, **body}, INFO).params,
+                   parse_completion({"prompt": "x", **body}, INFO).params):
+        assert params.logit_bias == {17: -100.0, 42: 2.5}
+        assert params.allowed_token_ids == [17, 42, 9]
+    assert parse_chat({"messages": HI, "logit_bias": {}}, INFO).params.logit_bias is None
 
 
 def test_cache_salt_reaches_the_engine():
@@ -386,7 +406,7 @@ def test_an_assistant_message_refusal_field_is_its_text():
 
 
 # vLLM's fields that change the result, as a value that asks for it and one that does not
-VLLM_SAMPLING = [("bad_words", ["x"], []), ("allowed_token_ids", [1, 2], None),
+VLLM_SAMPLING = [("bad_words", ["x"], []),
                  ("truncate_prompt_tokens", 8, None), ("use_beam_search", True, False),
                  ("logits_processors", ["m.P"], []), ("return_tokens_as_token_ids", True, False),
                  ("structural_tag", '{"structures": []}', None)]

@@ -105,6 +105,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     cache_salt: str | None = None  # vLLM's: prompts of other salts share no prefix-cache block
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
 
     def __post_init__(self) -> None:
         v = self
@@ -187,6 +189,19 @@ class SamplingParams:
         salt = v.cache_salt
         _check("cache_salt", salt, salt is None or isinstance(salt, str) and salt != "",
                "a non-empty string", optional=True)
+        bias = v.logit_bias
+        _check("logit_bias", bias, bias is None or isinstance(bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in bias.items()),
+            "a dict of token ids (ints >= 0) to numbers in [-100, 100]", optional=True)
+        allowed = v.allowed_token_ids
+        _check("allowed_token_ids", allowed, allowed is None or isinstance(allowed, (list, tuple))
+               and bool(allowed) and all(_is_int(t) and t >= 0 for t in allowed),
+               "a non-empty list of token ids (ints >= 0)", optional=True)
+        _check("allowed_token_ids", allowed, allowed is None or so is None,
+               "None with structured_outputs (the grammar says which tokens may come)",
+               optional=True)
+        self.logit_bias = None if bias is None else {t: float(b) for t, b in bias.items()}
+        self.allowed_token_ids = None if allowed is None else list(allowed)
         self.stop = list(stop or ())
         self.stop_token_ids = list(ids or ())
         for name in (

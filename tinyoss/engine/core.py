@@ -115,6 +115,11 @@ def check_prompt(
     if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
         bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+    for name in ("logit_bias", "allowed_token_ids"):  # they index the sampler's logits
+        bad = [t for t in getattr(params, name) or () if t >= vocab]
+        if bad:
+            raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary "
+                             f"[0, {vocab})")
     if len(ids) >= info.max_model_len:
         raise ValueError(
             f"prompt is {len(ids)} tokens long, but max_model_len is "

@@ -84,6 +84,9 @@ class SamplingBatch:
     needs_logprobs: bool  # some row asked for logprobs (else none are computed)
     # Grammar masks: (rows or None = all, [G, ceil(V / 32)] int32 bits of the allowed tokens)
     allowed: tuple[Tensor | None, Tensor] | None = None
+    # logit_bias and allowed_token_ids: (rows or None = all, [R, V] float32 added to the logits,
+    # -inf on the tokens a row does not allow)
+    bias: tuple[Tensor | None, Tensor] | None = None
 
     @classmethod
     def build(
@@ -105,6 +108,7 @@ class SamplingBatch:
         ]
         gens = [(i, rows[i].generator) for i in rand if rows[i].generator is not None]
         pen = [i for i in range(b) if params[i].needs_penalties]
+        biased = [i for i in range(b) if params[i].logit_bias or params[i].allowed_token_ids]
         return cls(
             size=b,
             vocab_size=v,
@@ -134,6 +138,7 @@ class SamplingBatch:
             any_unseeded=len(gens) < len(rand),
             max_logprobs=max((p.logprobs or 0 for p in params), default=0),
             needs_logprobs=any(p.logprobs is not None for p in params),
+            bias=_bias([params[i] for i in biased], b, biased, v, device) if biased else None,
         )
 
 
@@ -181,19 +186,25 @@ def _processed(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """The logits after the grammar mask, min_tokens bans and penalties (a float copy; the
     logits themselves when nothing applies and every row is greedy)."""
     if batch.all_greedy and batch.banned is None and batch.penalties is None and (
-        batch.allowed is None
+        batch.allowed is None and batch.bias is None
     ):
         return logits  # plain greedy: argmax needs no working copy
     x = logits.to(torch.float32, copy=True)
     if batch.allowed is not None:
         _apply_allowed(x, *batch.allowed)
+    if batch.bias is not None:
+        rows, add = batch.bias
+        if rows is None:
+            x += add
+        else:
+            x[rows] += add
     if batch.banned is not None:
         rows, ids = batch.banned
         kept = x[rows, ids]
         x.index_put_(batch.banned, x.new_full((), _NEG_INF))  # a Python scalar would sync
-        if batch.allowed is not None:
-            # a grammar that allows only an end outranks min_tokens: such a row keeps its ends
-            # (banning them too would leave no token, and the sample would leave the grammar)
+        if batch.allowed is not None or batch.bias is not None:
+            # a grammar (or allowed_token_ids) that allows only an end outranks min_tokens: such
+            # a row keeps its ends (banning them too would leave no token to sample)
             empty = torch.isneginf(x.amax(-1))
             x.index_put_(batch.banned, torch.where(empty[rows], kept, x.new_full((), _NEG_INF)))
     if batch.penalties is not None:
@@ -297,10 +308,29 @@ def _penalties(
     )
 
 
-def _flatten(lists: list[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """(row, token) index pairs of ragged per-row token lists."""
+def _bias(params: list[SamplingParams], b: int, idx: list[int], v: int,
+          device: torch.device) -> tuple[Tensor | None, Tensor]:
+    """The rows' logit_bias added to -inf off their allowed_token_ids (0 on them), [R, V]."""
+    add = torch.zeros(len(params), v, device=device)
+    limited = [r for r, p in enumerate(params) if p.allowed_token_ids]
+    if limited:
+        add[_dev(limited, torch.int64, device)] = _NEG_INF
+        add.index_put_(_flatten([params[r].allowed_token_ids for r in limited], device,
+                                rows=limited), add.new_zeros(()))
+    ids = [list(p.logit_bias or ()) for p in params]
+    if any(ids):
+        values = [b_ for p in params for b_ in (p.logit_bias or {}).values()]
+        add.index_put_(_flatten(ids, device), _dev(values, torch.float32, device),
+                       accumulate=True)
+    return _subset(idx, b, device), add
+
+
+def _flatten(lists: list[Sequence[int]], device: torch.device,
+             rows: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    """(row, token) index pairs of ragged per-row token lists (list i is row rows[i], or i)."""
     lengths = torch.tensor([len(t) for t in lists], dtype=torch.int64)
-    row_ids = torch.repeat_interleave(torch.arange(len(lists)), lengths)
+    row_ids = torch.repeat_interleave(
+        torch.arange(len(lists)) if rows is None else torch.tensor(rows), lengths)
     ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
     return to_device(row_ids, device), to_device(ids, device)
 

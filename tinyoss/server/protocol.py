@@ -56,7 +56,7 @@ _PIECE_CHARS = 1 << 15  # text encoded between two yields to the event loop (a f
 # Fields with a meaning tinyoss does not implement: refused, never ignored. `None` and the
 # listed values, which ask for nothing, pass (`web_search_options: {}` asks for a search).
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": (({},), "tinyoss's sampler biases no tokens"),
+    "logit_bias": (({},), "the Responses API takes none (chat completions and completions do)"),
     "functions": (([],), "`tools` replaced it"),
     "function_call": (("none",), "`tool_choice` replaced it"),
     "audio": (({},), "gpt-oss reads and writes text"),
@@ -73,8 +73,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
        for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
     # vLLM's sampling and output fields
     "bad_words": (([],), "tinyoss's sampler bans no words"),
-    "allowed_token_ids": ((), "tinyoss's sampler has no token masks but a grammar's: "
-                              "structured_outputs (choice, regex) limits what the text may be"),
+    "allowed_token_ids": ((), "the Responses API takes none (vLLM's field of chat completions "
+                              "and completions, which take it)"),
     "truncate_prompt_tokens": ((), "prompts are never truncated: one longer than the context "
                                    "is a 400, so shorten it"),
     "use_beam_search": ((False,), "tinyoss has no beam search: n samples choices "
@@ -95,10 +95,12 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": (([],), "gpt-oss's chat template reads no documents: put their text in a "
                          "message"),
 }  # fmt: skip
-_VLLM_SAMPLING = ("bad_words", "allowed_token_ids", "truncate_prompt_tokens", "use_beam_search",
+_VLLM_SAMPLING = ("bad_words", "truncate_prompt_tokens", "use_beam_search",
                   "logits_processors", "return_tokens_as_token_ids", "structural_tag")
-_COMPLETION_UNSUPPORTED = ("logit_bias", "prompt_logprobs", *_VLLM_SAMPLING,
+_COMPLETION_UNSUPPORTED = ("prompt_logprobs", *_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
+_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids")  # chat and completions take them
+_CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED if name not in _TOKEN_FIELDS)
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {
     "either": "{expected}",
@@ -177,7 +179,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         if (least := _least_tokens(messages)) > info.max_model_len:
             _too_long(f"at least {least}", info.max_model_len, "messages")
     req = validate(ChatCompletionRequest, body)
-    refuse_unsupported(body)
+    refuse_unsupported(body, _CHAT_UNSUPPORTED)
     segments = _render_chat(req, body)
     needs = "top_logprobs needs logprobs: true"
     _require(req.top_logprobs is None or req.logprobs, "top_logprobs", needs)
@@ -482,10 +484,19 @@ def _sampling(body: dict, vocab_size: int, spelled: dict[str, str] | None = None
              f"stop holds {len(stops)} strings: at most {MAX_STOPS} are served")
     _require(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
              f"a stop string is longer than {MAX_STOP_CHARS} characters")
-    bad = [t for t in kwargs.get("stop_token_ids", ()) if not 0 <= t < vocab_size]
-    _require(not bad, "stop_token_ids",
-             f"stop_token_ids [{bad[0] if bad else ''}] is outside the vocabulary (0 to "
-             f"{vocab_size - 1})")
+    if body.get("logit_bias"):  # JSON keys are strings: token ids, as OpenAI takes them
+        keys = [k for k in body["logit_bias"] if not re.fullmatch(r"[0-9]{1,9}", k)]
+        _require(not keys, "logit_bias",
+                 f"logit_bias key {harmony.short_repr(keys[0] if keys else '')} is not a token "
+                 f"id: its keys are token ids as strings, such as \"1734\"")
+        kwargs["logit_bias"] = {int(k): b for k, b in body["logit_bias"].items()}
+    if body.get("allowed_token_ids") is not None:
+        kwargs["allowed_token_ids"] = body["allowed_token_ids"]
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        bad = [t for t in kwargs.get(name) or () if not 0 <= t < vocab_size]
+        _require(not bad, name,
+                 f"{name} [{bad[0] if bad else ''}] is outside the vocabulary (0 to "
+                 f"{vocab_size - 1})")
     try:
         return SamplingParams(**kwargs, **fields)
     except ParamError as e:  # in the API's words: a value as JSON, no Python None

@@ -358,12 +358,15 @@ class _Sampling(_Request):
         None, description="The answer is JSON (following a schema, when one is given)."
     )
     logit_bias: dict[str, StrictFloat] | None = Field(
-        None, description="Not supported: refused unless empty."
-    )
+        None, description="Token ids (as strings) to a number in [-100, 100] added to the "
+        "token's logit before sampling: -100 all but bans it, 100 all but forces it."
+    )  # fmt: skip
     bad_words: list[StrictStr] | None = Field(
         None, description="vLLM: not supported, refused unless empty."
     )
-    allowed_token_ids: TokenIds | None = Field(None, description="vLLM: not supported.")
+    allowed_token_ids: TokenIds | None = Field(
+        None, description="vLLM: only these token ids may be sampled (not with a grammar)."
+    )
     truncate_prompt_tokens: StrictInt | None = Field(
         None, description="vLLM: not supported (a prompt too long is a 400)."
     )
