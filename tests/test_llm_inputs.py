@@ -435,3 +435,24 @@ def test_logit_bias_and_allowed_token_ids_steer_the_model(tiny_llm):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             tiny_llm.generate(ids, dataclasses.replace(GREEDY, **bad), use_tqdm=False)
     assert tokens(tiny_llm.generate(ids, GREEDY, use_tqdm=False))[0] == plain  # still serving
+
+
+def test_vllm_code_reads_chat_outputs_and_logprobs_unchanged(tiny_llm):
+    """vLLM's `llm.chat(...)[0].outputs[0].text` and its logprobs dicts {token id: Logprob}
+    (the sampled token first, ranks from 1) work on tinyoss's outputs as they are."""
+    reply = tiny_llm.chat(HI, SamplingParams(max_tokens=6, seed=2, temperature=1.0, logprobs=3),
+                          use_tqdm=False)[0]
+    assert reply.outputs is reply.output.outputs
+    assert reply.outputs[0].text == reply.output.outputs[0].text
+    assert reply.prompt_token_ids == reply.output.prompt_token_ids and reply.finished
+    assert reply.request_id == reply.output.request_id
+    for position in reply.outputs[0].logprobs:
+        sampled = position.token_id
+        assert next(iter(position)) == sampled and sampled in position
+        assert position[sampled].logprob == position.logprob
+        ranked = sorted((v.rank, t) for t, v in position.items() if v.rank is not None)
+        assert [t for _, t in ranked] == [t for t, _ in position.top] and ranked[0][0] == 1
+        assert len(position) == len({sampled, *(t for t, _ in position.top)}) <= 4
+        best = max(position.values(), key=lambda lp: lp.logprob)
+        assert best.rank == 1 and best.logprob == position.top[0][1]
+        assert position.get(-1) is None and position[position.top[0][0]].decoded_token is None

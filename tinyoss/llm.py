@@ -17,7 +17,7 @@ from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
 from tinyoss.engine.core import CoreRequest, EngineCore
 from tinyoss.engine.grammar import check as check_grammar
-from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
+from tinyoss.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams
@@ -61,10 +61,32 @@ class ChatChoice:
 @dataclass
 class ChatOutput(ChatChoice):
     """A chat reply: its own fields are the first choice's; `choices` holds each of the n
-    choices (SamplingParams.n) taken apart, `output` the raw tokens and text."""
+    choices (SamplingParams.n) taken apart, `output` the raw tokens and text. It also reads as
+    the `RequestOutput` vLLM's `LLM.chat` returns (`.outputs[0].text`, `.prompt_token_ids`...),
+    so code written for vLLM runs unchanged: those are the raw output's."""
 
     output: RequestOutput
     choices: list[ChatChoice]
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return self.output.outputs
+
+    @property
+    def prompt(self) -> str | None:
+        return self.output.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.output.prompt_token_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.output.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
 
 
 class LLM:

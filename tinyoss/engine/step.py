@@ -13,13 +13,59 @@ from dataclasses import dataclass, field
 from tinyoss.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's entry of a position's logprobs dict. `rank` is 1 for the most likely token, None
+    for a sampled token outside the top ones asked for; `decoded_token` is not filled (token
+    ids to text: `LLM.tokenizer.decode`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class TokenLogprob:
-    """The sampled token's log-probability and the `top` most likely alternatives."""
+    """The sampled token's log-probability and the `top` most likely alternatives.
+
+    Read as vLLM's logprobs are (a position is a dict {token id: Logprob}, the sampled token
+    first, then the top ones), so code written for vLLM runs unchanged: `lp[token_id].logprob`,
+    `lp.items()`, `max(lp.values(), key=...)`."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+    def _entries(self) -> dict[int, Logprob]:
+        ranks = {t: r for r, (t, _) in reversed(list(enumerate(self.top, 1)))}
+        entries = {self.token_id: Logprob(self.logprob, ranks.get(self.token_id))}
+        for t, lp in self.top:
+            entries.setdefault(t, Logprob(lp, ranks[t]))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self):
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def __contains__(self, token_id: object) -> bool:
+        return token_id in self._entries()
+
+    def keys(self):
+        return self._entries().keys()
+
+    def values(self):
+        return self._entries().values()
+
+    def items(self):
+        return self._entries().items()
+
+    def get(self, token_id: int, default: Logprob | None = None) -> Logprob | None:
+        return self._entries().get(token_id, default)
 
 
 @dataclass
