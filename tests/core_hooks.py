@@ -10,6 +10,7 @@ environment variables (the child inherits them at spawn).
   TINYOSS_TEST_PROMPTS, one JSON string a line.
 - `fail_once`: the third step's result raises, once per TINYOSS_TEST_MARK file (the restarted
   core, finding the file, runs normally).
+- `hang_once`: the third step never returns, once per TINYOSS_TEST_MARK file.
 - `gated_failure`: start-up waits for the file in TINYOSS_TEST_GATE, then fails.
 - `faults`: prompts containing OOM run out of memory when their prompt is prefilled, those
   containing NAN get NaN logits, and one containing CRASH makes a step raise (a fault of the
@@ -113,6 +114,24 @@ def fail_once(core: EngineCore) -> None:
         return result(launched)
 
     core.executor.result = fail_third
+
+
+def hang_once(core: EngineCore) -> None:
+    """The third step never returns (a hung GPU or step), once per TINYOSS_TEST_MARK file."""
+    mark = Path(os.environ["TINYOSS_TEST_MARK"])
+    if mark.exists():
+        return
+    result, calls = core.executor.result, []
+
+    def hang_third(launched):
+        calls.append(1)
+        if len(calls) == 3:
+            mark.touch()
+            while True:
+                time.sleep(60)
+        return result(launched)
+
+    core.executor.result = hang_third
 
 
 def gated_failure(core: EngineCore) -> None:

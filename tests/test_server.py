@@ -30,6 +30,7 @@ from tinyoss import harmony
 from tinyoss.config import EngineConfig
 from tinyoss.engine.core_process import HOOK_ENV
 from tinyoss.server.app import EventStream, create_app
+from tinyoss.server.limits import ServerLimits
 
 KEY = "test-key"
 MAX_LEN = 512
@@ -682,6 +683,33 @@ def test_a_failing_step_fails_its_requests_and_the_core_restarts(tmp_path, monke
         assert served.state_of().client.restarts == 1
         ok = httpx.post(served.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    finally:
+        served.close()
+
+
+def test_a_hung_core_is_killed_by_the_watchdog_and_restarted(tmp_path, monkeypatch):
+    """A core alive but stuck in a step (a hung GPU) had kept /health at 200 and its requests
+    waiting for ever: past --watchdog-timeout they fail with the reason and the core restarts."""
+    monkeypatch.setenv(HOOK_ENV, "tests.core_hooks:hang_once")
+    monkeypatch.setenv("TINYOSS_TEST_MARK", str(tmp_path / "mark"))
+    served = Served(create_app(TINY, model_name="tiny",
+                               limits=ServerLimits(watchdog_timeout=2.0)))
+    try:
+        wait_healthy(served)
+        first_pid = served.state_of().client.pid
+        started = time.monotonic()
+        r = httpx.post(served.url + "/v1/completions", json={"prompt": "a", "max_tokens": 50},
+                       timeout=60)
+        err = error(r, 503)
+        assert "hung: no step in" in err["message"] and "--watchdog-timeout 2" in err["message"]
+        assert 2 <= time.monotonic() - started < 30
+        wait_healthy(served)
+        client = served.state_of().client
+        assert client.restarts == 1 and client.pid != first_pid
+        ok = httpx.post(served.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        time.sleep(3)  # an idle core is not hung, however long it waits for work
+        assert client.restarts == 1 and httpx.get(served.url + "/health").status_code == 200
     finally:
         served.close()
 

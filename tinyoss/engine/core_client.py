@@ -7,7 +7,9 @@ and are turned into text here, in the front end (`OutputProcessor`), on the even
 Lifecycle: `start` spawns the core and waits until it has built the engine (its start-up error
 is raised here). If the core dies later, every request in flight or queued fails at once with
 `EngineDeadError`, `state` says "restarting", and a new core is started; a core that cannot
-start again leaves `state` "failed" and calls `on_fatal` (the CLI then exits non-zero).
+start again leaves `state` "failed" and calls `on_fatal` (the CLI then exits non-zero). A core
+that is alive but silent for `watchdog_s` while requests wait on it (a hung step or GPU; the core
+says it is alive at least once a second while it steps) is killed, and restarted as above.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -162,9 +165,12 @@ class CoreClient:
         folder: Path | None,
         tokenizer: Tokenizer,
         on_fatal: Callable[[str], None] | None = None,
+        watchdog_s: float = 300.0,
     ) -> None:
         self.config, self.folder, self.tokenizer = config, folder, tokenizer
-        self.on_fatal = on_fatal
+        self.on_fatal, self.watchdog_s = on_fatal, watchdog_s
+        self._heard = time.monotonic()  # when the core last spoke, or was first given work
+        self._hung: str | None = None  # why the watchdog killed the core
         self.info: EngineInfo | None = None
         self.stats = CoreStats()
         self.state = "loading"  # loading | ready | restarting | failed | stopped
@@ -225,6 +231,7 @@ class CoreClient:
         try:
             while True:
                 msg = pickle.loads(await core.pull.recv())
+                self._heard = time.monotonic()
                 if msg[0] == "step":
                     self.stats = msg[2]
                     self._deliver(msg[1])
@@ -235,13 +242,21 @@ class CoreClient:
         except asyncio.CancelledError:  # the watcher found the process gone
             msg = None
         watcher.cancel()
-        why = f"exit code {core.process.exitcode}" if msg is None else msg[1]
+        why = self._hung or (f"exit code {core.process.exitcode}" if msg is None else msg[1])
+        self._hung = None
         if self.state == "ready":
             await self._restart(f"the engine core stopped ({why})")
 
     async def _watch(self, core: _Core) -> None:
         while core.process.is_alive():
             await asyncio.sleep(0.2)
+            silent = time.monotonic() - self._heard
+            if self._streams and silent > self.watchdog_s and self._hung is None:
+                self._hung = (f"hung: no step in {silent:.0f} s with {len(self._streams)} "
+                              f"request(s) waiting (--watchdog-timeout {self.watchdog_s:g}); "
+                              f"killed")
+                log.error("the engine core is %s", self._hung)
+                core.process.kill()
         await asyncio.sleep(0.2)  # its last words (a "dead" message) may still be on the way
         if self._reader is not None:
             self._reader.cancel()
@@ -304,6 +319,8 @@ class CoreClient:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.info)
+        if not self._streams:  # an idle core owes no step: the watchdog counts from now
+            self._heard = time.monotonic()
         stream = self._streams[request_id] = OutputStream(self, request_id)
         self.processor.add(request_id, prompt, prompt_token_ids, params)
         self._send("add", CoreRequest(request_id, prompt_token_ids, params))

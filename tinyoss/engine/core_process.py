@@ -6,7 +6,8 @@ pickled tuples over ZeroMQ sockets (`core_client.py` holds the other ends):
 
 - in:  ("add", CoreRequest) | ("abort", request_id, index or None) | ("shutdown",)
 - out: ("ready", EngineInfo) | ("failed", message) | ("reject", request_id, message) |
-       ("step", [SeqDelta], CoreStats) | ("dead", message)
+       ("step", [SeqDelta], CoreStats) (after a step with outputs, or once a second while
+       stepping) | ("dead", message)
 
 ZeroMQ gives message framing, queueing while the other side is busy, and non-blocking sends
 for free; pickle carries the plain dataclasses without a schema layer, and a step's message is
@@ -21,6 +22,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import traceback
 from pathlib import Path
 
@@ -34,6 +36,7 @@ log = logging.getLogger("tinyoss.core")
 
 HOOK_ENV = "TINYOSS_CORE_HOOK"  # tests only: "module:function", called with the built core
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent still lives
+_ALIVE_S = 1.0  # the longest a stepping core stays silent (the front end's watchdog listens)
 
 
 def unbounded(sock: zmq.Socket) -> zmq.Socket:
@@ -88,7 +91,7 @@ def run_core(
 
 
 def _loop(core: EngineCore, pull: zmq.Socket, send, parent: int) -> None:
-    busy = False
+    busy, said = False, time.monotonic()
     while True:
         if pull.poll(0 if core.has_work() else _IDLE_POLL_MS):
             while True:
@@ -115,5 +118,6 @@ def _loop(core: EngineCore, pull: zmq.Socket, send, parent: int) -> None:
             continue
         busy = True
         deltas = core.step()
-        if deltas:
+        if deltas or time.monotonic() - said > _ALIVE_S:  # a long prefill says it is alive
             send("step", deltas, core.current_stats())
+            said = time.monotonic()

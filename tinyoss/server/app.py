@@ -96,7 +96,8 @@ class ServerState:
             folder = await asyncio.to_thread(checkpoint_folder, self.config)
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)
             await asyncio.to_thread(tokenizer.fill_byte_cache)
-            self.client = CoreClient(self.config, folder, tokenizer, self.on_fatal)
+            self.client = CoreClient(self.config, folder, tokenizer, self.on_fatal,
+                                     watchdog_s=self.limits.watchdog_timeout)
             info = await self.client.start()
             log.info("ready: serving %r (%s)", self.model_name, info.summary)
         except Exception as e:  # the server stays up and /health says why

@@ -6,7 +6,8 @@ and each timeout frees a connection a client holds without using it. `LogprobBud
 memory that logprobs hold, all requests together (--max-logprob-memory). `limited_http` adds
 the one timeout uvicorn lacks, request headers that never complete (slowloris, fresh idle
 connections included), and answers requests beyond --max-connections with a JSON 503 (uvicorn's
-own limit answers in plain text).
+own limit answers in plain text). `watchdog_timeout` is the one limit on the engine itself: a
+core that stops stepping with requests waiting is restarted (`CoreClient`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class ServerLimits:
     body_timeout: float = option("seconds a request may take to send its body", default=30.0)
     timeout_keep_alive: float = option(
         "seconds an idle keep-alive connection stays open", default=5.0
+    )
+    watchdog_timeout: float = option(
+        "seconds the engine core may go without a step's output while requests wait on it: "
+        "past them it is deemed hung (a stuck GPU or step), killed and restarted, failing what "
+        "was in flight (SGLang's --watchdog-timeout)", default=300.0
     )
 
     def __post_init__(self) -> None:
