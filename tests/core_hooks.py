@@ -100,38 +100,40 @@ def scripted(core: EngineCore) -> None:
     executor.launch, executor.result = scripted_launch, scripted_result
 
 
-def fail_once(core: EngineCore) -> None:
+def _on_third_step_once(core: EngineCore, act) -> None:
+    """The third step's result calls `act` instead, once per TINYOSS_TEST_MARK file (the
+    restarted core, finding the file, runs normally)."""
     mark = Path(os.environ["TINYOSS_TEST_MARK"])
     if mark.exists():
         return
     result, calls = core.executor.result, []
 
-    def fail_third(launched):
+    def third(launched):
         calls.append(1)
         if len(calls) == 3:
             mark.touch()
-            raise RuntimeError("injected engine failure")
+            act()
         return result(launched)
 
-    core.executor.result = fail_third
+    core.executor.result = third
+
+
+def _fail() -> None:
+    raise RuntimeError("injected engine failure")
+
+
+def _hang() -> None:
+    while True:
+        time.sleep(60)
+
+
+def fail_once(core: EngineCore) -> None:
+    _on_third_step_once(core, _fail)
 
 
 def hang_once(core: EngineCore) -> None:
-    """The third step never returns (a hung GPU or step), once per TINYOSS_TEST_MARK file."""
-    mark = Path(os.environ["TINYOSS_TEST_MARK"])
-    if mark.exists():
-        return
-    result, calls = core.executor.result, []
-
-    def hang_third(launched):
-        calls.append(1)
-        if len(calls) == 3:
-            mark.touch()
-            while True:
-                time.sleep(60)
-        return result(launched)
-
-    core.executor.result = hang_third
+    """The third step never returns (a hung GPU or step)."""
+    _on_third_step_once(core, _hang)
 
 
 def gated_failure(core: EngineCore) -> None:

@@ -112,7 +112,8 @@ def test_default_tiles() -> None:
     """All decode tokens share each weight tile; small layers get more, narrower programs."""
     assert lt.gemv_config(1, 201088) == lt.GemvConfig(block_m=1, block_n=16, block_k=512)
     assert lt.gemv_config(3, 2880).block_m == 4 and lt.gemv_config(3, 2880).block_n == 4
-    assert lt.gemm_config(5).block_m == 16 and lt.gemm_config(5000).block_m == 128
+    assert lt.gemm_config(5).block_m == 16 and lt.gemm_config(100).num_warps == 4
+    assert lt.gemm_config(5000).block_m == 128
 
 
 # -- GPU: real shapes, bf16 ------------------------------------------------------------------

@@ -76,11 +76,15 @@ def gemv_config(m: int, n: int) -> GemvConfig:
 
 
 def gemm_config(m: int) -> GemmConfig:
-    """Default GEMM tiles: a token tile no taller than M needs (at least 16 for tensor cores) on
-    4 warps, then 128 tokens on 8 (the best of bench/experiments/linear_wleft's sweep at q/k/v
-    and o shapes, bench/results/2026-11-27_session25.md)."""
+    """Default GEMM tiles: up to 64 rows (decode at batch 5-64) a token tile no taller than M
+    needs (at least 16 for tensor cores) on 8 warps, as before the weights-left loop (not
+    re-measured there); then the best of bench/experiments/linear_wleft's sweep at q/k/v and o
+    shapes (bench/results/2026-11-27_session25.md): 64 tokens on 4 warps up to 128 rows, 128
+    tokens on 8 beyond."""
+    if m <= 64:
+        return GemmConfig(block_m=max(16, triton.next_power_of_2(m)))
     if m <= 128:
-        return GemmConfig(block_m=min(64, max(16, triton.next_power_of_2(m))), num_warps=4)
+        return GemmConfig(block_m=64, num_warps=4)
     return GemmConfig(block_m=128)
 
 
