@@ -250,6 +250,8 @@ def test_chat_on_tiny_shows_its_raw_output(capsys):
     (["-tp", "3"], "tensor_parallel_size 3 must divide the model's 2 KV heads"),
     (["--max-model-len", "10000000"], "exceeds the model's max_position_embeddings"),
     (["--max-model-len", "2"], "shorter than one KV cache block"),
+    (["--watchdog-timeout", "0.5"], "--watchdog-timeout=0.5 is invalid: must be at least 2 s"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout=0.0 is invalid: must be > 0"),
 ])
 def test_serve_refuses_a_config_the_engine_would_before_it_listens(flags, says, capsys,
                                                                    monkeypatch):

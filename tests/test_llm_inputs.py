@@ -450,9 +450,28 @@ def test_vllm_code_reads_chat_outputs_and_logprobs_unchanged(tiny_llm):
         sampled = position.token_id
         assert next(iter(position)) == sampled and sampled in position
         assert position[sampled].logprob == position.logprob
-        ranked = sorted((v.rank, t) for t, v in position.items() if v.rank is not None)
-        assert [t for _, t in ranked] == [t for t, _ in position.top] and ranked[0][0] == 1
+        assert [position[t].rank for t, _ in position.top] == list(range(1, len(position.top) + 1))
         assert len(position) == len({sampled, *(t for t, _ in position.top)}) <= 4
         best = max(position.values(), key=lambda lp: lp.logprob)
         assert best.rank == 1 and best.logprob == position.top[0][1]
         assert position.get(-1) is None and position[position.top[0][0]].decoded_token is None
+
+
+def test_chat_outputs_read_every_request_output_field_and_logprobs_rank_truly(tiny_llm):
+    """A ChatOutput gives any RequestOutput field (prompt_logprobs, num_cached_tokens), and a
+    sampled or prompt token's Logprob rank is its true rank even outside the top ones asked
+    for (vLLM's; it had been None there, so sorting by rank raised)."""
+    params = SamplingParams(max_tokens=4, seed=1, temperature=1.0, logprobs=2, prompt_logprobs=2)
+    reply = tiny_llm.chat(HI, params, use_tqdm=False)[0]
+    assert reply.prompt_logprobs is reply.output.prompt_logprobs
+    assert reply.prompt_logprobs[0] is None and len(reply.prompt_logprobs) > 1
+    assert reply.num_cached_tokens == reply.output.num_cached_tokens
+    with pytest.raises(AttributeError):
+        reply.no_such_field
+    for position in [*reply.outputs[0].logprobs, *reply.prompt_logprobs[1:]]:
+        ranks = [lp.rank for lp in position.values()]
+        assert all(isinstance(r, int) and r >= 1 for r in ranks), ranks
+        top = [t for t, _ in position.top]
+        sampled = position[position.token_id].rank
+        assert sampled == top.index(position.token_id) + 1 if position.token_id in top else (
+            sampled > len(top))

@@ -321,12 +321,15 @@ def test_logprobs_are_raw_log_softmax() -> None:
 def test_compute_logprobs_for_prompt() -> None:
     logits = torch.randn(7, 50)
     ids = torch.randint(0, 50, (7,))
-    lp, top_ids, top_lp = compute_logprobs(logits, ids, 3)
+    lp, rank, top_ids, top_lp = compute_logprobs(logits, ids, 3)
     ref = torch.log_softmax(logits, -1)
     torch.testing.assert_close(lp, ref[torch.arange(7), ids])
+    want = [sorted(row.tolist(), reverse=True).index(row[t].item()) + 1
+            for row, t in zip(ref, ids.tolist())]
+    assert rank.tolist() == want
     assert top_ids.tolist() == ref.topk(3).indices.tolist()
     torch.testing.assert_close(top_lp, ref.topk(3).values)
-    _, no_ids, no_lps = compute_logprobs(logits, ids, 0)
+    _, _, no_ids, no_lps = compute_logprobs(logits, ids, 0)
     assert no_ids.shape == no_lps.shape == (7, 0)
 
 

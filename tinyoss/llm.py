@@ -17,7 +17,7 @@ from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
 from tinyoss.engine.core import CoreRequest, EngineCore
 from tinyoss.engine.grammar import check as check_grammar
-from tinyoss.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
+from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams
@@ -68,25 +68,12 @@ class ChatOutput(ChatChoice):
     output: RequestOutput
     choices: list[ChatChoice]
 
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        return self.output.outputs
-
-    @property
-    def prompt(self) -> str | None:
-        return self.output.prompt
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.output.prompt_token_ids
-
-    @property
-    def request_id(self) -> str:
-        return self.output.request_id
-
-    @property
-    def finished(self) -> bool:
-        return self.output.finished
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's `RequestOutput` fields (`outputs`, `prompt_token_ids`, `prompt_logprobs`,
+        `num_cached_tokens`, ...) are the raw output's."""
+        if name.startswith("__") or name == "output":  # copy and pickle look before init
+            raise AttributeError(name)
+        return getattr(self.output, name)
 
 
 class LLM:

@@ -198,8 +198,8 @@ class SamplingParams:
                and bool(allowed) and all(_is_int(t) and t >= 0 for t in allowed),
                "a non-empty list of token ids (ints >= 0)", optional=True)
         _check("allowed_token_ids", allowed, allowed is None or so is None,
-               "None with structured_outputs (the grammar says which tokens may come)",
-               optional=True)
+               "None with a structured output (structured_outputs, response_format or a "
+               "forced tool call), whose grammar says which tokens may come", optional=True)
         self.logit_bias = None if bias is None else {t: float(b) for t, b in bias.items()}
         self.allowed_token_ids = None if allowed is None else list(allowed)
         self.stop = list(stop or ())

@@ -285,6 +285,7 @@ CASES: list[Case] = [
     P("cmpl-logit-bias-accepted", cmpl(logit_bias={"5": -100}), 200),
     C("logit-bias-key-not-an-id", chat(logit_bias={"five": 10}), 400, "logit_bias"),
     C("logit-bias-key-negative", chat(logit_bias={"-5": 10}), 400, "logit_bias"),
+    C("logit-bias-key-leading-zero", chat(logit_bias={"05": 10, "5": -10}), 400, "logit_bias"),
     C("logit-bias-key-huge", chat(logit_bias={"9" * 40: 10}), 400, "logit_bias"),
     P("cmpl-logit-bias-out-of-vocab", cmpl(logit_bias={"999999999": 1}), 400, "logit_bias"),
     C("logit-bias-over-100", chat(logit_bias={"5": 100.5}), 400, "logit_bias"),

@@ -252,7 +252,7 @@ class CoreClient:
             await asyncio.sleep(0.2)
             silent = time.monotonic() - self._heard
             if self._streams and silent > self.watchdog_s and self._hung is None:
-                self._hung = (f"hung: no step in {silent:.0f} s with {len(self._streams)} "
+                self._hung = (f"hung: no step in {silent:.1f} s with {len(self._streams)} "
                               f"request(s) waiting (--watchdog-timeout {self.watchdog_s:g}); "
                               f"killed")
                 log.error("the engine core is %s", self._hung)

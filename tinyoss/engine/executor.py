@@ -275,7 +275,8 @@ class Executor:
         batch.allowed = self._masks(states)
         out = self.sampler(logits, batch)
         launched.tokens = out.token_ids
-        launched.host = HostCopy.start([out.checked, out.logprobs, out.top_ids, out.top_logprobs])
+        launched.host = HostCopy.start([out.checked, out.logprobs, out.ranks, out.top_ids,
+                                        out.top_logprobs])
         for i, (state, _) in enumerate(launched.placeholders):
             launched.placeholders[i] = (state, len(state.output_token_ids))
             state.output_token_ids.append(_PENDING)
@@ -363,7 +364,7 @@ class Executor:
             out.drafts = dict(zip(ids, drafts))
         if launched.drafts is not None:
             return self._verified(launched, out)
-        (tokens, finite), logprobs, top_ids, top_lps = (
+        (tokens, finite), logprobs, ranks, top_ids, top_lps = (
             None if t is None else t.tolist() for t in launched.host.wait()
         )
         for row, (seq_id, (state, at)) in enumerate(zip(launched.seq_ids, launched.placeholders)):
@@ -380,7 +381,8 @@ class Executor:
             k = state.params.logprobs
             if k is not None:
                 top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k and top_ids else []
-                out.logprobs[seq_id] = [TokenLogprob(tokens[row], logprobs[row], top)]
+                out.logprobs[seq_id] = [TokenLogprob(tokens[row], logprobs[row], top,
+                                                     ranks[row])]
         return out
 
     def _verified(self, launched: LaunchedStep, out: StepResult) -> StepResult:
@@ -406,9 +408,9 @@ class Executor:
     ) -> list[TokenLogprob]:
         """Logprobs of `targets`, each predicted by its row of `logits`."""
         ids = torch.tensor(targets, device=logits.device)
-        lp, top_ids, top_lps = compute_logprobs(logits, ids, params.prompt_logprobs)
-        lp, top_ids, top_lps = lp.tolist(), top_ids.tolist(), top_lps.tolist()
+        lp, rank, top_ids, top_lps = (
+            t.tolist() for t in compute_logprobs(logits, ids, params.prompt_logprobs))
         return [
-            TokenLogprob(t, lp[j], list(zip(top_ids[j], top_lps[j])))
+            TokenLogprob(t, lp[j], list(zip(top_ids[j], top_lps[j])), rank[j])
             for j, t in enumerate(targets)
         ]

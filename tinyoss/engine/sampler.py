@@ -149,6 +149,7 @@ class SamplerOutput:
     # an infinity): both go to the host in one copy
     checked: Tensor
     logprobs: Tensor | None = None  # [B] log-probability of the sampled token (raw distribution)
+    ranks: Tensor | None = None  # [B] its rank there, 1 for the most likely (with logprobs)
     top_ids: Tensor | None = None  # [B, k], k = the most any row asked for; rows use their first n
     top_logprobs: Tensor | None = None  # [B, k], sorted descending
 
@@ -176,10 +177,10 @@ class Sampler:
         tokens = checked[0]
         if not batch.needs_logprobs:
             return SamplerOutput(tokens, checked, None)
-        lp, top_ids, top_lp = compute_logprobs(logits, tokens, batch.max_logprobs)
+        lp, rank, top_ids, top_lp = compute_logprobs(logits, tokens, batch.max_logprobs)
         if batch.max_logprobs == 0:
-            return SamplerOutput(tokens, checked, lp)
-        return SamplerOutput(tokens, checked, lp, top_ids, top_lp)
+            return SamplerOutput(tokens, checked, lp, rank)
+        return SamplerOutput(tokens, checked, lp, rank, top_ids, top_lp)
 
 
 def _processed(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -219,18 +220,21 @@ def scores(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x if batch.all_greedy else _filter(x, batch)
 
 
-def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Log-softmax value of each row's given token, plus the row's k most likely tokens (sorted;
-    [T, 0] tensors when k is 0).
+def compute_logprobs(
+    logits: Tensor, token_ids: Tensor, k: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Log-softmax value of each row's given token and its rank (1 + the tokens more likely, as
+    vLLM's), plus the row's k most likely tokens (sorted; [T, 0] tensors when k is 0).
 
     For prompt logprobs pass the logits of positions 0..T-2 with the prompt tokens 1..T-1.
     Works from logsumexp and gathers, so no [T, V] log-softmax is materialised.
     """
     logits = logits.float()
     lse = logits.logsumexp(-1)
-    lp = logits.gather(-1, token_ids[:, None]).squeeze(-1) - lse
+    given = logits.gather(-1, token_ids[:, None])
+    rank = (logits > given).sum(-1) + 1
     vals, ids = logits.topk(k, -1)
-    return lp, ids, vals - lse[:, None]
+    return given.squeeze(-1) - lse, rank, ids, vals - lse[:, None]
 
 
 def _apply_allowed(x: Tensor, rows: Tensor | None, bits: Tensor) -> None:

@@ -15,9 +15,8 @@ from tinyoss.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Logprob:
-    """vLLM's entry of a position's logprobs dict. `rank` is 1 for the most likely token, None
-    for a sampled token outside the top ones asked for; `decoded_token` is not filled (token
-    ids to text: `LLM.tokenizer.decode`)."""
+    """vLLM's entry of a position's logprobs dict. `rank` is 1 for the most likely token;
+    `decoded_token` is not filled (token ids to text: `LLM.tokenizer.decode`)."""
 
     logprob: float
     rank: int | None = None
@@ -35,10 +34,12 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's rank in the distribution (1: the most likely)
 
     def _entries(self) -> dict[int, Logprob]:
         ranks = {t: r for r, (t, _) in reversed(list(enumerate(self.top, 1)))}
-        entries = {self.token_id: Logprob(self.logprob, ranks.get(self.token_id))}
+        rank = self.rank if self.rank is not None else ranks.get(self.token_id)
+        entries = {self.token_id: Logprob(self.logprob, rank)}
         for t, lp in self.top:
             entries.setdefault(t, Logprob(lp, ranks[t]))
         return entries

@@ -20,6 +20,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from tinyoss.config import option
 
 
+WATCHDOG_MIN_S = 2.0  # twice the engine core's longest silence while it steps (core_process)
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     max_request_bytes: int = option("largest request body in bytes (413 beyond)", default=16 << 20)
@@ -47,15 +50,22 @@ class ServerLimits:
         "seconds an idle keep-alive connection stays open", default=5.0
     )
     watchdog_timeout: float = option(
-        "seconds the engine core may go without a step's output while requests wait on it: "
-        "past them it is deemed hung (a stuck GPU or step), killed and restarted, failing what "
-        "was in flight (SGLang's --watchdog-timeout)", default=300.0
+        "seconds the engine core may go without a word while requests wait on it: past them it "
+        "is deemed hung (a stuck GPU or step), killed and restarted, failing what was in flight "
+        "(SGLang's --watchdog-timeout). It must exceed the longest single step (one prefill "
+        "chunk: well under a second on a GPU, seconds on a CPU); inf turns it off",
+        default=300.0,
     )
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')}={value} is invalid: must be > 0")
+        if self.watchdog_timeout < WATCHDOG_MIN_S:
+            raise ValueError(
+                f"--watchdog-timeout={self.watchdog_timeout} is invalid: must be at least "
+                f"{WATCHDOG_MIN_S:g} s (a stepping engine core says it is alive once a second), "
+                f"and more than its longest single step; inf turns the watchdog off")
 
 
 # What a generated token's logprobs hold in the server until its answer is sent, at the peak:

@@ -485,7 +485,7 @@ def _sampling(body: dict, vocab_size: int, spelled: dict[str, str] | None = None
     _require(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
              f"a stop string is longer than {MAX_STOP_CHARS} characters")
     if body.get("logit_bias"):  # JSON keys are strings: token ids, as OpenAI takes them
-        keys = [k for k in body["logit_bias"] if not re.fullmatch(r"[0-9]{1,9}", k)]
+        keys = [k for k in body["logit_bias"] if not re.fullmatch(r"0|[1-9][0-9]{0,17}", k)]
         _require(not keys, "logit_bias",
                  f"logit_bias key {harmony.short_repr(keys[0] if keys else '')} is not a token "
                  f"id: its keys are token ids as strings, such as \"1734\"")
