@@ -171,7 +171,7 @@ def events(r: httpx.Response) -> list[dict]:
          "outside the vocabulary"),
         (CMPL, {"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
         (CMPL, {"prompt": "a", "allowed_token_ids": [1], "structured_outputs": {"regex": "a"}},
-         "allowed_token_ids", "with structured_outputs"),
+         "allowed_token_ids", "with a structured output"),
         (CHAT, {"messages": HI, "continue_final_message": True}, "continue_final_message",
          "a new assistant message"),
         (CMPL, {"prompt": "a", "bad_words": ["x"]}, "bad_words", "bans no words"),
