@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tinyoss import SamplingParams
+from tinyoss.sampling_params import bad_words_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2)
 HI = [{"role": "user", "content": "hi"}]
@@ -475,3 +476,18 @@ def test_chat_outputs_read_every_request_output_field_and_logprobs_rank_truly(ti
         sampled = position[position.token_id].rank
         assert sampled == top.index(position.token_id) + 1 if position.token_id in top else (
             sampled > len(top))
+
+
+def test_bad_words_keep_a_word_out_of_the_output(tiny_llm):
+    """vLLM's bad_words through the engine: the greedy output's first token, as a word, is
+    never generated once banned (the rest of the output may change)."""
+    ids = tiny_llm.tokenizer.encode("Hello there")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = tokens(tiny_llm.generate(ids, greedy, use_tqdm=False))[0]
+    word = next(w for t in plain if (w := tiny_llm.tokenizer.decode([t])).strip()
+                and tiny_llm.tokenizer.encode(w.lstrip()) in ([t], ))
+    banned = bad_words_ids(SamplingParams(bad_words=[word]), tiny_llm.tokenizer.encode)
+    out = tokens(tiny_llm.generate(ids, dataclasses.replace(greedy, bad_words=[word]),
+                                   use_tqdm=False))[0]
+    assert out != plain
+    assert not any(q[0] in out for q in banned.bad_words_token_ids if len(q) == 1)

@@ -177,6 +177,35 @@ def test_logit_bias_and_allowed_token_ids() -> None:
     check_distribution(draws(logits, SamplingParams(allowed_token_ids=allowed)), expected)
 
 
+def test_bad_words_ban_one_token_words_always_and_longer_ones_after_their_start() -> None:
+    """vLLM's bad words: a one-token word is never taken; the last token of a longer word is
+    banned only right after the rest of it."""
+    logits = fixed_logits()
+    order = logits.argsort(descending=True).tolist()
+    words = [[order[0]], [order[5], order[6], order[1]]]
+    params = SamplingParams(temperature=0, bad_words_token_ids=words)
+    rows = [SamplingRow(params, output_token_ids=[order[5]]),
+            SamplingRow(params, output_token_ids=[order[5], order[6]]),
+            SamplingRow(params, output_token_ids=[order[6], order[5], order[6]]),
+            SamplingRow(params)]
+    got = sample(logits.expand(4, -1), rows).token_ids.tolist()
+    assert got == [order[1], order[2], order[2], order[1]]
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[]])
+
+
+def test_bad_words_are_tokenized_as_vllm_does() -> None:
+    """Each word bare and after a space (when that is another token sequence of one length)."""
+    from tinyoss.sampling_params import bad_words_ids
+
+    vocab = {"cat": [1], " cat": [2], "a b": [3, 4], " a b": [5, 6, 7], "x": [8], " x": [8]}
+    params = bad_words_ids(SamplingParams(bad_words=["  cat", "a b", "x"]), vocab.__getitem__)
+    assert params.bad_words_token_ids == [[1], [2], [3, 4], [8]]
+    assert params.needs_output_ids
+    assert not SamplingParams(bad_words_token_ids=[[1]]).needs_output_ids
+    assert bad_words_ids(SamplingParams(), vocab.__getitem__).bad_words_token_ids is None
+
+
 def test_allowed_token_ids_of_ends_only_outrank_min_tokens() -> None:
     """A row allowed only end tokens still under min_tokens keeps them (else no token is left)."""
     logits = fixed_logits()
@@ -383,6 +412,8 @@ def test_stop_normalisation() -> None:
         ("allowed_token_ids", []),
         ("allowed_token_ids", [1, -2]),
         ("allowed_token_ids", 3),
+        ("bad_words", "cat"),
+        ("bad_words", ["cat", " "]),
     ],
 )
 def test_validation_names_field(field: str, value: object) -> None:

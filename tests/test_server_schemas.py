@@ -174,7 +174,8 @@ def events(r: httpx.Response) -> list[dict]:
          "allowed_token_ids", "with a structured output"),
         (CHAT, {"messages": HI, "continue_final_message": True}, "continue_final_message",
          "a new assistant message"),
-        (CMPL, {"prompt": "a", "bad_words": ["x"]}, "bad_words", "bans no words"),
+        (CMPL, {"prompt": "a", "bad_words": [" "]}, "bad_words", "non-blank strings"),
+        (CHAT, {"messages": HI, "bad_words": ["x"] * 1025}, "bad_words", "at most 1024"),
         (CMPL, {"prompt": [[]]}, "prompt", "prompt is empty"),
         # vLLM fields tinyoss does not serve are refused, never ignored
         (CMPL, {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs", "the Python API"),
@@ -367,6 +368,9 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine():
         assert params.logit_bias == {17: -100.0, 42: 2.5}
         assert params.allowed_token_ids == [17, 42, 9]
     assert parse_chat({"messages": HI, "logit_bias": {}}, INFO).params.logit_bias is None
+    for parse, body in ((parse_chat, {"messages": HI}), (parse_completion, {"prompt": "x"})):
+        assert parse({**body, "bad_words": ["Paris", "a b"]}, INFO).params.bad_words == [
+            "Paris", "a b"]
 
 
 def test_cache_salt_reaches_the_engine():
@@ -406,7 +410,7 @@ def test_an_assistant_message_refusal_field_is_its_text():
 
 
 # vLLM's fields that change the result, as a value that asks for it and one that does not
-VLLM_SAMPLING = [("bad_words", ["x"], []),
+VLLM_SAMPLING = [
                  ("truncate_prompt_tokens", 8, None), ("use_beam_search", True, False),
                  ("logits_processors", ["m.P"], []), ("return_tokens_as_token_ids", True, False),
                  ("structural_tag", '{"structures": []}', None)]

@@ -20,7 +20,7 @@ from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
-from tinyoss.sampling_params import SamplingParams
+from tinyoss.sampling_params import SamplingParams, bad_words_ids
 
 
 class TextPrompt(TypedDict):
@@ -141,6 +141,7 @@ class LLM:
         outside the vocabulary, too long) are prefixed with `where`, the prompt's place."""
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+        params = bad_words_ids(params, self.tokenizer.encode)
         with self._lock:
             if self._closed:
                 raise RuntimeError("this LLM was closed: start a new one to generate")

@@ -7,7 +7,7 @@ on the hot path and a bad request fails with a message that names the field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): x / T would overflow
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -107,6 +107,9 @@ class SamplingParams:
     cache_salt: str | None = None  # vLLM's: prompts of other salts share no prefix-cache block
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words never generated (as vLLM tokenizes them)
+    # their token ids, filled from bad_words by the front end (`bad_words_ids`) for the sampler
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         v = self
@@ -200,6 +203,16 @@ class SamplingParams:
         _check("allowed_token_ids", allowed, allowed is None or so is None,
                "None with a structured output (structured_outputs, response_format or a "
                "forced tool call), whose grammar says which tokens may come", optional=True)
+        words = v.bad_words
+        _check("bad_words", words, words is None or isinstance(words, (list, tuple))
+               and all(isinstance(w, str) and w.strip() for w in words),
+               "a list of words (non-blank strings)", optional=True)
+        seqs = v.bad_words_token_ids
+        _check("bad_words_token_ids", seqs, seqs is None or isinstance(seqs, (list, tuple))
+               and all(isinstance(q, (list, tuple)) and q and all(_is_int(t) and t >= 0 for t in q)
+                       for q in seqs), "a list of non-empty lists of token ids", optional=True)
+        self.bad_words = None if words is None else list(words)
+        self.bad_words_token_ids = None if seqs is None else [list(q) for q in seqs]
         self.logit_bias = None if bias is None else {t: float(b) for t, b in bias.items()}
         self.allowed_token_ids = None if allowed is None else list(allowed)
         self.stop = list(stop or ())
@@ -219,9 +232,29 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
+    def needs_output_ids(self) -> bool:
+        """Whether the sampler reads this request's generated tokens: penalties, or a bad word
+        of several tokens (banned after its first ones)."""
+        return self.needs_penalties or any(len(q) > 1 for q in self.bad_words_token_ids or ())
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.presence_penalty != 0
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+
+def bad_words_ids(params: SamplingParams, encode) -> SamplingParams:
+    """`params` with `bad_words_token_ids` filled from `bad_words` by `encode` (text -> ids), as
+    vLLM does: each word without its leading blanks, and after one space (the same word in the
+    middle of a text), where that tokenizes differently in as many tokens."""
+    if not params.bad_words:
+        return params
+    seqs: list[list[int]] = []
+    for word in params.bad_words:
+        bare = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        seqs += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    return replace(params, bad_words_token_ids=[*(params.bad_words_token_ids or ()), *seqs])

@@ -33,7 +33,7 @@ from tinyoss.config import EngineConfig
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineInfo, RequestError, check_prompt
 from tinyoss.engine.core_process import run_core, unbounded
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
-from tinyoss.sampling_params import SamplingParams
+from tinyoss.sampling_params import SamplingParams, bad_words_ids
 from tinyoss.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyoss.server")
@@ -318,6 +318,7 @@ class CoreClient:
             raise EngineUnavailable(self.error or f"the engine is {self.state}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params = bad_words_ids(params, self.tokenizer.encode)
         check_prompt(prompt_token_ids, params, self.info)
         if not self._streams:  # an idle core owes no step: the watchdog counts from now
             self._heard = time.monotonic()

@@ -76,7 +76,8 @@ class SamplingBatch:
     sort_rows: Tensor | None  # [S] rows that need top_k/top_p, None = all rows
     top_k: Tensor | None  # [S, 1] int64 (V = off), None when no row uses top_k or top_p
     top_p: Tensor | None  # [S, 1] (inf = off)
-    banned: tuple[Tensor, Tensor] | None  # (rows, token ids) masked until min_tokens
+    banned: tuple[Tensor, Tensor] | None  # (rows, token ids) masked: stops until min_tokens,
+    # and bad words
     penalties: Penalties | None
     generators: list[tuple[int, torch.Generator]]  # seeded random rows
     any_unseeded: bool  # some random row draws from the default generator
@@ -106,6 +107,9 @@ class SamplingBatch:
             for t in r.min_tokens_stop_ids
             if 0 <= t < v
         ]
+        banned += [(i, t) for i, r in enumerate(rows) if r.params.bad_words_token_ids
+                   for t in _bad_words_now(r.params.bad_words_token_ids, r.output_token_ids)
+                   if t < v]
         gens = [(i, rows[i].generator) for i in rand if rows[i].generator is not None]
         pen = [i for i in range(b) if params[i].needs_penalties]
         biased = [i for i in range(b) if params[i].logit_bias or params[i].allowed_token_ids]
@@ -310,6 +314,14 @@ def _penalties(
         frequency=_col([p.frequency_penalty for p in params], device),
         repetition=_col([p.repetition_penalty for p in params], device),
     )
+
+
+def _bad_words_now(seqs: list[list[int]], output: Sequence[int]) -> set[int]:
+    """The tokens a row may not take next (vLLM's bad words): each one-token word, and each
+    longer word's last token once the output ends with the rest of it."""
+    return {q[-1] for q in seqs
+            if len(q) == 1 or len(output) >= len(q) - 1 and list(output[len(output) - len(q) + 1:])
+            == q[:-1]}
 
 
 def _bias(params: list[SamplingParams], b: int, idx: list[int], v: int,

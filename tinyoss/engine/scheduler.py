@@ -188,7 +188,7 @@ class Scheduler:
         ids = {s.seq_id for s in plan.seqs}
         if any(
             s.seq_id not in ids
-            or s.params.needs_penalties
+            or s.params.needs_output_ids
             or s.num_output + s.num_pending >= s.max_tokens  # counting the token in flight
             or s.num_tokens >= self.max_model_len
             for s in running

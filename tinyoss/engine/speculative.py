@@ -129,7 +129,7 @@ def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's tokens can be drafted (see the module docstring)."""
     return (
         params.seed is None
-        and not params.needs_penalties
+        and not params.needs_output_ids
         and params.logprobs is None
         and params.min_tokens == 0
         and params.structured_outputs is None

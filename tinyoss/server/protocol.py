@@ -47,6 +47,7 @@ _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed")  # passed on
 _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
 _SAMPLING += ("skip_special_tokens", "cache_salt")  # the last six: vLLM's extensions
+_SAMPLING += ("bad_words",)  # vLLM's too
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
 _MESSAGE_TOKENS = 4  # the fewest tokens a message renders to: <|start|>role<|message|><|end|>
 _PROBE_CHARS = 1 << 19  # of a longer uncut text, encoded first (~1 s): refused if it is too long
@@ -72,7 +73,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                               "regex, choice, grammar) or response_format")
        for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
     # vLLM's sampling and output fields
-    "bad_words": (([],), "tinyoss's sampler bans no words"),
+    "bad_words": (([],), "the Responses API takes none (chat completions and completions do)"),
     "allowed_token_ids": ((), "the Responses API takes none (vLLM's field of chat completions "
                               "and completions, which take it)"),
     "truncate_prompt_tokens": ((), "prompts are never truncated: one longer than the context "
@@ -95,11 +96,11 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": (([],), "gpt-oss's chat template reads no documents: put their text in a "
                          "message"),
 }  # fmt: skip
-_VLLM_SAMPLING = ("bad_words", "truncate_prompt_tokens", "use_beam_search",
+_VLLM_SAMPLING = ("truncate_prompt_tokens", "use_beam_search",
                   "logits_processors", "return_tokens_as_token_ids", "structural_tag")
 _COMPLETION_UNSUPPORTED = ("prompt_logprobs", *_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
-_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids")  # chat and completions take them
+_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words")  # chat and completions take them
 _CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED if name not in _TOKEN_FIELDS)
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {
@@ -484,6 +485,11 @@ def _sampling(body: dict, vocab_size: int, spelled: dict[str, str] | None = None
              f"stop holds {len(stops)} strings: at most {MAX_STOPS} are served")
     _require(all(len(s) <= MAX_STOP_CHARS for s in stops), "stop",
              f"a stop string is longer than {MAX_STOP_CHARS} characters")
+    words = body.get("bad_words") or []
+    _require(len(words) <= MAX_STOPS * 16, "bad_words",
+             f"bad_words holds {len(words)} words: at most {MAX_STOPS * 16} are served")
+    _require(all(len(w) <= MAX_STOP_CHARS for w in words), "bad_words",
+             f"a bad word is longer than {MAX_STOP_CHARS} characters")
     if body.get("logit_bias"):  # JSON keys are strings: token ids, as OpenAI takes them
         keys = [k for k in body["logit_bias"] if not re.fullmatch(r"0|[1-9][0-9]{0,17}", k)]
         _require(not keys, "logit_bias",

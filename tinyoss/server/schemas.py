@@ -362,7 +362,7 @@ class _Sampling(_Request):
         "token's logit before sampling: -100 all but bans it, 100 all but forces it."
     )  # fmt: skip
     bad_words: list[StrictStr] | None = Field(
-        None, description="vLLM: not supported, refused unless empty."
+        None, description="vLLM: words never generated (banned token by token, as vLLM does)."
     )
     allowed_token_ids: TokenIds | None = Field(
         None, description="vLLM: only these token ids may be sampled (not with a grammar)."
