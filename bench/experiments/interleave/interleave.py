@@ -11,6 +11,10 @@ when K / 32 is no multiple of 4, likewise with gs = nblk % 4: word gs * t + j). 
 read x with its columns permuted to match (`il_column`), which costs nothing extra since x is
 permuted anyway (pair phases, `moe_triton._permute_columns`).
 
+Measured on an H100 (session 26): both halves slower than the product on the checkpoint's rows,
+the pair GEMVs by 5-12% and the prefill GEMMs by 11-31%
+(bench/results/2026-11-27_h100_interleave_8bf58d8.txt), so the product keeps that layout.
+
     python bench/experiments/interleave/bench.py --tokens 1,2,4,8           # decode GEMVs (GPU)
     python bench/experiments/interleave/bench.py --prefill 128,512,2048,8192  # prefill (GPU)
     python -m pytest bench/experiments/interleave                           # CPU or GPU
