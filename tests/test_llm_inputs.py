@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tinyoss import SamplingParams
+from tinyoss.engine.core import truncate_prompt
 from tinyoss.sampling_params import bad_words_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2)
@@ -491,3 +492,26 @@ def test_bad_words_keep_a_word_out_of_the_output(tiny_llm):
                                    use_tqdm=False))[0]
     assert out != plain
     assert not any(q[0] in out for q in banned.bad_words_token_ids if len(q) == 1)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens: the engine reads the prompt's last k
+    tokens (the output's prompt_token_ids say so), a prompt longer than the context fits, and
+    a k the context cannot take is refused naming the field."""
+    limit = tiny_llm.engine.info.max_model_len
+    ids = [1000 + i % 5000 for i in range(limit + 50)]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    cut = tiny_llm.generate(ids, dataclasses.replace(greedy, truncate_prompt_tokens=64),
+                            use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-64:]
+    assert tokens([cut]) == tokens(tiny_llm.generate(ids[-64:], greedy, use_tqdm=False))
+    # -1: as much of the end as leaves room for max_tokens (end to end in test_server.py)
+    assert truncate_prompt(ids, dataclasses.replace(greedy, truncate_prompt_tokens=-1),
+                           limit) == ids[-(limit - 5):]
+    assert truncate_prompt(ids, greedy, limit) is ids  # not set: whole (check_prompt refuses)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        tiny_llm.generate(ids, dataclasses.replace(greedy, truncate_prompt_tokens=limit),
+                          use_tqdm=False)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

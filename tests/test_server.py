@@ -513,6 +513,36 @@ def test_context_length_errors(srv, client):
         client.completions.create(model="other", prompt="hi")
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(srv, client):
+    """vLLM's truncate_prompt_tokens (refused before): the prompt's last k tokens are what the
+    model reads, usage counts them, and a prompt longer than the context then fits."""
+    long_prompt = list(range(1000, 1000 + 2 * MAX_LEN))
+    tail = long_prompt[-40:]
+    cut = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=6, seed=3,
+                                    extra_body={"truncate_prompt_tokens": 40})
+    plain = client.completions.create(model="tiny", prompt=tail, max_tokens=6, seed=3)
+    assert cut.usage.prompt_tokens == 40 and cut.choices[0].text == plain.choices[0].text
+    # -1: as much of the end as leaves room for max_tokens
+    most = ok_json(post(srv, "/v1/completions", {"prompt": long_prompt, "max_tokens": 5,
+                                                 "truncate_prompt_tokens": -1}))
+    assert most["usage"]["prompt_tokens"] == MAX_LEN - 5
+    # chat: the rendered harmony prompt's end, as vLLM cuts it
+    body = {"messages": user("word " * MAX_LEN) + user(ANSWER), "max_tokens": 4,
+            "truncate_prompt_tokens": 30}
+    assert ok_json(post(srv, "/v1/chat/completions", body))["usage"]["prompt_tokens"] == 30
+    seen = srv.prompts()[-1]  # the scripted core logs the prompt it got
+    assert seen.endswith(ANSWER + "<|end|><|start|>assistant") and seen.startswith(" word")
+    for bad in (0, -2, MAX_LEN, "8"):
+        err = error(post(srv, "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": bad}),
+                    400)
+        assert err["param"] == "truncate_prompt_tokens", err
+    err = error(post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN,
+                                              "truncate_prompt_tokens": -1}), 400)
+    assert err["param"] == "truncate_prompt_tokens" and "leaves none" in err["message"]
+    err = error(post(srv, "/v1/responses", {"input": "hi", "truncate_prompt_tokens": 8}), 400)
+    assert err["param"] == "truncate_prompt_tokens" and "Responses API" in err["message"]
+
+
 # ---------------------------------------------------------------- disconnects and load
 
 

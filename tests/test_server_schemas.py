@@ -410,8 +410,7 @@ def test_an_assistant_message_refusal_field_is_its_text():
 
 
 # vLLM's fields that change the result, as a value that asks for it and one that does not
-VLLM_SAMPLING = [
-                 ("truncate_prompt_tokens", 8, None), ("use_beam_search", True, False),
+VLLM_SAMPLING = [("use_beam_search", True, False),
                  ("logits_processors", ["m.P"], []), ("return_tokens_as_token_ids", True, False),
                  ("structural_tag", '{"structures": []}', None)]
 VLLM_CHAT = [("chat_template", "{{ messages }}", None), ("add_generation_prompt", False, True),

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 from tinyoss import harmony
 from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
-from tinyoss.engine.core import CoreRequest, EngineCore
+from tinyoss.engine.core import CoreRequest, EngineCore, truncate_prompt
 from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.engine.step import TokenLogprob
@@ -147,6 +147,7 @@ class LLM:
                 raise RuntimeError("this LLM was closed: start a new one to generate")
             request_id = f"gen-{next(self._ids)}"
             try:
+                ids = truncate_prompt(ids, params, self.engine.info.max_model_len)
                 self.engine.add(CoreRequest(request_id, ids, params))
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from e

@@ -110,6 +110,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # vLLM's: words never generated (as vLLM tokenizes them)
     # their token ids, filled from bad_words by the front end (`bad_words_ids`) for the sampler
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: only the prompt's last k tokens are used (-1: as many as leave room for max_tokens,
+    # or for one token without it); None: a prompt too long for the context is refused
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         v = self
@@ -211,6 +214,10 @@ class SamplingParams:
         _check("bad_words_token_ids", seqs, seqs is None or isinstance(seqs, (list, tuple))
                and all(isinstance(q, (list, tuple)) and q and all(_is_int(t) and t >= 0 for t in q)
                        for q in seqs), "a list of non-empty lists of token ids", optional=True)
+        keep = v.truncate_prompt_tokens
+        _check("truncate_prompt_tokens", keep, keep is None or _is_int(keep) and (keep >= 1
+               or keep == -1), "an int >= 1 (the prompt's last tokens kept), or -1 (as many as "
+               "fit the context with max_tokens)", optional=True)
         self.bad_words = None if words is None else list(words)
         self.bad_words_token_ids = None if seqs is None else [list(q) for q in seqs]
         self.logit_bias = None if bias is None else {t: float(b) for t, b in bias.items()}

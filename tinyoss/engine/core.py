@@ -103,6 +103,26 @@ class CoreStats:
     spec_accepted_tokens: int = 0  # and those the target accepted
 
 
+def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams,
+                    max_model_len: int) -> list[int]:
+    """The prompt as the engine takes it: its last `truncate_prompt_tokens` tokens when that
+    is set (vLLM's left truncation; -1: the longest tail that leaves room for max_tokens, or
+    for one token without it), else whole."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = max_model_len - (params.max_tokens or 1)
+        if keep < 1:
+            raise ValueError(f"truncate_prompt_tokens=-1 keeps max_model_len - max_tokens "
+                             f"prompt tokens, and max_tokens={params.max_tokens} leaves none "
+                             f"(max_model_len is {max_model_len})")
+    elif keep >= max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} is not below max_model_len "
+                         f"({max_model_len}): keep fewer tokens, so that one can be generated")
+    return prompt_token_ids[-keep:]
+
+
 def check_prompt(
     prompt_token_ids: list[int], params: SamplingParams, info: EngineInfo
 ) -> int:

@@ -30,7 +30,8 @@ import zmq
 import zmq.asyncio
 
 from tinyoss.config import EngineConfig
-from tinyoss.engine.core import CoreRequest, CoreStats, EngineInfo, RequestError, check_prompt
+from tinyoss.engine.core import (CoreRequest, CoreStats, EngineInfo, RequestError, check_prompt,
+                                 truncate_prompt)
 from tinyoss.engine.core_process import run_core, unbounded
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.sampling_params import SamplingParams, bad_words_ids
@@ -319,6 +320,7 @@ class CoreClient:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = bad_words_ids(params, self.tokenizer.encode)
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params, self.info.max_model_len)
         check_prompt(prompt_token_ids, params, self.info)
         if not self._streams:  # an idle core owes no step: the watchdog counts from now
             self._heard = time.monotonic()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from tinyoss import harmony
-from tinyoss.engine.core import EngineInfo
+from tinyoss.engine.core import EngineInfo, truncate_prompt
 from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.harmony_grammar import ConstraintError, answer_constraint, chat_constraint
 from tinyoss.sampling_params import ParamError, SamplingParams
@@ -47,7 +48,7 @@ _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed")  # passed on
 _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
 _SAMPLING += ("skip_special_tokens", "cache_salt")  # the last six: vLLM's extensions
-_SAMPLING += ("bad_words",)  # vLLM's too
+_SAMPLING += ("bad_words", "truncate_prompt_tokens")  # vLLM's too
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
 _MESSAGE_TOKENS = 4  # the fewest tokens a message renders to: <|start|>role<|message|><|end|>
 _PROBE_CHARS = 1 << 19  # of a longer uncut text, encoded first (~1 s): refused if it is too long
@@ -76,8 +77,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": (([],), "the Responses API takes none (chat completions and completions do)"),
     "allowed_token_ids": ((), "the Responses API takes none (vLLM's field of chat completions "
                               "and completions, which take it)"),
-    "truncate_prompt_tokens": ((), "prompts are never truncated: one longer than the context "
-                                   "is a 400, so shorten it"),
+    "truncate_prompt_tokens": ((), "the Responses API takes none (vLLM's field of chat "
+                                   "completions and completions, which take it)"),
     "use_beam_search": ((False,), "tinyoss has no beam search: n samples choices "
                                   "independently"),
     "logits_processors": (([],), "tinyoss runs no custom logits processors"),
@@ -96,11 +97,12 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": (([],), "gpt-oss's chat template reads no documents: put their text in a "
                          "message"),
 }  # fmt: skip
-_VLLM_SAMPLING = ("truncate_prompt_tokens", "use_beam_search",
-                  "logits_processors", "return_tokens_as_token_ids", "structural_tag")
+_VLLM_SAMPLING = ("use_beam_search", "logits_processors", "return_tokens_as_token_ids",
+                  "structural_tag")
 _COMPLETION_UNSUPPORTED = ("prompt_logprobs", *_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
-_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words")  # chat and completions take them
+# chat and completions take them
+_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 _CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED if name not in _TOKEN_FIELDS)
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {
@@ -175,7 +177,8 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     grammar then take the JSON's own dicts (strict validation changes no value), and
     SamplingParams the numbers as sent (its messages quote them: temperature=-1, not -1.0)."""
     messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) * _MESSAGE_TOKENS > info.max_model_len:
+    if (isinstance(messages, list) and len(messages) * _MESSAGE_TOKENS > info.max_model_len
+            and not _truncates(body)):
         # refused before validating them all (400,000 messages: seconds, holding the GIL)
         if (least := _least_tokens(messages)) > info.max_model_len:
             _too_long(f"at least {least}", info.max_model_len, "messages")
@@ -212,7 +215,8 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     if not params.ignore_eos:  # whatever the checkpoint's generation_config.json lists
         params.stop_token_ids += [t for t in harmony.STOP_TOKENS if t not in params.stop_token_ids]
     stops, params.stop = params.stop, []
-    _check_chars([segments], info.max_model_len, "messages")
+    if not _truncates(body):
+        _check_chars([segments], info.max_model_len, "messages")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
                     content_stop_kept=params.include_stop_str_in_output,
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning)
@@ -330,7 +334,8 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
             bad = next(t for t in p if not 0 <= t < info.vocab_size)
             _require(False, "prompt", f"prompt token id [{bad}] is outside the vocabulary")
         sources.append([p] if isinstance(p, str) else p)
-    _check_chars(sources, info.max_model_len, "prompt")
+    if not _truncates(body):
+        _check_chars(sources, info.max_model_len, "prompt")
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
                     return_token_ids=bool(req.return_token_ids), special_names=True)
@@ -386,7 +391,11 @@ def _segments(prep: Prepared, source: list[harmony.Segment],
 
 async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> None:
     """Encodes `prep`'s prompts into `prep.prompts`, in pieces of a few ms each with the event
-    loop running between them; refuses a prompt as soon as it cannot fit the context."""
+    loop running between them; refuses a prompt as soon as it cannot fit the context, unless
+    its request truncates it (vLLM's truncate_prompt_tokens: then it is encoded whole, within
+    --max-request-bytes, and cut to its last tokens)."""
+    cut = prep.params.truncate_prompt_tokens is not None
+    limit = sys.maxsize if cut else info.max_model_len
     for source in prep.sources:
         ids: list[int] = []
         for segment in _segments(prep, source, tokenizer):
@@ -399,16 +408,21 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
                     if len(piece) > _PROBE_CHARS:  # first its head: enough to refuse it?
                         head = await asyncio.to_thread(tokenizer.encode_released,
                                                        piece[:_PROBE_CHARS])
-                        if len(ids) + len(head) - _CUT_SLACK >= info.max_model_len:
+                        if len(ids) + len(head) - _CUT_SLACK >= limit:
                             _too_long(f"at least {len(ids) + len(head) - _CUT_SLACK}",
                                       info.max_model_len, prep.what)
                     ids += await asyncio.to_thread(tokenizer.encode_released, piece)
                 else:
                     ids += tokenizer.encode(piece)
-                if len(ids) >= info.max_model_len:
+                if len(ids) >= limit:
                     _too_long(f"at least {len(ids)}", info.max_model_len, prep.what)
                 if len(segment) > _PIECE_CHARS:
                     await asyncio.sleep(0)
+        if cut:
+            try:
+                ids = truncate_prompt(ids, prep.params, info.max_model_len)
+            except ValueError as e:
+                raise APIError(400, str(e), param="truncate_prompt_tokens") from e
         _check_length(len(ids), prep.params.max_tokens, info.max_model_len, prep.what)
         prep.prompts.append(ids)
     if prep.echo is not None:
@@ -517,6 +531,11 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return [prompt]
     return prompt
+
+
+def _truncates(body: dict) -> bool:
+    """Whether the request cuts its prompt to fit (so no length is refused before that)."""
+    return body.get("truncate_prompt_tokens") is not None
 
 
 def _check_chars(sources: list[list[harmony.Segment]], max_model_len: int, what: str) -> None:

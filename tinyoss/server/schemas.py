@@ -368,8 +368,9 @@ class _Sampling(_Request):
         None, description="vLLM: only these token ids may be sampled (not with a grammar)."
     )
     truncate_prompt_tokens: StrictInt | None = Field(
-        None, description="vLLM: not supported (a prompt too long is a 400)."
-    )
+        None, description="vLLM: only the prompt's last k tokens are used (-1: as many as "
+        "leave room for max_tokens); a prompt too long is otherwise a 400."
+    )  # fmt: skip
     use_beam_search: StrictBool | None = Field(
         False, description="vLLM: beam search is not supported; false only."
     )
