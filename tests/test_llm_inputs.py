@@ -2,6 +2,7 @@
 prompt dicts (TextPrompt / TokensPrompt)."""
 
 import dataclasses
+import pickle
 import threading
 import time
 
@@ -456,7 +457,17 @@ def test_vllm_code_reads_chat_outputs_and_logprobs_unchanged(tiny_llm):
         assert len(position) == len({sampled, *(t for t, _ in position.top)}) <= 4
         best = max(position.values(), key=lambda lp: lp.logprob)
         assert best.rank == 1 and best.logprob == position.top[0][1]
-        assert position.get(-1) is None and position[position.top[0][0]].decoded_token is None
+        assert position.get(-1) is None
+        for t, entry in position.items():  # each token's own text, as vLLM's detokenizer gives
+            assert entry.decoded_token == tiny_llm.tokenizer.decode([t])
+        copy = pickle.loads(pickle.dumps(position))  # the tokenizer does not travel with it
+        assert copy.decode is None and copy == position
+    ids = tiny_llm.tokenizer.encode("Hello there")
+    prompt = tiny_llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                               use_tqdm=False)[0].prompt_logprobs
+    assert len(ids) > 1 and prompt[0] is None
+    assert [p[t].decoded_token for p, t in zip(prompt[1:], ids[1:])] == [
+        tiny_llm.tokenizer.decode([t]) for t in ids[1:]]
 
 
 def test_chat_outputs_read_every_request_output_field_and_logprobs_rank_truly(tiny_llm):

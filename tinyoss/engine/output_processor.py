@@ -15,6 +15,7 @@ not taken yet, not the whole output.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -241,6 +242,7 @@ class OutputProcessor:
         """`windowed`: each sequence's logprobs are a `LogprobWindow` (see the module's
         docstring)."""
         self.tokenizer, self.windowed = tokenizer, windowed
+        self._token_text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
         self.requests: dict[str, _Request] = {}
 
     def add(
@@ -284,6 +286,10 @@ class OutputProcessor:
             if seq.finish_reason is not None:  # ended by a stop string: later tokens are dropped
                 continue
             request.error = request.error or d.error
+            if not self.windowed:  # the LLM's outputs: vLLM's Logprob.decoded_token
+                for lp in (*(d.logprobs or ()), *(d.prompt_logprobs or ())):
+                    if lp is not None:
+                        lp.decode = self._token_text
             if d.prompt_logprobs and request.prompt_logprobs is not None and d.index == 0:
                 request.prompt_logprobs += d.prompt_logprobs
             text, by_stop = seq.apply(d)

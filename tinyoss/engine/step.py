@@ -8,6 +8,7 @@ tables and cache slots, which rows sample); the executor runs it and answers wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tinyoss.sampling_params import SamplingParams
@@ -16,7 +17,8 @@ from tinyoss.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class Logprob:
     """vLLM's entry of a position's logprobs dict. `rank` is 1 for the most likely token;
-    `decoded_token` is not filled (token ids to text: `LLM.tokenizer.decode`)."""
+    `decoded_token` the token's own text (a token that ends inside a UTF-8 character shows
+    U+FFFD), as vLLM's detokenizer gives it."""
 
     logprob: float
     rank: int | None = None
@@ -35,13 +37,21 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     rank: int | None = None  # the token's rank in the distribution (1: the most likely)
+    # token id -> its text, set where the outputs are made (the `LLM`'s processor); not sent
+    # between processes
+    decode: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "decode": None}
 
     def _entries(self) -> dict[int, Logprob]:
         ranks = {t: r for r, (t, _) in reversed(list(enumerate(self.top, 1)))}
         rank = self.rank if self.rank is not None else ranks.get(self.token_id)
-        entries = {self.token_id: Logprob(self.logprob, rank)}
+        text = self.decode or (lambda t: None)
+        entries = {self.token_id: Logprob(self.logprob, rank, text(self.token_id))}
         for t, lp in self.top:
-            entries.setdefault(t, Logprob(lp, ranks[t]))
+            if t not in entries:
+                entries[t] = Logprob(lp, ranks[t], text(t))
         return entries
 
     def __getitem__(self, token_id: int) -> Logprob:
