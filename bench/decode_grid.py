@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -58,6 +59,10 @@ GRIDS: dict[str, dict[str, list[str]]] = {
         f"{model} tp{tp} bs{bs}": (BIG if model == "120b" else [])
         + ["--tensor-parallel-size", str(tp), "--batch-size", str(bs)]
         for model in ("20b", "120b") for tp in (1, 2, 4) for bs in (1, 8, 16, 64)
+    } | {  # expert parallel: the experts dealt out whole (`ep2`: over 2 GPUs)
+        f"{model} ep{tp} bs{bs}": (BIG if model == "120b" else [])
+        + ["--tensor-parallel-size", str(tp), "--enable-expert-parallel", "--batch-size", str(bs)]
+        for model in ("20b", "120b") for tp in (2, 4) for bs in (1, 8, 64)
     },
 }
 
@@ -79,7 +84,7 @@ def table(records: list[dict]) -> str:
              "|---|---|---|---|---|---|---|"]
     for label, rs in by_label.items():
         tp = rs[0].get("tensor_parallel_size", 1)
-        base = label.replace(f"tp{tp} ", "tp1 ") if tp > 1 else None
+        base = re.sub(rf"\b[te]p{tp} ", "tp1 ", label) if tp > 1 else None
         vs = f"{speed[label] / speed[base]:.2f}x" if base in speed else ""
         med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
         lines.append(

@@ -72,6 +72,7 @@ def bytes_per_step(
     mxfp4_layers: tuple[str, ...] = (),
     ranks: int = 1,
     fp8_layers: tuple[str, ...] = (),
+    expert_parallel: bool = False,
 ) -> dict:
     """What one decode step must read from memory, by part (dense weights in bf16 except the
     `mxfp4_layers` and `fp8_layers` quantized at load, from `parse_mxfp4_layers` and
@@ -80,7 +81,9 @@ def bytes_per_step(
     units, padding included) and lm_head holds 1/`ranks` of the vocabulary.
 
     Experts: each layer reads the distinct experts its `batch` tokens picked; with uniform
-    routing that is E * (1 - (1 - k/E)**batch) on average (exactly k at batch 1).
+    routing that is E * (1 - (1 - k/E)**batch) on average (exactly k at batch 1). With
+    `expert_parallel` a rank holds E/`ranks` whole experts (`c` keeps the whole intermediate
+    size) and reads 1/`ranks` of them on average: its busiest rank reads more.
     """
     h, L = c.hidden_size, c.num_hidden_layers
     qkv = c.q_size + 2 * c.kv_size
@@ -98,7 +101,7 @@ def bytes_per_step(
     kv = sum(min(context, c.window(layer) or context) for layer in range(L)) * kv_row * batch
     parts = {
         "attention_weights": L * (attn + router + 2 * h * 2),
-        "experts": L * active * expert,
+        "experts": L * active * expert / (ranks if expert_parallel else 1),
         "lm_head": dense_bytes(-(-c.vocab_size // ranks), h, "lm_head" in mxfp4_layers,
                                "lm_head" in fp8_layers),
         "kv_cache": kv,
@@ -148,6 +151,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         mxfp4_layers=args.mxfp4_layers,
         fp8_layers=args.fp8_layers,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=args.speculative_config,
     )
     try:
@@ -192,7 +196,7 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
     config = engine.executor.model.config
     ranks = args.tensor_parallel_size
     need = bytes_per_step(config, args.batch_size, context, mxfp4_layers=layers, ranks=ranks,
-                          fp8_layers=fp8)
+                          fp8_layers=fp8, expert_parallel=args.enable_expert_parallel)
     median = statistics.median(steps)
     record = {
         "gpu": torch.cuda.get_device_name(device),
@@ -201,6 +205,7 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         "model": args.model,
         "batch_size": args.batch_size,
         "tensor_parallel_size": ranks,
+        "expert_parallel": args.enable_expert_parallel,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "iterations": args.iters,
@@ -310,6 +315,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs the model is split over; bytes and roofline are per GPU")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: the experts dealt out whole, not cut")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="finish each step before launching the next")
     p.add_argument(
@@ -372,8 +379,9 @@ def report(record: dict, args: argparse.Namespace) -> None:
               f"{record['verify_steps']} of them (the roofline figures below count one token "
               "a step)")
     per_gpu = " per GPU" if record["tensor_parallel_size"] > 1 else ""
+    ep = " (experts whole: expert parallel)" if record.get("expert_parallel") else ""
     print(
-        f"tensor parallel {record['tensor_parallel_size']} | bytes/step{per_gpu} "
+        f"tensor parallel {record['tensor_parallel_size']}{ep} | bytes/step{per_gpu} "
         f"{need['total'] / 1e9:.3f} GB (attn {need['attention_weights'] / 1e9:.2f}, "
         f"experts {need['experts'] / 1e9:.2f}, lm_head {need['lm_head'] / 1e9:.2f}, "
         f"kv {need['kv_cache'] / 1e9:.3f}) | copy bw {record['copy_bandwidth_gb_s']:.0f} GB/s | "

@@ -101,3 +101,20 @@ def test_only_names_labels_by_whole_words(monkeypatch, capsys):
     _main(monkeypatch, "tp", "--dry-run", "--only", "20b tp4")
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 4 and all("--tensor-parallel-size 4" in line for line in printed)
+
+
+def test_expert_parallel_rows_compare_with_tp1_and_read_a_share_of_the_experts():
+    """An `ep2` row's speed-up is over the same model's TP 1 row, and its roofline counts a
+    rank's share of the experts (its config keeps each expert whole)."""
+    from bench.decode_latency import bytes_per_step
+    from tinyoss.config import ModelConfig
+
+    rec = dict(ms_per_step_median=1.0, roofline_fraction=0.5, ttft_ms=1.0, gpu="G", commit="c")
+    table = decode_grid.table([
+        {**rec, "label": "120b tp1 bs8", "tok_per_s": 100.0, "tensor_parallel_size": 1},
+        {**rec, "label": "120b ep2 bs8", "tok_per_s": 160.0, "tensor_parallel_size": 2}])
+    assert "| 120b ep2 bs8 | 160.0 |" in table and "| 1.60x |" in table
+    c = ModelConfig()
+    whole = bytes_per_step(c, 8, 1024, ranks=2)["experts"]
+    assert bytes_per_step(c, 8, 1024, ranks=2, expert_parallel=True)["experts"] == whole / 2
+    assert "--enable-expert-parallel" in decode_grid.GRIDS["tp"]["120b ep2 bs8"]
