@@ -433,6 +433,35 @@ def test_completions_take_vllms_stop_fields(srv, client):
     assert shown["choices"][0]["text"].startswith("<|channel|>")
 
 
+def test_choices_carry_vllms_stop_reason(srv, client):
+    """vLLM's stop_reason on every choice (it was missing): the stop string or stop token id
+    that ended it, null for the model's own end or a length cut; in a stream on the last
+    chunk, null before."""
+    base = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2)
+    assert base.choices[0].model_extra["stop_reason"] is None  # a length cut
+    text = base.choices[0].text
+    stop = text[3:6]
+    hit = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2, stop=stop)
+    assert hit.choices[0].model_extra["stop_reason"] == stop
+    ids = srv.tokenizer.encode(text)
+    by_id = client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2,
+                                      extra_body={"stop_token_ids": [ids[2]]})
+    assert by_id.choices[0].model_extra["stop_reason"] == ids[2]
+    chunks = list(client.completions.create(model="tiny", prompt="abc", max_tokens=8, seed=2,
+                                            stop=stop, stream=True))
+    reasons = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices]
+    assert reasons[-1] == stop and not any(reasons[:-1])
+    ended = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64)
+    assert ended.choices[0].finish_reason == "stop"
+    assert ended.choices[0].model_extra["stop_reason"] is None  # harmony's end: the model's
+    cut = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64,
+                                         stop=[", Par"])
+    assert cut.choices[0].model_extra["stop_reason"] == ", Par"
+    _, chunks = stream_chat(client, messages=user(ANSWER), max_tokens=64, stop=[", Par"])
+    reasons = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices]
+    assert reasons[-1] == ", Par" and not any(reasons[:-1])
+
+
 def ok_json(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()

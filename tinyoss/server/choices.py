@@ -52,8 +52,11 @@ def release(logprobs: list[TokenLogprob] | LogprobWindow | None, upto: int) -> N
         logprobs.release(upto)
 
 
-def _choice(index: int, finish_reason: str | None, **fields: Any) -> dict:
-    return {"index": index, **fields, "finish_reason": finish_reason}
+def _choice(index: int, finish_reason: str | None, stop_reason: str | int | None = None,
+            **fields: Any) -> dict:
+    """A choice as vLLM answers it: `stop_reason` is the stop string or stop token id that
+    ended it (null for the model's own end, a length cut, or a choice not yet finished)."""
+    return {"index": index, **fields, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 class _TokenIds:
@@ -109,6 +112,7 @@ class ChatChoice:
         self.fed = self.shown = 0  # characters of content fed to the stop strings, and shown
         self.token_ids: list[int] = []  # the output's tokens, as `update` last had them
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def opening(self) -> dict:
         return _choice(self.index, None, delta={"role": "assistant", "content": ""}, logprobs=None)
@@ -131,6 +135,9 @@ class ChatChoice:
             if self.finish_reason is None:
                 calls = self.calls and out.finish_reason == "stop"
                 self.finish_reason = "tool_calls" if calls else out.finish_reason
+                # harmony's end tokens are the model's own end, as vLLM reports its EOS
+                if out.stop_reason not in harmony.STOP_TOKENS:
+                    self.stop_reason = out.stop_reason
         lps = []
         if self.logprobs is not None and out.logprobs is not None:
             while self.held and self.held[0][0] < self.shown:
@@ -147,7 +154,8 @@ class ChatChoice:
         if not (delta or self.finish_reason):
             return None
         lps_field = {"content": lps, "refusal": None} if lps else None
-        choice = _choice(self.index, self.finish_reason, delta=delta, logprobs=lps_field)
+        choice = _choice(self.index, self.finish_reason, self.stop_reason, delta=delta,
+                         logprobs=lps_field)
         return choice if self.ids is None else {**choice, "token_ids": self.ids.new()}
 
     def final(self) -> dict:
@@ -164,7 +172,8 @@ class ChatChoice:
         logprobs = None
         if self.logprobs is not None:  # null like the content when there is none
             logprobs = {"content": None if content is None else self.logprobs, "refusal": None}
-        choice = _choice(self.index, self.finish_reason, message=message, logprobs=logprobs)
+        choice = _choice(self.index, self.finish_reason, self.stop_reason, message=message,
+                         logprobs=logprobs)
         return choice if self.ids is None else {**choice, "token_ids": self.ids.all}
 
     def _hold(self, positions: tuple[int, ...]) -> None:
@@ -188,7 +197,7 @@ class ChatChoice:
                     text, hit = self.stop.feed(d.text)
                     d = harmony.Delta("content", text)
                     if hit is not None:
-                        self.finish_reason = "stop"
+                        self.finish_reason, self.stop_reason = "stop", hit
             if d.kind == "tool_call":
                 call = {"name": d.name, "arguments": ""}
                 self.calls.append({"id": d.id, "type": "function", "function": call})
@@ -259,6 +268,7 @@ class TextChoice:
         self.held: deque[tuple[str, float, dict, int]] = deque()  # entries not yet sent
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def opening(self) -> None:
         return None
@@ -290,10 +300,10 @@ class TextChoice:
                     if self.keep_logprobs:
                         self.logprobs[key].append(value)
             release(out.logprobs, self.num_tokens)
-        self.finish_reason = out.finish_reason
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if not (new or lps and lps["tokens"] or self.finish_reason):
             return None
-        choice = _choice(self.index, self.finish_reason, text=new, logprobs=lps)
+        choice = _choice(self.index, self.finish_reason, self.stop_reason, text=new, logprobs=lps)
         if self.ids is None:
             return choice
         first = {} if self.opened else {"prompt_token_ids": self.prompt_ids}
@@ -302,7 +312,8 @@ class TextChoice:
 
     def final(self) -> dict:
         text = "".join(self.parts)
-        choice = _choice(self.index, self.finish_reason, text=text, logprobs=self.logprobs)
+        choice = _choice(self.index, self.finish_reason, self.stop_reason, text=text,
+                         logprobs=self.logprobs)
         if self.ids is None:
             return choice
         return {**choice, "prompt_token_ids": self.prompt_ids, "token_ids": self.ids.all}

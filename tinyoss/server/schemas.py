@@ -841,6 +841,10 @@ class ChatChoice(_Out):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StrictInt | str | None = Field(
+        description="vLLM's: the stop string or stop token id that ended the choice (null for the "
+        "model's own end, a length cut, or a choice not yet ended)."
+    )
     token_ids: list[int] | None = Field(None, description="With return_token_ids: all of them.")
 
 
@@ -879,6 +883,10 @@ class ChatChunkChoice(_Out):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StrictInt | str | None = Field(
+        description="vLLM's: the stop string or stop token id that ended the choice (null for the "
+        "model's own end, a length cut, or a choice not yet ended)."
+    )
     token_ids: list[int] | None = Field(
         None, description="With return_token_ids: those new since the last chunk."
     )
@@ -911,6 +919,10 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StrictInt | str | None = Field(
+        description="vLLM's: the stop string or stop token id that ended the choice (null for the "
+        "model's own end, a length cut, or a choice not yet ended)."
+    )
     prompt_token_ids: list[int] | None = Field(
         None, description="With return_token_ids (in a stream, on the choice's first chunk)."
     )
