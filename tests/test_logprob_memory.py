@@ -88,6 +88,7 @@ class _Run:
 
     def __init__(self, output: Output, outs) -> None:
         self.output, self.outs, self.streams, self.num_tokens = output, outs, [], 0
+        self.rid = "resp_test"
 
     async def updates(self):
         for out in self.outs:

@@ -901,6 +901,8 @@ def test_a_signal_stops_the_server_and_its_engine_core(sig):
         assert not alive, f"left running: {alive}"
         log = server.stderr.read()
         assert b"Application shutdown complete" in log and b"Traceback" not in log
+        # the requests cut off are logged as the shutdown's, not as clients that left
+        assert b": the server is shutting down" in log and b"its client left" not in log, log
     finally:
         server.kill()
 

@@ -363,7 +363,17 @@ def test_output_text_logprobs_are_the_answers_tokens(client):
     assert plain.output[1].content[0].logprobs == [] and plain.top_logprobs == 0
 
 
-def test_cancel_and_disconnect_abort_the_engine_request(srv, client):
+def failed_requests(srv) -> float:
+    """vLLM's count of requests that ended by an engine failure."""
+    line = '{finished_reason="error",model_name="tiny"} '
+    text = httpx.get(srv.url + "/metrics").text
+    return float(next(ln.split()[-1] for ln in text.splitlines()
+                      if ln.startswith("vllm:request_success_total") and line in ln))
+
+
+def test_cancel_and_disconnect_abort_the_engine_request(srv, client, caplog):
+    caplog.set_level("INFO", logger="tinyoss.server")
+    failed = failed_requests(srv)
     slow = [{"role": "user", "content": m} for m in (SLOW, ANSWER)]  # 20 ms a scripted step
     events = iter(create(client, input=slow, stream=True))
     rid = next(events).response.id
@@ -373,6 +383,10 @@ def test_cancel_and_disconnect_abort_the_engine_request(srv, client):
     rest = list(events)
     last = rest[-1]
     assert last.type == "response.failed" and last.response.status == "cancelled"
+    # a cancel is an abort, not an engine failure, and the log line names the response (it had
+    # counted as finished_reason "error", logged "the engine failed it" under a cmpl- id)
+    assert failed_requests(srv) == failed
+    assert f"aborted request {rid}: POST /v1/responses/{rid}/cancel" in caplog.messages
     # a response.failed says why (its error was null: a client reading error.message broke),
     # and is what the store keeps; no `error` event: nothing failed
     assert last.response.error.code == "cancelled" and "/cancel" in last.response.error.message
@@ -603,6 +617,7 @@ def test_items_become_chat_messages():
 def test_an_engine_failure_mid_stream_fails_the_response():
     class FailingRun:  # an engine run whose request fails at once
         streams: list = []
+        rid = "resp_failing"
 
         async def updates(self):
             raise RuntimeError("out of memory on this prompt")

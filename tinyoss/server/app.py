@@ -61,7 +61,7 @@ from tinyoss.server.protocol import (
 from tinyoss.server.choices import ChatChoice, TextChoice, release
 from tinyoss.server.response_store import ResponseStore
 from tinyoss.server.schemas import openapi_json
-from tinyoss.server.responses_api import Output, ResponseRun, translate
+from tinyoss.server.responses_api import Cancelled, Output, ResponseRun, translate
 
 log = logging.getLogger("tinyoss.server")
 _API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what tinyoss_http_responses counts
@@ -90,6 +90,7 @@ class ServerState:
                                lambda: (self.logprobs.used, self.logprobs.total),
                                lambda: self.client.restarts if self.client else 0)
         self.created = int(time.time())
+        self.shutting_down = False  # set by `tinyoss serve` on SIGTERM / SIGINT
 
     async def start(self) -> None:
         try:
@@ -176,7 +177,8 @@ class Run:
         the choices keep the logprobs they send (False: a stream's, which keep none)."""
         self.state, self.prep, self.kind, self.choices = state, prep, kind, choices
         self.top = top or {}
-        self.rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex
+        prefix = {"chat.completion": "chatcmpl-", "response": "resp_"}.get(kind, "cmpl-")
+        self.rid = prefix + uuid.uuid4().hex  # a response's is its id
         self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
         self.cached = [0] * len(prep.prompts)
@@ -258,6 +260,7 @@ class Run:
         metrics, n = self.state.metrics, self.prep.params.n
         start, last, ended = self.start, {}, {}  # ended: choice index -> when it finished
         cut = None  # how unfinished choices ended: "error" (the engine's), else "abort"
+        why = "its client left"
         try:
             async with contextlib.aclosing(_merge(self.streams)) as outputs:
                 async for i, out in outputs:
@@ -274,8 +277,15 @@ class Run:
                         yield changed
                     if self.done:
                         break
+        except Cancelled:  # POST /v1/responses/{id}/cancel
+            why = f"POST /v1/responses/{self.rid}/cancel"
+            raise
+        except asyncio.CancelledError:  # a stream's client left, or the shutdown's grace ended
+            if self.state.shutting_down:
+                why = "the server is shutting down"
+            raise
         except Exception:  # a request the engine failed (not a client that left)
-            cut = "error"
+            cut, why = "error", "the engine failed it"
             raise
         finally:
             now = time.monotonic()
@@ -286,8 +296,7 @@ class Run:
                                       sum(self.choices[j].num_tokens for j in mine))
             (metrics.finished if self.done else metrics.aborted).inc()
             if not self.done:  # one line, as vLLM's "Aborted request": to match a balancer's
-                log.info("aborted request %s: %s", self.rid,
-                         "the engine failed it" if cut == "error" else "its client left")
+                log.info("aborted request %s: %s", self.rid, why)
 
     @property
     def done(self) -> bool:

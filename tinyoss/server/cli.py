@@ -286,7 +286,17 @@ def serve(args: argparse.Namespace) -> None:
         base_url(args.host, args.port),
         f"required, from {key_from}" if key else "off",
     )
-    server = uvicorn.Server(
+    state = app.state.server
+
+    class Server(uvicorn.Server):
+        """uvicorn's, telling the app when a signal starts the shutdown (a request it cuts off
+        is logged as such, not as one whose client left)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.shutting_down = True
+            super().handle_exit(sig, frame)
+
+    server = Server(
         uvicorn.Config(
             _cut_off_quietly(app),
             host=args.host,

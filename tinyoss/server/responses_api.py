@@ -510,6 +510,7 @@ def _listed(item: dict) -> dict:
 class EngineRun(Protocol):
     """What a response needs of the server's `Run`."""
 
+    rid: str  # the response's id
     streams: list[OutputStream]
 
     def updates(self) -> AsyncIterator[list[Any]]: ...
@@ -529,7 +530,7 @@ class ResponseRun:
         output: Output,
         error_of: Callable[[Exception], APIError],
     ) -> None:
-        self.id, self.model, self.created_at = _new_id("resp_"), model, int(time.time())
+        self.id, self.model, self.created_at = run.rid, model, int(time.time())
         self.echo, self.input = req.echo, req.input
         self.run: EngineRun | None = run
         self.output: Output | None = output
