@@ -526,3 +526,25 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_llm):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_vllm_llm_arguments_that_change_nothing_pass_and_others_are_refused_by_name(tiny_llm):
+    """vLLM's `LLM(trust_remote_code=True)` and `quantization="mxfp4"` were TypeErrors; they
+    are `tinyoss serve`'s vLLM flags as keywords: noted and dropped where they change nothing,
+    a ValueError naming them where they would; `generate` takes use_tqdm third, as vLLM's."""
+    from tinyoss import LLM
+    from tinyoss.server.vllm_flags import llm_keyword
+
+    assert "changes nothing" in llm_keyword("trust_remote_code", True)
+    assert "changes nothing" in llm_keyword("quantization", "MXFP4")
+    assert llm_keyword("quantization", None) is not None and llm_keyword("foo", 1) is None
+    for bad in ({"quantization": "awq"}, {"enable_lora": True}, {"kv_cache_dtype": "fp8"}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"{name}="):
+            LLM("tiny", device="cpu", **bad)
+    with pytest.raises(TypeError, match="unknown LLM argument"):
+        LLM("tiny", device="cpu", not_an_argument=1)
+    ids = tiny_llm.tokenizer.encode("Hello there")
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    assert tokens(tiny_llm.generate(ids, greedy, False)) == tokens(
+        tiny_llm.generate(ids, greedy, use_tqdm=False))

@@ -21,6 +21,7 @@ from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams, bad_words_ids
+from tinyoss.server.vllm_flags import llm_keyword
 
 
 class TextPrompt(TypedDict):
@@ -98,14 +99,20 @@ class LLM:
 
     def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - fields)
+        # vLLM's own arguments that change nothing here (trust_remote_code, quantization="mxfp4")
+        # are noted and dropped; one that would change the result is a ValueError
+        notes = {k: note for k in sorted(set(kwargs) - fields)
+                 if (note := llm_keyword(k, kwargs[k])) is not None}
+        unknown = sorted(set(kwargs) - fields - set(notes))
         if unknown:
             raise TypeError(
                 f"unknown LLM argument(s) {', '.join(unknown)}; "
                 f"valid: {', '.join(sorted(fields - {'model'}))}"
             )
-        config = EngineConfig(model=model, **kwargs)
+        config = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k in fields})
         show_startup_logs()
+        for note in notes.values():
+            logging.getLogger("tinyoss").info("%s", note)
         folder = checkpoint_folder(config)
         self.tokenizer = load_tokenizer(folder)
         self.engine = build_engine(config, folder)
@@ -186,10 +193,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs all prompts as one continuous batch; outputs come back in prompt order."""
+        """Runs all prompts as one continuous batch; outputs come back in prompt order
+        (`use_tqdm` third, as in vLLM's)."""
         batch = _as_batch(prompts)
         return self._generate(batch, _per_prompt(sampling_params, len(batch)), use_tqdm)
 

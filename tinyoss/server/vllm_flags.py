@@ -7,8 +7,9 @@ that would change results (a quantization, an fp8 KV cache, pipeline or expert p
 always refused: running anyway would quietly serve something else than was asked for.
 
 This table is the only list: `tinyoss serve` builds its flags from it (`generate` and `chat`
-those in `ENGINE_FLAGS`) and docs/serve.md ("Coming from vLLM") lists it;
-tests/test_cli_vllm.py checks the two agree.
+those in `ENGINE_FLAGS`), `tinyoss.LLM` takes its flags as vLLM's `LLM` keywords
+(`llm_keyword`: `trust_remote_code=True`, `quantization="mxfp4"`), and docs/serve.md ("Coming
+from vLLM") lists it; tests/test_cli_vllm.py checks the two agree.
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--cpu-offload-gb",), True, (),
              "offloading weights to the CPU is not supported"),
 )
+
+
+def llm_keyword(name: str, value: object) -> str | None:
+    """vLLM's `LLM(name=value)` for a flag of this table: the note to log when the use changes
+    nothing; None when the table has no such flag. Raises ValueError for a refused use."""
+    flag = next((f for f in VLLM_FLAGS if f.names[0] == "--" + name.replace("_", "-")), None)
+    if flag is None:
+        return None
+    if flag.takes_value:
+        ok = value is None or flag.accepts(str(value))
+    else:
+        ok = flag.harmless == ANY or not value
+    if not ok:
+        raise ValueError(refusal(flag, f"{name}={value!r}").replace("vLLM flag", "vLLM argument"))
+    return f"{name}={value!r} changes nothing: {flag.says}"
 
 
 def describe(flag: VllmFlag) -> str:
