@@ -433,6 +433,34 @@ def test_completions_take_vllms_stop_fields(srv, client):
     assert shown["choices"][0]["text"].startswith("<|channel|>")
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(srv, client):
+    """echo with logprobs (a 400 before): the prompt's tokens come first, the first with no
+    logprob, each the model's own (checked against a request that can only sample that
+    token), offsets in the echoed text, then the generated ones after the echo; what
+    lm-evaluation-harness sends to score a continuation. Streamed alike."""
+    prompt = "The cat sat on the"
+    ids = srv.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    choice = ok_json(post(srv, "/v1/completions", body))["choices"][0]
+    lp, k = choice["logprobs"], len(ids)
+    assert choice["text"].startswith(prompt) and len(lp["tokens"]) == k + 1
+    assert lp["tokens"][:k] == [srv.tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"][:k] == [len(srv.tokenizer.decode(ids[:i])) for i in range(k)]
+    assert lp["text_offset"][k] == len(prompt)  # the generated token follows the echo
+    for i in (1, k - 1):  # the prompt token's logprob given the tokens before it
+        forced = ok_json(post(srv, "/v1/completions", {
+            "prompt": ids[:i], "max_tokens": 1, "logprobs": 0, "allowed_token_ids": [ids[i]]}))
+        got = forced["choices"][0]["logprobs"]["token_logprobs"][0]
+        assert lp["token_logprobs"][i] == pytest.approx(got, abs=1e-4)
+        assert lp["tokens"][i] in lp["top_logprobs"][i]
+    streamed = list(client.completions.create(model="tiny", stream=True, **body))
+    joined = {key: [x for c in streamed if c.choices and c.choices[0].logprobs
+                    for x in getattr(c.choices[0].logprobs, key)] for key in lp}
+    assert joined == lp
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice["text"]
+
+
 def test_choices_carry_vllms_stop_reason(srv, client):
     """vLLM's stop_reason on every choice (it was missing): the stop string or stop token id
     that ended it, null for the model's own end or a length cut; in a stream on the last
@@ -500,8 +528,6 @@ def test_request_errors(srv):
     cmpl = "/v1/completions"
     assert error(post(srv, cmpl, {"prompt": "a", "suffix": "b"}), 400)["param"] == "suffix"
     assert error(post(srv, cmpl, {"prompt": "a", "best_of": 3}), 400)["param"] == "best_of"
-    err = error(post(srv, cmpl, {"prompt": "a", "echo": True, "logprobs": 1}), 400)
-    assert err["param"] == "echo"
     assert error(post(srv, cmpl, {"prompt": [[1], "a", 3]}), 400)["param"] == "prompt"
     assert error(post(srv, cmpl, {"prompt": [300000]}), 400)["param"] == "prompt"
     err = error(post(srv, cmpl, {"prompt": "a", "model": "gpt-5"}), 404)

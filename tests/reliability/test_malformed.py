@@ -271,7 +271,7 @@ CASES: list[Case] = [
     P("logprobs-100", cmpl(logprobs=100), 400, "logprobs"),
     P("logprobs-string", cmpl(logprobs="x"), 400, "logprobs"),
     P("logprobs-bool-on-completions", cmpl(logprobs=True), 400, "logprobs"),
-    P("echo-with-logprobs", cmpl(echo=True, logprobs=1), 400, ("echo", "logprobs")),
+    P("echo-with-logprobs-21", cmpl(echo=True, logprobs=21), 400, "logprobs"),
     P("echo-string", cmpl(echo="yes"), 400, "echo"),
     P("suffix", cmpl(suffix="x"), 400, "suffix"),
     P("best-of-not-n", cmpl(best_of=3), 400, "best_of"),

@@ -269,6 +269,9 @@ class Run:
                     hist.observe(now - last.get(i, start))
                     last[i], self.cached[i] = now, out.num_cached_tokens
                     choices = [self.choices[i * n + c.index] for c in out.outputs]
+                    if out.prompt_logprobs is not None:  # completions' echo with logprobs
+                        for c in choices:
+                            c.prompt_logprobs = out.prompt_logprobs
                     changed = [ch for c, o in zip(choices, out.outputs) if (ch := c.update(o))]
                     for c in out.outputs:
                         if self.choices[i * n + c.index].finish_reason is not None:
@@ -841,7 +844,8 @@ def create_app(
         choices: list[Choice] = [
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
                        prep.prompts[p] if prep.return_token_ids else None,
-                       prep.params.skip_special_tokens, keep)
+                       prep.params.skip_special_tokens, keep,
+                       prep.prompts[p] if prep.params.prompt_logprobs is not None else None)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

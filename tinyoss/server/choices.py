@@ -241,7 +241,14 @@ class TextChoice:
     points at that character and a skipped special token adds nothing. Tokens past a stop
     string, and the end token (kept, as vLLM keeps it), point at the end of the text. A token
     is sent once the text up to its offset has been: text a stop string might begin is held
-    back, and the stop string may cut it, so an offset into it could pass the final text."""
+    back, and the stop string may cut it, so an offset into it could pass the final text.
+
+    With echo and logprobs (`prompt`: the prompt's ids) the entries begin with the prompt's
+    tokens, as vLLM gives them (the first has no logprob and no top ones), each with its offset
+    in the echoed text, and the generated tokens' offsets follow the echo: what
+    lm-evaluation-harness reads to score a continuation. The prompt's entries
+    (`prompt_logprobs`, set by the run) are whole once the first token has come, so the echo
+    waits for it."""
 
     def __init__(
         self,
@@ -252,8 +259,10 @@ class TextChoice:
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
         keep_logprobs: bool = True,
+        prompt: list[int] | None = None,
     ) -> None:
-        """`keep_logprobs`: keep the entries sent for `final` (False: a stream's)."""
+        """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `prompt`:
+        the prompt's ids, whose logprobs come first (echo with logprobs)."""
         self.index, self.tokenizer = index, tokenizer
         self.keep_logprobs = keep_logprobs
         self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
@@ -269,6 +278,10 @@ class TextChoice:
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.prompt = prompt
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set by the run
+        if prompt is not None:  # the generated tokens' text follows the echo
+            self.offset = self.sent = len(self.prefix)
 
     def opening(self) -> None:
         return None
@@ -276,6 +289,8 @@ class TextChoice:
     def update(self, out: CompletionOutput) -> dict | None:
         if self.finish_reason is not None:
             return None
+        if self.prompt is not None and not (out.token_ids or out.finished):
+            return None  # the prompt's logprobs are not all in yet
         text = "".join(out.pieces[self.seen :])
         new, self.sent = self.prefix + text, self.sent + len(text)
         self.prefix, self.seen = "", len(out.pieces)
@@ -286,6 +301,8 @@ class TextChoice:
         lps = None
         if self.logprobs is not None and out.logprobs is not None:
             lps = _text_logprobs()
+            if self.prompt is not None:
+                self._prompt_entries(lps)
             for e in out.logprobs[start : self.num_tokens]:
                 token = _token(self.tokenizer, e.token_id)[0]
                 top = {_token(self.tokenizer, t)[0]: _lp(lp) for t, lp in e.top}
@@ -309,6 +326,24 @@ class TextChoice:
         first = {} if self.opened else {"prompt_token_ids": self.prompt_ids}
         self.opened = True
         return {**choice, **first, "token_ids": self.ids.new()}
+
+    def _prompt_entries(self, lps: dict) -> None:
+        """The prompt's entries, once, into `lps` (and the kept logprobs)."""
+        entries, ids, self.prompt = self.prompt_logprobs or [], self.prompt, None
+        detok, at = IncrementalDetokenizer(self.tokenizer), 0
+        for i, token_id in enumerate(ids):
+            token = _token(self.tokenizer, token_id)[0]
+            e = entries[i] if i < len(entries) else None
+            lp = top = None
+            if e is not None:
+                lp = _lp(e.logprob)
+                top = {_token(self.tokenizer, t)[0]: _lp(v) for t, v in e.top}
+                top.setdefault(token, lp)
+            for key, value in zip(lps, (token, lp, top, at)):
+                lps[key].append(value)
+                if self.keep_logprobs:
+                    self.logprobs[key].append(value)
+            at += len(detok.add((token_id,)))
 
     def final(self) -> dict:
         text = "".join(self.parts)

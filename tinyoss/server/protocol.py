@@ -302,9 +302,6 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     req = validate(CompletionRequest, body)
     refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
     _require(not req.suffix, "suffix", "suffix is not supported: gpt-oss has no FIM mode")
-    _require(
-        not req.echo or req.logprobs is None, "echo", "echo with logprobs is not supported"
-    )
     try:
         grammar = answer_constraint(body.get("response_format"), body.get("structured_outputs"))
         if grammar is not None:
@@ -319,6 +316,8 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
         info.vocab_size,
         max_tokens=req.max_tokens,
         logprobs=req.logprobs,
+        # echo with logprobs: the prompt's too, as vLLM gives them (lm-evaluation-harness)
+        prompt_logprobs=req.logprobs if req.echo else None,
         stop=req.stop,
         structured_outputs=grammar,
     )

@@ -909,8 +909,9 @@ class ChatCompletionChunk(_Out):
 
 class CompletionLogprobs(_Out):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(
+        description="With echo the prompt's come first, the first of them null.")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int] = Field(description="Where each token starts in the text.")
 
 
