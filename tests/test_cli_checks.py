@@ -119,7 +119,8 @@ def test_uvicorn_log_flags_reach_uvicorn(monkeypatch):
             pass
 
     monkeypatch.setattr(uvicorn, "Server", Server)
-    monkeypatch.setattr(app_module, "create_app", lambda *a, **k: object())
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace()))  # no model loads
+    monkeypatch.setattr(app_module, "create_app", lambda *a, **k: app)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
