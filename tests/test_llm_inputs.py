@@ -548,3 +548,12 @@ def test_vllm_llm_arguments_that_change_nothing_pass_and_others_are_refused_by_n
     greedy = SamplingParams(temperature=0, max_tokens=3)
     assert tokens(tiny_llm.generate(ids, greedy, False)) == tokens(
         tiny_llm.generate(ids, greedy, use_tqdm=False))
+
+
+def test_vllms_best_of_equal_to_n_is_taken():
+    """vLLM's SamplingParams(best_of=...) was a TypeError: n's value (what the samples are
+    anyway) passes, any other is refused naming it."""
+    assert SamplingParams(n=2, best_of=2).best_of == 2 and SamplingParams().best_of is None
+    for bad in (3, True, 2.0):
+        with pytest.raises(ValueError, match="best_of"):
+            SamplingParams(n=2, best_of=bad)

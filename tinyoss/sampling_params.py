@@ -86,6 +86,7 @@ class SamplingParams:
     below is idempotent), which is how `LLM` catches fields changed after construction."""
 
     n: int = 1
+    best_of: int | None = None  # vLLM's: only None or n (the n samples are the answer)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -117,6 +118,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         v = self
         _check("n", v.n, _is_int(v.n) and v.n >= 1, "an int >= 1")
+        _check("best_of", v.best_of, v.best_of is None or _is_int(v.best_of) and v.best_of == v.n,
+               f"None or n ({v.n}): tinyoss returns every sample, so best_of above n is not "
+               "supported", optional=True)
         _check(
             "temperature",
             v.temperature,
