@@ -82,6 +82,20 @@ def test_cutlass_matches_torch(setup, t):
     assert _rel(got, want) < TOL[variant], _rel(got, want)
 
 
+def test_cutlass_skips_pairs_held_by_another_rank(setup):
+    """Expert parallelism hands the kernel the pairs whose experts another rank holds as id -1:
+    FlashInfer's routing and finalize leave ids outside [0, E) out, as `moe_torch` does."""
+    from tinyoss.kernels.moe_cutlass import moe_cutlass
+
+    variant, w, prepared = setup
+    x, topk_weights, topk_ids = _inputs(8, seed=11)
+    away = torch.rand(topk_ids.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    topk_ids = torch.where(away.cuda(), -1, topk_ids)
+    got = moe_cutlass(x, topk_weights, topk_ids, prepared)
+    want = moe_torch(x, topk_weights, topk_ids, w)
+    assert _rel(got, want) < TOL[variant], _rel(got, want)
+
+
 def test_every_expert_autotuned_and_in_a_cuda_graph(setup):
     from tinyoss.engine.builder import uniform_routing
     from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass

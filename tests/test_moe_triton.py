@@ -173,6 +173,45 @@ def test_rejects_bad_tiles():
         mt.moe_gemv(x, weights, ids, w, out=torch.empty(2, H, dtype=DTYPE, device=DEVICE))
 
 
+def held_elsewhere(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """ids with about half the pairs set to -1, as expert parallelism hands a rank the pairs
+    whose experts another rank holds; with several tokens, all of token 0's."""
+    gen = torch.Generator().manual_seed(seed)
+    away = torch.rand(ids.shape, generator=gen) < 0.5
+    away[0, 0] = True
+    away[-1, -1] = False
+    if ids.shape[0] > 1:
+        away[0] = True
+    return torch.where(away.to(ids.device), -1, ids)
+
+
+@pytest.mark.parametrize("t", [1, 3, mt.GEMV_MAX_TOKENS + 1, 40])
+def test_pairs_held_by_another_rank_add_nothing(t):
+    """Expert parallelism: a pair of expert id -1 reads no expert and adds nothing, on the pair
+    GEMV (t <= 8) and the grouped GEMMs, and in the combine fused with the next norm; a token
+    whose pairs are all elsewhere gets exactly 0. Workspaces start as NaN, so a combine that
+    read a skipped pair's row would show."""
+    from tinyoss.kernels.layer_ops_triton import rms_norm_triton
+
+    x, weights, ids, w = inputs(500 + t, t)
+    ids = held_elsewhere(ids, t)
+    away = ids.reshape(-1) < 0
+    pairs = (mt._gemv_pairs(x, weights, ids, w, GEMV) if t <= mt.GEMV_MAX_TOKENS
+             else mt._prefill_pairs(x, weights, ids, w, PREFILL))
+    assert pairs[away].isnan().all() and not pairs[~away].isnan().any()  # skipped, unwritten
+    want = moe_torch(x, weights, ids, w)
+    got = mt.moe_triton(x, weights, ids, w)
+    assert rel_err(got, want) < TOL
+    if t > 1:
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+    gen = torch.Generator().manual_seed(t)
+    residual = (torch.randn(t, H, generator=gen) * 3).to(DEVICE, DTYPE)
+    norm_w = (torch.rand(H, generator=gen) + 0.5).to(DEVICE)
+    want_norm, want_res = rms_norm_triton(got, norm_w, 1e-5, residual.clone())
+    normed, res = mt.moe_norm_triton(x, weights, ids, w, residual.clone(), norm_w, 1e-5)
+    assert torch.equal(res, want_res) and torch.equal(normed, want_norm)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU only: gpt-oss-20b shapes (H = I = 2880, E = 32, top-4), bf16 activations
 
@@ -331,11 +370,32 @@ def test_grouped_mma_matches_gluon_on_a_rank_share(t, blocks, mma):
 
 
 @gpu
+@pytest.mark.parametrize("t", [1, 2, 8, 12, 40, 64])
+def test_mma_kernels_skip_pairs_held_by_another_rank(t, mma):
+    """Expert parallelism on the GPU's kernels: pairs of id -1 are skipped by the tensor-core
+    pair kernels (gate_up from 1 token, streamed above 8 pairs; down from 2), Gluon's down (1
+    token), the grouped kernels (12: register down, 40 and 64: streamed) and, without the
+    tensor-core library, Gluon's pair GEMV and the grouped GEMMs."""
+    x, weights, ids, w = big_case(1000 + t, t)
+    ids = held_elsewhere(ids, t)
+    away = ids.reshape(-1) < 0
+    for pairs in ((mt._gemv_pairs(x, weights, ids, w, None, mma), mt._gemv_pairs(
+            x, weights, ids, w, None)) if t <= mt.GEMV_MAX_TOKENS else (
+            mt._grouped_pairs(x, weights, ids, w, mma), mt._prefill_pairs(
+                x, weights, ids, w, None))):
+        assert pairs[away].isnan().all() and not pairs[~away].isnan().any()  # skipped
+    want = moe_torch(x, weights, ids, w)
+    assert rel_err(mt.moe_triton(x, weights, ids, w, mma=mma), want) < TOL
+    assert rel_err(mt.moe_triton(x, weights, ids, w), want) < TOL
+
+
+@gpu
 @pytest.mark.parametrize("pairs,experts", [(1, 32), (37, 32), (192, 4), (300, 128)])
 def test_sort_pairs_is_a_stable_sort(pairs, experts, mma):
-    """Sorted as a stable torch.sort, and cut into runs of up to 8 pairs of one expert, in
-    order, the rest of the table -1."""
-    ids = torch.randint(0, experts, (pairs,), device=DEVICE, dtype=torch.int32)
+    """Sorted as a stable torch.sort, and cut into runs of up to 8 pairs of one expert (or of
+    id -1), in order, the rest of the table -1."""
+    # -1: pairs another rank holds (expert parallelism), sorted first like any id
+    ids = torch.randint(-1, experts, (pairs,), device=DEVICE, dtype=torch.int32)
     sorted_ids, order, groups = mma.sort_pairs(ids, experts)
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids) and torch.equal(order, want_order.to(torch.int32))
@@ -344,7 +404,7 @@ def test_sort_pairs_is_a_stable_sort(pairs, experts, mma):
     for n in runs:
         want += [(start + j) | (min(8, n - j) << 16) for j in range(0, n, 8)]
         start += n
-    assert len(groups) == min(pairs, pairs // 8 + experts) >= len(want)
+    assert len(groups) == min(pairs, pairs // 8 + experts + 1) >= len(want)
     assert groups.tolist() == want + [-1] * (len(groups) - len(want))
     with pytest.raises(ValueError, match="int32 ids"):
         mma.sort_pairs(ids.long(), experts)

@@ -86,9 +86,9 @@ def test_shard_cuts_at_real_shapes():
     assert (o.dim, o.start, o.stop) == (1, 2048, 4096)
     with pytest.raises(ValueError, match="must divide the model's 8 KV heads"):
         Shard(0, 3).check(c)
-    ep = Shard(1, 4, experts=True)  # 8 of the 32 experts, whole, and the null expert
-    assert ep.cut("model.layers.0.mlp.experts.down_proj_bias", (32, 2880), c) == Cut(0, 8, 16, 9)
-    assert ep.local_config(c).intermediate_size == 2880 and ep.experts_held(c) == 9
+    ep = Shard(1, 4, experts=True)  # 8 of the 32 experts, whole
+    assert ep.cut("model.layers.0.mlp.experts.down_proj_bias", (32, 2880), c) == Cut(0, 8, 16, 8)
+    assert ep.local_config(c).intermediate_size == 2880 and ep.experts_held(c) == 8
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,9 @@ if GLUON:
         LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, words]
         LX: gl.constexpr = gl.SliceLayout(0, L3)  # [words, 8]
         pair = gl.program_id(0)
+        e = gl.load(ids_ptr + pair).to(gl.int64)
+        if e < 0:  # held by another rank: nothing to read or write (the combine skips it)
+            return
         i = gl.arange(0, HALF_N, layout=gl.SliceLayout(1, LQ))
         if SWIGLU:
             ra = 2 * (gl.program_id(1) * HALF_N + i)
@@ -109,7 +112,6 @@ if GLUON:
             ra = gl.program_id(1) * 2 * HALF_N + i
             rb = ra + HALF_N
         ok_a, ok_b = ra < N, rb < N
-        e = gl.load(ids_ptr + pair).to(gl.int64)
         x_row = x_ptr + (pair // x_div).to(gl.int64) * K
         words = gl.arange(0, W, layout=gl.SliceLayout(0, LQ))
         xo = gl.arange(0, W, layout=gl.SliceLayout(1, LX))[:, None] * 8 + gl.arange(

@@ -205,6 +205,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   const int cnt = TAIL ? max(0, min(per, nblk - first)) : per;  // this part's blocks
   const int g = lane >> 2, t = lane & 3;
   const long e = ids ? ids[pair] : 0;
+  if (e < 0) return;  // a pair another rank holds (expert parallelism): the combine skips it
   const int row0 = blockIdx.y * ROWS;
   // SwiGLU: row g is the gate and row g + 8 the up row of one output (2j and 2j + 1 in the
   // checkpoint); else 16 consecutive rows
@@ -389,6 +390,7 @@ __global__ void __launch_bounds__(W * 32)
   uint8_t* ss = ring + S * STAGE;
   const int pair = blockIdx.x;
   const long e = ids[pair];
+  if (e < 0) return;  // a pair another rank holds (expert parallelism): the combine skips it
   const int row0 = (blockIdx.y * W + warp) * 16;
   const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
   const uint8_t* sg = s + e * stride_se + (long)row0 * nblk;
@@ -503,6 +505,7 @@ __global__ void __launch_bounds__(TILES * 32)
   if (gi < 0) return;
   const int start = gi & 0xFFFF, count = gi >> 16;
   const int e = sorted_ids[start];
+  if (e < 0) return;  // pairs another rank holds (expert parallelism; they sort first)
   const int nblk = K / 32, KP = K / 8 + 1;
   uint4* xs = smem;                                 // [8][KP] fp16 pairs (hi)
   uint4* xl = smem + 8 * KP;                        // [8][KP] (lo), SPLIT only
@@ -587,6 +590,7 @@ __global__ void __launch_bounds__(W * 32)
   if (gi < 0) return;
   const int start = gi & 0xFFFF, count = gi >> 16;
   const int e = sorted_ids[start];
+  if (e < 0) return;  // pairs another rank holds (expert parallelism; they sort first)
   const int nblk = K / 32, nst = nblk / C, KP = K / 8 + 1;
   uint4* xs = smem;
   uint4* xl = smem + 8 * KP;

@@ -260,14 +260,15 @@ class MmaGemv:
         return out
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
-        """int32 expert ids [pairs] (each below `experts`) sorted as a stable `torch.sort` sorts
-        them, with their groups, in one launch."""
+        """int32 expert ids [pairs] (each below `experts`, or -1 for a pair another rank holds:
+        those sort first and their groups' programs return) sorted as a stable `torch.sort`
+        sorts them, with their groups, in one launch."""
         if ids.dtype != torch.int32 or not ids.is_contiguous() or not 0 < ids.numel() <= 4096:
             raise ValueError(f"1 to 4096 contiguous int32 ids expected, got {ids.dtype} "
                              f"{tuple(ids.shape)}")
         pairs = ids.numel()
-        # an expert's n pairs make ceil(n / 8) <= n // 8 + 1 groups
-        groups = torch.empty(min(pairs, pairs // 8 + experts), dtype=torch.int32,
+        # an id's n pairs make ceil(n / 8) <= n // 8 + 1 groups; the ids: experts and -1
+        groups = torch.empty(min(pairs, pairs // 8 + experts + 1), dtype=torch.int32,
                              device=ids.device)
         sorted_ids, order = torch.empty_like(ids), torch.empty_like(ids)
         err = self.sort_fn(ids.data_ptr(), pairs, sorted_ids.data_ptr(), order.data_ptr(),

@@ -45,10 +45,13 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
 def moe_torch(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: ExpertWeights
 ) -> torch.Tensor:
-    """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] -> sum_k w_k * expert_k(x) [T, H]."""
+    """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] -> sum_k w_k * expert_k(x) [T, H].
+    A pair of id -1 (its expert held by another rank, expert parallelism) adds nothing."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in topk_ids.unique().tolist():
+        if e < 0:
+            continue
         rows, slot = torch.where(topk_ids == e)
         y = expert_forward(xf[rows], w, e)
         out.index_add_(0, rows, y * topk_weights[rows, slot, None].float())

@@ -254,29 +254,33 @@ def _prefill_down(act_ptr, order_ptr, off_ptr, wts_ptr, q_ptr, s_ptr, b_ptr, y_p
 
 
 @triton.jit
-def _combine(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t] = sum over k of y[t*TOPK + k], in slot order (deterministic)."""
+def _combine(y_ptr, ids_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum over k of y[t*TOPK + k], in slot order (deterministic); a pair of expert id
+    -1 (held by another rank) was skipped by the expert kernels, so its row is not read."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < H
     tot = tl.zeros((BLOCK_N,), tl.float32)
     for k in tl.static_range(TOPK):
-        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok, other=0.0)
+        held = tl.load(ids_ptr + t * TOPK + k + 0 * cols) >= 0  # the pair's id, a column each
+        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok & held, other=0.0)
     tl.store(out_ptr + t * H + cols, tot.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _combine_norm(y_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
+def _combine_norm(y_ptr, ids_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """Token t (program 0): moe = sum over k of y[t*TOPK + k], rounded to the activation dtype
-    as `_combine` stores it; x = moe + res[t] (rounded likewise) over res[t]; out[t] =
-    w * x * rsqrt(mean(x^2) + eps), as `layer_ops_triton._add_rms_norm_kernel` computes it."""
+    """Token t (program 0): moe = sum over k of y[t*TOPK + k] (pairs of id -1 skipped, as in
+    `_combine`), rounded to the activation dtype as `_combine` stores it; x = moe + res[t]
+    (rounded likewise) over res[t]; out[t] = w * x * rsqrt(mean(x^2) + eps), as
+    `layer_ops_triton._add_rms_norm_kernel` computes it."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
     tot = tl.zeros((BLOCK,), tl.float32)
     for k in tl.static_range(TOPK):
-        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok, other=0.0)
+        held = tl.load(ids_ptr + t * TOPK + k + 0 * cols) >= 0  # the pair's id, a column each
+        tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok & held, other=0.0)
     dtype = out_ptr.dtype.element_ty
     res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
     x = (tot.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
@@ -319,11 +323,13 @@ def _strides(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int,
     return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
 
 
-def _combine_pairs(y: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, H] = the sum of each token's K rows of y [T * K, H] (`_combine`)."""
+def _combine_pairs(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H] = the sum of each token's K rows of y [T * K, H] (`_combine`), the pairs of
+    id -1 left out."""
     t, h = out.shape
     if t:
-        _combine[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=y.shape[0] // t, BLOCK_N=1024)
+        _combine[(t, triton.cdiv(h, 1024))](y, topk_ids.contiguous().view(-1), out, h,
+                                            TOPK=y.shape[0] // t, BLOCK_N=1024)
 
 
 def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -362,7 +368,7 @@ def moe_prefill(
 ) -> torch.Tensor:
     """The prefill path: pairs sorted by expert on the device, grouped GEMMs, top-k combine."""
     out = _output(x, out)
-    _combine_pairs(_prefill_pairs(x, topk_weights, topk_ids, w, config), out)
+    _combine_pairs(_prefill_pairs(x, topk_weights, topk_ids, w, config), topk_ids, out)
     return out
 
 
@@ -465,9 +471,11 @@ def _pair_gemv(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, 
     pre-scaled by 2**64 so every product is normal; each word's scale multiplies elementwise,
     and the one reduction over K happens after the loop."""
     pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    if e < 0:  # held by another rank: nothing to read or write (`_combine` skips the pair)
+        return
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    e = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // x_div).to(tl.int64) * K
     words = tl.arange(0, BLOCK_K // 8)
     r64 = rows.to(tl.int64)[:, None]
@@ -507,7 +515,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
              out: torch.Tensor | None = None, mma: MmaGemv | None = None) -> torch.Tensor:
     """The pair-GEMV path: x [T, H] -> [T, H]; three launches, no host synchronisation."""
     out = _output(x, out)
-    _combine_pairs(_gemv_pairs(x, topk_weights, topk_ids, w, config, mma), out)
+    _combine_pairs(_gemv_pairs(x, topk_weights, topk_ids, w, config, mma), topk_ids, out)
     return out
 
 
@@ -603,7 +611,7 @@ def moe_triton(
         return moe_gemv(x, topk_weights, topk_ids, w, gemv, out=out, mma=mma)
     if _grouped(x, w, mma):
         out = _output(x, out)
-        _combine_pairs(_grouped_pairs(x, topk_weights, topk_ids, w, mma), out)
+        _combine_pairs(_grouped_pairs(x, topk_weights, topk_ids, w, mma), topk_ids, out)
         return out
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
 
@@ -634,6 +642,7 @@ def moe_norm_triton(
     t, h = x.shape
     normed = _empty((t, h), x.dtype, x.device)
     if t:
-        _combine_norm[(t,)](y, residual, norm_weight, normed, h, eps, TOPK=topk_ids.shape[1],
+        _combine_norm[(t,)](y, topk_ids.contiguous().view(-1), residual, norm_weight, normed, h,
+                            eps, TOPK=topk_ids.shape[1],
                             BLOCK=triton.next_power_of_2(h), num_warps=8)
     return normed, residual

@@ -97,9 +97,9 @@ class Experts(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels, shard: Shard) -> None:
         super().__init__()
         e, h, i = shard.experts_held(config), config.hidden_size, config.intermediate_size
-        # expert parallelism: the global ids of the experts held, and the null expert's index
+        # expert parallelism: the global ids of the experts held
         self.first, self.end = shard.expert_range(config)
-        self.null = e - 1 if shard.experts and shard.size > 1 else None
+        self.dealt = shard.experts and shard.size > 1
         self.gate_up_proj_blocks = _param(e, 2 * i, h // 32, 16, dtype=torch.uint8)
         self.gate_up_proj_scales = _param(e, 2 * i, h // 32, dtype=torch.uint8)
         self.gate_up_proj_bias = _param(e, 2 * i)
@@ -114,12 +114,12 @@ class Experts(nn.Module):
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing in this rank's own expert ids: with expert parallelism, pairs of experts
-        held elsewhere go to the null expert with weight 0 (the all-reduce brings their
+        held elsewhere get the id -1, which the MoE kernels skip (the all-reduce brings their
         outputs); as given otherwise."""
-        if self.null is None:
+        if not self.dealt:
             return topk_weights, topk_ids
         held = (topk_ids >= self.first) & (topk_ids < self.end)
-        ids = torch.where(held, topk_ids - self.first, self.null).to(topk_ids.dtype)
+        ids = torch.where(held, topk_ids - self.first, -1).to(topk_ids.dtype)
         return topk_weights * held, ids
 
     def weights(self) -> ExpertWeights:

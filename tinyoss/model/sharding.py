@@ -13,10 +13,10 @@ Rank r of N holds (Megatron's split, as vLLM and SGLang do for gpt-oss):
   elsewhere), so that the all-reduce of the partial sums adds them once.
 
 With expert parallelism (`experts=True`, vLLM's --enable-expert-parallel) the experts are not
-cut but dealt out whole: rank r holds experts [r*E/N, (r+1)*E/N) and one zero "null" expert
-after them, to which the pairs routed to other ranks go with weight 0 (`Experts.localize`), so
-that every MoE kernel runs unchanged. Attention, vocabulary and biases split as above, except
-that each expert's down bias lives with its expert.
+cut but dealt out whole: rank r holds experts [r*E/N, (r+1)*E/N). The pairs routed to other
+ranks get the expert id -1 (`Experts.localize`), which every MoE kernel skips (no weights read,
+nothing added), so a rank spends its MoE time on its own pairs only. Attention, vocabulary and
+biases split as above, except that each expert's down bias lives with its expert.
 
 Each rank reads only its slices (`Cut`) from the memory-mapped safetensors.
 """
@@ -114,9 +114,9 @@ class Shard:
         return self.rank * n, (self.rank + 1) * n
 
     def experts_held(self, c: ModelConfig) -> int:
-        """Experts in this rank's tensors: its own, and the null expert under parallelism."""
+        """Experts in this rank's tensors."""
         first, end = self.expert_range(c)
-        return end - first + (self.experts and self.size > 1)
+        return end - first
 
     def vocab_rows(self, c: ModelConfig) -> int:
         return -(-c.vocab_size // self.size)
@@ -132,7 +132,7 @@ class Shard:
         r, n = self.rank, self.size
         if self.experts and ".mlp.experts." in name:
             first, end = self.expert_range(c)
-            return Cut(0, first, end, end - first + 1)  # + the null expert (zeros)
+            return Cut(0, first, end, end - first)
         if name.endswith(("self_attn.o_proj.bias", "mlp.experts.down_proj_bias")):
             return None if r == 0 else Cut(0, 0, 0, shape[0])
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.sinks")):

@@ -232,5 +232,5 @@ def moe_gemv_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                      config: GroupedGemvConfig | None = None) -> torch.Tensor:
     """Like `moe_triton.moe_gemv`: x [T, H] -> [T, H], each distinct expert read once."""
     out = _output(x, out)
-    _combine_pairs(grouped_gemv_pairs(x, topk_weights, topk_ids, w, config), out)
+    _combine_pairs(grouped_gemv_pairs(x, topk_weights, topk_ids, w, config), topk_ids, out)
     return out

@@ -79,7 +79,7 @@ def test_grouped_matches_reference_and_pair_gemv(kind, t):
     y = mg.grouped_gemv_pairs(x, weights, ids, w, CFG)
     assert y.shape == (t * TOPK, H) and y.dtype == torch.float32 and not y.isnan().any()
     out = torch.full((t, H), float("nan"), dtype=DTYPE, device=DEVICE)
-    mt._combine_pairs(y, out)  # what `moe_gemv_grouped` ends with
+    mt._combine_pairs(y, ids, out)  # what `moe_gemv_grouped` ends with
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
     # pair by pair, the same y as the pair GEMV up to the order of the fp32 K sum
     y_pair = mt._gemv_pairs(x, weights, ids, w, GEMV)
@@ -110,7 +110,7 @@ def test_combine_takes_y_as_is():
     x, weights, ids, w = case("repeat", 3, 91)
     y = mg.grouped_gemv_pairs(x, weights, ids, w, CFG)
     out = torch.empty(3, H, dtype=DTYPE, device=DEVICE)
-    mt._combine_pairs(y, out)
+    mt._combine_pairs(y, ids, out)
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
 
 
