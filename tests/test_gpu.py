@@ -323,8 +323,8 @@ def _with_routers(model, run, flip: int | None = None):
     kernels, routers = model.kernels, []
     original = kernels.router_topk
 
-    def recorded(logits: torch.Tensor, k: int):
-        weights, ids = original(logits, k)
+    def recorded(logits: torch.Tensor, k: int, held: tuple[int, int] | None = None):
+        weights, ids = original(logits, k, held)
         if len(routers) == flip:
             top = logits[-1].float().topk(k + 1)
             keep = torch.cat([top.indices[: k - 1], top.indices[k:]])

@@ -72,6 +72,14 @@ def test_router_topk(experts, method, monkeypatch):
     w, ids = router_topk_triton(logits, 4)
     ref_w, ref_ids = router_topk_torch(logits, 4)
     assert torch.equal(ids.long(), ref_ids) and torch.allclose(w, ref_w, atol=1e-6)
+    # expert parallelism: this rank holds experts [E/4, E/2); the others' pairs come as -1
+    held = (experts // 4, experts // 2)
+    w_held, ids_held = router_topk_triton(logits, 4, held)
+    inside = (ref_ids >= held[0]) & (ref_ids < held[1])
+    assert inside.any() and (~inside).any()
+    assert torch.equal(ids_held.long(), torch.where(inside, ref_ids - held[0], -1))
+    assert torch.equal(ids_held.long(), router_topk_torch(logits, 4, held)[1])
+    assert torch.equal(w_held, w)  # the weights stay the softmax over all k
 
 
 @pytest.mark.parametrize("method", TOPK_METHODS)
@@ -107,9 +115,11 @@ def test_norm_route_matches_unfused(dtype, tokens, experts, hidden, method, monk
     rw = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
     rb = (0.1 * torch.randn(experts, generator=gen)).to(DEVICE, dtype)
     res0 = res.clone()
-    ref = Kernels().post_attention(x, res.clone(), nw, 1e-5, rw, rb, 4)
+    held = (experts // 4, experts // 2 + 1)  # expert parallelism's ids (-1 outside)
+    ref = Kernels().post_attention(x, res.clone(), nw, 1e-5, rw, rb, 4, held)
+    assert (ref[3] < 0).any()
     for _ in range(2):
-        out, new_res, weights, ids = norm_route_triton(x, res, nw, 1e-5, rw, rb, 4)
+        out, new_res, weights, ids = norm_route_triton(x, res, nw, 1e-5, rw, rb, 4, held)
         assert torch.equal(new_res, ref[1]) and rel(out, ref[0]) < TOL[dtype]
         if dtype == torch.float32:  # bf16 logits may swap near-ties
             assert torch.equal(ids.long(), ref[3].long())

@@ -23,15 +23,17 @@ MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 PrepareFn = Callable[[ExpertWeights], Any]
 Pair = tuple[torch.Tensor, torch.Tensor]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], Pair]
-RouterFn = Callable[[torch.Tensor, int], Pair]
+# (logits, k, held) -> (top-k weights, ids); held: `router_topk_torch`'s
+RouterFn = Callable[[torch.Tensor, int, "tuple[int, int] | None"], Pair]
 # (x [M, K], blocks [N, K/32, 16], scales [N, K/32], bias [N] | None) -> [M, N]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]: the bf16 dense layers
 DenseFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# (x, residual, norm weight, eps, router weight, router bias, k) -> (normed, residual, topk
-# weights, topk ids): `Kernels.post_attention` in one fused call
+# (x, residual, norm weight, eps, router weight, router bias, k, held) -> (normed, residual,
+# topk weights, topk ids): `Kernels.post_attention` in one fused call
 NormRouteFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor, int],
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor, int,
+     "tuple[int, int] | None"],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ]
 # (x, topk weights, topk ids, experts, residual, norm weight, eps) -> (normed, residual):
@@ -51,9 +53,16 @@ def rms_norm_torch(
     return (weight.float() * y).to(x.dtype), x
 
 
-def router_topk_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest router logits (sorted) and a softmax over just those: (weights fp32, ids)."""
+def router_topk_torch(logits: torch.Tensor, k: int, held: tuple[int, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest router logits (sorted) and a softmax over just those: (weights fp32, ids).
+    With `held` = [first, end), the experts this rank holds (expert parallelism), an id inside
+    it comes as id - first and any other as -1: a pair the MoE kernels skip (another rank
+    adds it)."""
     top_logits, top_ids = torch.topk(logits, k, dim=-1, sorted=True)
+    if held is not None:
+        first, end = held
+        top_ids = torch.where((top_ids >= first) & (top_ids < end), top_ids - first, -1)
     return torch.softmax(top_logits.float(), dim=-1), top_ids
 
 
@@ -102,13 +111,16 @@ class Kernels:
     def post_attention(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
+        held: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What sits between attention and the experts: (norm(x + residual), x + residual,
-        the router's top-k weights and ids)."""
+        the router's top-k weights and ids, the ids as this rank holds them: `held`, see
+        `router_topk_torch`)."""
         if self.norm_route is not None:
-            return self.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, k)
+            return self.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, k,
+                                   held)
         x, residual = self.rms_norm(x, norm_weight, eps, residual)
-        weights, ids = self.router_topk(self.linear(x, router_weight, router_bias), k)
+        weights, ids = self.router_topk(self.linear(x, router_weight, router_bias), k, held)
         return x, residual, weights, ids
 
     def moe_then_norm(

@@ -163,18 +163,26 @@ TOPK_ARGMAX_FROM = 64
 
 
 @triton.jit
-def _topk_softmax(x, e, n, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  ARGMAX_FROM: tl.constexpr):
+def _held(ids, first, end):
+    """Expert ids as this rank holds them: id - first inside [first, end), else -1 (expert
+    parallelism: a pair whose expert another rank holds, which the MoE kernels skip)."""
+    return tl.where((ids >= first) & (ids < end), ids - first, -1)
+
+
+@triton.jit
+def _topk_softmax(x, e, n, w_ptr, ids_ptr, row, first, end, K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr):
     """The K largest of x [BLOCK_E] (its first n real; lowest index among equals), softmax over
-    them, stored in order. Few experts: each expert's rank is how many beat it (three
-    reductions, not two per pick, but BLOCK_E**2 comparisons); many: K rounds of argmax."""
+    them, stored in order, their ids as `_held` gives them. Few experts: each expert's rank is
+    how many beat it (three reductions, not two per pick, but BLOCK_E**2 comparisons); many: K
+    rounds of argmax."""
     if BLOCK_E < ARGMAX_FROM:
         beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (e[None, :] < e[:, None]))
         rank = tl.sum(beats.to(tl.int32), axis=1)
         top = rank < K
         p = tl.where(top, tl.exp(x - tl.max(x, axis=0)), 0.0)
         tl.store(w_ptr + row * K + rank, p / tl.sum(p, axis=0), mask=top)
-        tl.store(ids_ptr + row * K + rank, e, mask=top)
+        tl.store(ids_ptr + row * K + rank, _held(e, first, end), mask=top)
     else:
         j = tl.arange(0, K)
         vals = tl.zeros((K,), tl.float32)
@@ -188,12 +196,12 @@ def _topk_softmax(x, e, n, w_ptr, ids_ptr, row, K: tl.constexpr, BLOCK_E: tl.con
             free = free & (e != pick)
         p = tl.exp(vals - tl.max(vals, axis=0))
         tl.store(w_ptr + row * K + j, p / tl.sum(p, axis=0))
-        tl.store(ids_ptr + row * K + j, ids)
+        tl.store(ids_ptr + row * K + j, _held(ids, first, end))
 
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, w_ptr, ids_ptr, n_experts, K: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr, w_ptr, ids_ptr, n_experts, first, end, K: tl.constexpr, BLOCK_E: tl.constexpr,
     ARGMAX_FROM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -201,19 +209,22 @@ def _router_topk_kernel(
     x = tl.load(logits_ptr + row * n_experts + e, mask=e < n_experts, other=float("-inf")).to(
         tl.float32
     )
-    _topk_softmax(x, e, n_experts, w_ptr, ids_ptr, row, K, BLOCK_E, ARGMAX_FROM)
+    _topk_softmax(x, e, n_experts, w_ptr, ids_ptr, row, first, end, K, BLOCK_E, ARGMAX_FROM)
 
 
-def router_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row, softmax over those k: (weights fp32 [T, k], ids int32 [T, k])."""
+def router_topk_triton(logits: torch.Tensor, k: int, held: tuple[int, int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row, softmax over those k: (weights fp32 [T, k], ids int32 [T, k]); with
+    `held` ([first, end), expert parallelism) the ids as `router_topk_torch` gives them."""
     t, e = logits.shape
+    first, end = held or (0, e)
     assert triton.next_power_of_2(k) == k, "top-k must be a power of two"
     logits = logits.contiguous()
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
     if t:
-        _router_topk_kernel[(t,)](logits, weights, ids, e, K=k, BLOCK_E=triton.next_power_of_2(e),
-                                  ARGMAX_FROM=TOPK_ARGMAX_FROM)
+        _router_topk_kernel[(t,)](logits, weights, ids, e, first, end, K=k,
+                                  BLOCK_E=triton.next_power_of_2(e), ARGMAX_FROM=TOPK_ARGMAX_FROM)
     return weights, ids
 
 
@@ -229,7 +240,8 @@ NORM_ROUTE_TILES = {"few": (2, 4), "many": (4, 8)}
 @triton.jit
 def _norm_route_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
-    ids_ptr, n_cols, n_experts, eps, EPB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+    ids_ptr, n_cols, n_experts, eps, first, end, EPB: tl.constexpr, K: tl.constexpr,
+    BLOCK: tl.constexpr,
     BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr,
 ):
     """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
@@ -262,7 +274,7 @@ def _norm_route_kernel(
         e = tl.arange(0, BLOCK_E)
         v = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf"),
                     cache_modifier=".cg")
-        _topk_softmax(v, e, n_experts, w_ptr, ids_ptr, t, K, BLOCK_E, ARGMAX_FROM)
+        _topk_softmax(v, e, n_experts, w_ptr, ids_ptr, t, first, end, K, BLOCK_E, ARGMAX_FROM)
         tl.atomic_xchg(count_ptr + t, 0)
 
 
@@ -280,19 +292,22 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
 def norm_route_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
+    held: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `Kernels.post_attention`'s unfused path: (norm(x + residual),
-    x + residual, top-k weights fp32, ids int32). One launch for up to NORM_ROUTE_MAX_TOKENS
+    x + residual, top-k weights fp32, ids int32, as `router_topk_triton` gives them for
+    `held`). One launch for up to NORM_ROUTE_MAX_TOKENS
     tokens; more go through the three kernels in turn. The residual is returned new (other
     programs of a token still read the old one)."""
     t, h = x.shape
     if t > NORM_ROUTE_MAX_TOKENS:
         x, residual = rms_norm_triton(x, norm_weight, eps, residual)
         weights, ids = router_topk_triton(torch.nn.functional.linear(x, router_weight,
-                                                                     router_bias), k)
+                                                                     router_bias), k, held)
         return x, residual, weights, ids
     assert triton.next_power_of_2(k) == k, "top-k must be a power of two"
     e = router_weight.shape[0]
+    first, end = held or (0, e)
     x, residual = x.contiguous(), residual.contiguous()
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
@@ -304,7 +319,7 @@ def norm_route_triton(
         epb = min(rows, block_e)
         _norm_route_kernel[(t, triton.cdiv(e, epb))](
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
-            _ticket_counters(x.device), weights, ids, h, e, eps, EPB=epb, K=k,
+            _ticket_counters(x.device), weights, ids, h, e, eps, first, end, EPB=epb, K=k,
             BLOCK=triton.next_power_of_2(h), BLOCK_E=block_e, ARGMAX_FROM=TOPK_ARGMAX_FROM,
             num_warps=warps)
     return out, res_out, weights, ids

@@ -97,9 +97,9 @@ class Experts(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels, shard: Shard) -> None:
         super().__init__()
         e, h, i = shard.experts_held(config), config.hidden_size, config.intermediate_size
-        # expert parallelism: the global ids of the experts held
-        self.first, self.end = shard.expert_range(config)
-        self.dealt = shard.experts and shard.size > 1
+        # expert parallelism: the global ids of the experts held, [first, end), which the
+        # router hands the experts as 0.. (and the others as -1, which the kernels skip)
+        self.held = shard.expert_range(config) if shard.experts and shard.size > 1 else None
         self.gate_up_proj_blocks = _param(e, 2 * i, h // 32, 16, dtype=torch.uint8)
         self.gate_up_proj_scales = _param(e, 2 * i, h // 32, dtype=torch.uint8)
         self.gate_up_proj_bias = _param(e, 2 * i)
@@ -109,18 +109,6 @@ class Experts(nn.Module):
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.kernels = kernels
         self.prepared: object | None = None
-
-    def localize(
-        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing in this rank's own expert ids: with expert parallelism, pairs of experts
-        held elsewhere get the id -1, which the MoE kernels skip (the all-reduce brings their
-        outputs); as given otherwise."""
-        if not self.dealt:
-            return topk_weights, topk_ids
-        held = (topk_ids >= self.first) & (topk_ids < self.end)
-        ids = torch.where(held, topk_ids - self.first, -1).to(topk_ids.dtype)
-        return topk_weights * held, ids
 
     def weights(self) -> ExpertWeights:
         assert self.prepared is None, "the checkpoint tensors were released by prepare()"
@@ -190,8 +178,8 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, positions, rope_cache, attn)
         norm, router = self.post_attention_layernorm, self.mlp.router
         x, residual, top_weights, top_ids = self.kernels.post_attention(
-            x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k)
-        top_weights, top_ids = self.mlp.experts.localize(top_weights, top_ids)
+            x, residual, norm.weight, norm.eps, router.weight, router.bias, self.mlp.top_k,
+            self.mlp.experts.held)
         return self.kernels.moe_then_norm(x, top_weights, top_ids, self.mlp.experts.packed(),
                                           residual, next_norm.weight, next_norm.eps)
 

@@ -13,10 +13,11 @@ Rank r of N holds (Megatron's split, as vLLM and SGLang do for gpt-oss):
   elsewhere), so that the all-reduce of the partial sums adds them once.
 
 With expert parallelism (`experts=True`, vLLM's --enable-expert-parallel) the experts are not
-cut but dealt out whole: rank r holds experts [r*E/N, (r+1)*E/N). The pairs routed to other
-ranks get the expert id -1 (`Experts.localize`), which every MoE kernel skips (no weights read,
-nothing added), so a rank spends its MoE time on its own pairs only. Attention, vocabulary and
-biases split as above, except that each expert's down bias lives with its expert.
+cut but dealt out whole: rank r holds experts [r*E/N, (r+1)*E/N). The router's top-k gives the
+pairs routed to other ranks the expert id -1 (`Kernels.post_attention`), which every MoE kernel
+skips (no weights read, nothing added), so a rank spends its MoE time on its own pairs only.
+Attention, vocabulary and biases split as above, except that each expert's down bias lives
+with its expert.
 
 Each rank reads only its slices (`Cut`) from the memory-mapped safetensors.
 """
