@@ -335,9 +335,9 @@ class EngineConfig:
     )
     enable_expert_parallel: bool = option(
         "with tensor_parallel_size N: deal the experts out whole (E/N a GPU) instead of cutting "
-        "each one; attention stays split by heads. Every GPU still runs all k pairs a token "
-        "(those routed elsewhere on a zero expert): measured no faster than one GPU at batches "
-        "1 and 8, where plain tensor parallelism is 1.16-1.57x faster",
+        "each one; attention stays split by heads, and each GPU runs only the pairs of its own "
+        "experts. Measured at 2 GPUs, batches 1 and 8: 1.05-1.42x one GPU, below plain tensor "
+        "parallelism (1.14-1.57x): a GPU waits for whichever holds more of a step's pairs",
         default=False,
     )
     speculative_config: str | None = option(
