@@ -582,6 +582,14 @@ def test_continuous_usage_stats(srv):
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts[0] == 0 and counts == sorted(counts) and counts[-2] == counts[-1] > 0
     assert chunks[-1]["choices"] == [] and len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+    # the cached count: null in the opening chunk (sent before the engine says it), then one
+    # value that never changes (it was 0 there and the real count after)
+    again = events(post(srv, CHAT, body))  # the same prompt: found in the prefix cache
+    for run in chunks, again:
+        details = [c["usage"]["prompt_tokens_details"] for c in run]
+        assert details[0] is None and None not in details[1:]
+        assert len({d["cached_tokens"] for d in details[1:]}) == 1
+    assert details[1]["cached_tokens"] > 0
     body = {"prompt": "a", "max_tokens": 5, "ignore_eos": True, "stream": True,
             "stream_options": {**options, "include_usage": False}}  # fmt: skip
     chunks = events(post(srv, CMPL, body))  # as in vLLM: no usage without include_usage

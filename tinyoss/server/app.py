@@ -181,7 +181,8 @@ class Run:
         self.rid = prefix + uuid.uuid4().hex  # a response's is its id
         self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
-        self.cached = [0] * len(prep.prompts)
+        # each prompt's tokens found in the prefix cache, known from its first engine output
+        self.cached: list[int | None] = [None] * len(prep.prompts)
         self.start = time.monotonic()
         client = state.ready()
         capacity = state.config.max_num_seqs + state.limits.max_queued_requests
@@ -312,7 +313,9 @@ class Run:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached)},
+            # null until every prompt's is known (a stream's opening chunk), never a guess
+            "prompt_tokens_details": (None if None in self.cached
+                                      else {"cached_tokens": sum(self.cached)}),
         }
 
     def answer(self) -> dict:

@@ -691,7 +691,7 @@ class ResponseRun:
             self.completed_at = int(time.time())
         output.close("incomplete")  # an item cut short (nothing once the output finished)
         usage = run.usage()
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        cached = (usage["prompt_tokens_details"] or {"cached_tokens": 0})["cached_tokens"]
         self.usage = {
             "input_tokens": usage["prompt_tokens"],
             # nothing is written to a cache that is billed apart: 0, as OpenAI's types need it

@@ -796,7 +796,9 @@ class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        description="null only in a stream's chunks sent before the engine said how many of "
+        "the prompts' tokens it found cached (the opening chunk with continuous usage stats)")
 
 
 class TopLogprob(_Out):
