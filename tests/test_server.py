@@ -461,6 +461,50 @@ def test_completions_echo_with_logprobs_scores_the_prompt(srv, client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice["text"]
 
 
+def test_prompt_logprobs_as_vllm_gives_them(srv):
+    """vLLM's prompt_logprobs over HTTP (refused before): on each completions choice (each its
+    own prompt's), at the top of a chat completion; null at the first position, then {token id:
+    {logprob, rank, decoded_token}} for the prompt's token and the top k; the same logprobs as
+    echo's."""
+    from tinyoss.server import schemas
+
+    prompt = "The cat sat on the"
+    ids = srv.tokenizer.encode(prompt)
+    body = {"prompt": [prompt, ids[:3]], "max_tokens": 1, "prompt_logprobs": 2}
+    answer = ok_json(post(srv, "/v1/completions", body))
+    schemas.Completion.model_validate(answer)
+    first, second = (c["prompt_logprobs"] for c in answer["choices"])
+    assert answer["choices"][0]["logprobs"] is None  # prompt_logprobs only, as asked
+    assert len(first) == len(ids) and len(second) == 3 and first[0] is None is second[0]
+    echo = ok_json(post(srv, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2}))["choices"][0]
+
+    def same(a: list, b: list) -> bool:
+        """To fp32 rounding (other batches sum otherwise): a far token's rank among ~200k may
+        move past a near-tie."""
+        return [e and {t: v["decoded_token"] for t, v in e.items()} for e in a] == [
+            e and {t: v["decoded_token"] for t, v in e.items()} for e in b] and all(
+            v["logprob"] == pytest.approx(f[t]["logprob"], abs=1e-4)
+            and abs(v["rank"] - f[t]["rank"]) <= 8
+            for e, f in zip(a[1:], b[1:]) for t, v in e.items())
+
+    assert same(echo["prompt_logprobs"], first)  # echo with logprobs computes them too
+    assert same(second, first[:3])  # the same prefix, the same entries
+    for i in range(1, len(ids)):
+        entry = first[i]
+        mine = entry[str(ids[i])]
+        assert mine["logprob"] == pytest.approx(echo["logprobs"]["token_logprobs"][i], abs=1e-4)
+        assert mine["decoded_token"] == srv.tokenizer.decode([ids[i]])
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert len(entry) in (2, 3) and ranks[:2] == [1, 2] and mine["rank"] >= 1
+    chat = ok_json(post(srv, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}))
+    schemas.ChatCompletion.model_validate(chat)
+    lps = chat["prompt_logprobs"]
+    assert len(lps) == chat["usage"]["prompt_tokens"] and lps[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in lps[1:])
+
+
 def test_choices_carry_vllms_stop_reason(srv, client):
     """vLLM's stop_reason on every choice (it was missing): the stop string or stop token id
     that ended it, null for the model's own end or a length cut; in a stream on the last

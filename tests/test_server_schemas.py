@@ -178,8 +178,10 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "bad_words": ["x"] * 1025}, "bad_words", "at most 1024"),
         (CMPL, {"prompt": [[]]}, "prompt", "prompt is empty"),
         # vLLM fields tinyoss does not serve are refused, never ignored
-        (CMPL, {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs", "the Python API"),
-        (CHAT, {"messages": HI, "prompt_logprobs": 0}, "prompt_logprobs", "not served over"),
+        (CMPL, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+         "not served with stream: true"),
+        (CHAT, {"messages": HI, "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+        (CMPL, {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
         (CMPL, {"prompt": "a", "guided_choice": ["y"]}, "guided_choice", "structured_outputs"),
         (CHAT, {"messages": HI, "guided_json": {}}, "guided_json", "give structured_outputs"),
         (CHAT, {"messages": HI, "skip_special_tokens": False}, "skip_special_tokens",

@@ -58,7 +58,7 @@ from tinyoss.server.protocol import (
     parse_tokenize,
     tokenize,
 )
-from tinyoss.server.choices import ChatChoice, TextChoice, release
+from tinyoss.server.choices import ChatChoice, TextChoice, prompt_logprobs, release
 from tinyoss.server.response_store import ResponseStore
 from tinyoss.server.schemas import openapi_json
 from tinyoss.server.responses_api import Cancelled, Output, ResponseRun, translate
@@ -270,7 +270,7 @@ class Run:
                     hist.observe(now - last.get(i, start))
                     last[i], self.cached[i] = now, out.num_cached_tokens
                     choices = [self.choices[i * n + c.index] for c in out.outputs]
-                    if out.prompt_logprobs is not None:  # completions' echo with logprobs
+                    if out.prompt_logprobs is not None:  # prompt_logprobs, or echo's
                         for c in choices:
                             c.prompt_logprobs = out.prompt_logprobs
                     changed = [ch for c, o in zip(choices, out.outputs) if (ch := c.update(o))]
@@ -320,7 +320,11 @@ class Run:
 
     def answer(self) -> dict:
         choices = [c.final() for c in self.choices]
-        return {**self.head, "choices": choices, "usage": self.usage(), **self.top}
+        body = {**self.head, "choices": choices, "usage": self.usage(), **self.top}
+        first = self.choices[0]
+        if isinstance(first, ChatChoice) and first.prompt_logprobs is not None:  # vLLM's place
+            body["prompt_logprobs"] = prompt_logprobs(first.tokenizer, first.prompt_logprobs)
+        return body
 
     async def events(self) -> AsyncIterator[str]:
         head = {**self.head, "object": self.kind + ".chunk" if "chat" in self.kind else self.kind}
@@ -848,7 +852,7 @@ def create_app(
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
                        prep.prompts[p] if prep.return_token_ids else None,
                        prep.params.skip_special_tokens, keep,
-                       prep.prompts[p] if prep.params.prompt_logprobs is not None else None)
+                       prep.prompts[p] if prep.echo and lp is not None else None)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

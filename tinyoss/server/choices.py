@@ -33,6 +33,16 @@ def _lp(value: float) -> float:
     return max(value, _FLOOR)
 
 
+def prompt_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob | None]) -> list:
+    """vLLM's prompt_logprobs: a position each, null where there is none (the first), else
+    {token id (a string, as JSON keys are): {logprob, rank, decoded_token}} for the prompt's
+    token and its top alternatives."""
+    return [None if e is None else {
+        str(t): {"logprob": _lp(v.logprob), "rank": v.rank,
+                 "decoded_token": _token(tokenizer, t)[0]}
+        for t, v in e.items()} for e in entries]
+
+
 def token_logprob(tokenizer: Tokenizer, e: TokenLogprob) -> dict:
     """A token's logprob entry as chat's logprobs.content and Responses' output_text give it."""
     token, raw = _token(tokenizer, e.token_id)
@@ -113,6 +123,7 @@ class ChatChoice:
         self.token_ids: list[int] = []  # the output's tokens, as `update` last had them
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set by the run
 
     def opening(self) -> dict:
         return _choice(self.index, None, delta={"role": "assistant", "content": ""}, logprobs=None)
@@ -248,7 +259,7 @@ class TextChoice:
     in the echoed text, and the generated tokens' offsets follow the echo: what
     lm-evaluation-harness reads to score a continuation. The prompt's entries
     (`prompt_logprobs`, set by the run) are whole once the first token has come, so the echo
-    waits for it."""
+    waits for it. They are also the answer's vLLM `prompt_logprobs` (not streamed)."""
 
     def __init__(
         self,
@@ -349,6 +360,8 @@ class TextChoice:
         text = "".join(self.parts)
         choice = _choice(self.index, self.finish_reason, self.stop_reason, text=text,
                          logprobs=self.logprobs)
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(self.tokenizer, self.prompt_logprobs)
         if self.ids is None:
             return choice
         return {**choice, "prompt_token_ids": self.prompt_ids, "token_ids": self.ids.all}

@@ -68,8 +68,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "web_search_options": ((), "tinyoss runs no web search"),
     "verbosity": (("medium",), "gpt-oss has no verbosity control; leave it out (or 'medium'), "
                                "or ask for brevity in the messages"),
-    "prompt_logprobs": ((), "prompt logprobs are not served over HTTP (the Python API returns "
-                            "them: SamplingParams(prompt_logprobs=k))"),
+    "prompt_logprobs": ((), "the Responses API takes none (vLLM's field of chat completions "
+                            "and completions, which take it)"),
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
                               "regex, choice, grammar) or response_format")
        for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
@@ -99,10 +99,11 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 }  # fmt: skip
 _VLLM_SAMPLING = ("use_beam_search", "logits_processors", "return_tokens_as_token_ids",
                   "structural_tag")
-_COMPLETION_UNSUPPORTED = ("prompt_logprobs", *_VLLM_SAMPLING,
+_COMPLETION_UNSUPPORTED = (*_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
 # chat and completions take them
-_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+_TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                 "prompt_logprobs")
 _CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED if name not in _TOKEN_FIELDS)
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {
@@ -209,6 +210,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         spelled={} if max_tokens is None else {"max_tokens": "max_completion_tokens"},
         max_tokens=req.max_tokens if max_tokens is None else max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=_prompt_logprobs(req),
         stop=req.stop,
         structured_outputs=grammar,
     )
@@ -317,7 +319,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
         max_tokens=req.max_tokens,
         logprobs=req.logprobs,
         # echo with logprobs: the prompt's too, as vLLM gives them (lm-evaluation-harness)
-        prompt_logprobs=req.logprobs if req.echo else None,
+        prompt_logprobs=_prompt_logprobs(req, req.logprobs if req.echo else None),
         stop=req.stop,
         structured_outputs=grammar,
     )
@@ -523,6 +525,16 @@ def _sampling(body: dict, vocab_size: int, spelled: dict[str, str] | None = None
         for ours, theirs in (spelled or {}).items():
             text = re.sub(rf"\b{ours}\b", theirs, text)
         raise APIError(400, text, param=(spelled or {}).get(e.name, e.name)) from e
+
+
+def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest,
+                     echoed: int | None = None) -> int | None:
+    """vLLM's prompt_logprobs (else what completions' echo with logprobs needs), refused with
+    stream as vLLM refuses it."""
+    _require(req.prompt_logprobs is None or not req.stream, "prompt_logprobs",
+             "prompt_logprobs are not served with stream: true (as in vLLM): ask without "
+             "streaming, or use completions' echo with logprobs, which streams")
+    return echoed if req.prompt_logprobs is None else req.prompt_logprobs
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

@@ -338,7 +338,9 @@ class _Sampling(_Request):
         "end token stays out unless include_stop_str_in_output).",
     )
     prompt_logprobs: StrictInt | None = Field(
-        None, description="vLLM: not served over HTTP (the Python API returns them)."
+        None, description="vLLM: the prompt's logprobs with this many top alternatives a token "
+        "(prompt_logprobs in the answer: a completions choice's, a chat completion's); not with "
+        "stream.",
     )
     cache_salt: StrictStr | None = Field(
         None, description="vLLM: prompts of different salts share no prefix-cache block."
@@ -850,6 +852,16 @@ class ChatChoice(_Out):
     token_ids: list[int] | None = Field(None, description="With return_token_ids: all of them.")
 
 
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int | None = Field(description="1 for the most likely token.")
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: a position each, null for the first, else {token id: its entry}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletion(_Out):
     id: str
     object: Literal["chat.completion"]
@@ -858,6 +870,10 @@ class ChatCompletion(_Out):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="vLLM's, with prompt_logprobs: the prompt's token and its top "
+        "alternatives at each position (null at the first)."
+    )
 
 
 class FunctionCallDelta(_Out):
@@ -931,6 +947,11 @@ class CompletionChoice(_Out):
     )
     token_ids: list[int] | None = Field(
         None, description="With return_token_ids (in a stream, those new since the last chunk)."
+    )
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="vLLM's, with prompt_logprobs (or echo with logprobs), not in a "
+        "stream: the prompt's token and its top alternatives at each position (null at the "
+        "first)."
     )
 
 
