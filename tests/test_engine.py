@@ -228,6 +228,30 @@ def test_logprobs_match_a_direct_forward(tiny_llm):
     assert first.logprob == pytest.approx(lsm[-1].max().item(), abs=1e-4)
 
 
+def test_prompt_logprobs_over_chunks_miss_no_position(tiny_llm, monkeypatch):
+    """A prompt prefilled in chunks gets every position's logprob, as in one pass: the position
+    right after a chunk is predicted by that chunk's last row (it was dropped, and every later
+    entry shifted by one). The logits are made a few rows at a time (PROMPT_LOGPROB_ROWS, so a
+    long chunk's never exist whole): the same entries."""
+    from tinyoss.engine import executor
+
+    p = prompts(1, seed=9, lo=60, hi=61)[0]
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    whole = tiny_llm.generate([p], sp, use_tqdm=False)[0].prompt_logprobs
+    monkeypatch.setattr(tiny_llm.engine.scheduler, "max_num_batched_tokens", 16)
+    chunked = tiny_llm.generate([p], sp, use_tqdm=False)[0].prompt_logprobs
+    monkeypatch.setattr(executor, "PROMPT_LOGPROB_ROWS", 5)
+    sliced = tiny_llm.generate([p], sp, use_tqdm=False)[0].prompt_logprobs
+    assert len(whole) == len(chunked) == len(sliced) == len(p)
+    assert whole[0] is None is chunked[0] is sliced[0]
+    for i in range(1, len(p)):
+        assert chunked[i].token_id == whole[i].token_id == sliced[i].token_id == p[i]
+        assert chunked[i].logprob == pytest.approx(whole[i].logprob, abs=1e-4)
+        assert sliced[i].logprob == pytest.approx(whole[i].logprob, abs=1e-4)
+        assert [t for t, _ in sliced[i].top] == [t for t, _ in whole[i].top] and len(
+            whole[i].top) == 3
+
+
 def test_bad_requests_fail_clearly_and_the_engine_keeps_serving(tiny_llm):
     engine = tiny_llm.engine
     long = [1] * engine.info.max_model_len

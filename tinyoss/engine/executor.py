@@ -37,9 +37,15 @@ from tinyoss.engine.step import NewSeq, StepPlan, StepResult, TokenLogprob
 from tinyoss.engine.transfer import HostCopy, to_device
 from tinyoss.kernels.attention import AttentionMetadata, GroupMetadata
 from tinyoss.model.gpt_oss import GptOssForCausalLM
-from tinyoss.sampling_params import SamplingParams
+from tinyoss.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _PENDING = -1  # an output token sampled by a launched step, not yet on the host
+# Prompt positions whose logits exist at once (prompt logprobs): a [512, 201,088] slice is
+# ~0.2 GB in bf16, ~0.4 in fp32, where a whole 8k-token chunk's would be 3.3 and 6.6.
+PROMPT_LOGPROB_ROWS = 512
+# (logprob, rank, top ids, top logprobs) of each prompt position: the top MAX_LOGPROBS, cut to
+# the request's k later
+PromptRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class SamplerState:
@@ -146,7 +152,7 @@ class StepLogits:
     seq_ids: list[int]  # the sequence of each row
     logits: torch.Tensor | None  # [rows, V]; None when nothing samples
     drafts: list[int]  # each row's drafted next token, or -1
-    prompt: dict[int, tuple[torch.Tensor, list[int]]]  # seq -> prompt logits and their targets
+    prompt: dict[int, tuple[PromptRows, list[int]]]  # seq -> its prompt rows and their targets
     batch: FlatBatch | None = None  # the step's flat batch
     rows: list[int] | None = None  # the batch row of each logits row
 
@@ -213,8 +219,8 @@ class Executor:
         chained = self._chained_ids(plan)
         out = self.forward(plan, chained)
         prompt = {
-            seq_id: self._prompt_logprobs(logits, targets, self.states[seq_id].params)
-            for seq_id, (logits, targets) in out.prompt.items()
+            seq_id: self._prompt_logprobs(rows, targets, self.states[seq_id].params)
+            for seq_id, (rows, targets) in out.prompt.items()
         }
         if out.logits is None:
             launched = LaunchedStep([], None, None, prompt, [])
@@ -251,7 +257,7 @@ class Executor:
             if s.prompt_logprobs is not None:
                 first, end = s.prompt_logprobs
                 index = [offset + p - 1 - s.start for p in range(first, end)]
-                out.prompt[s.seq_id] = (self.model.compute_logits(hidden[index]),
+                out.prompt[s.seq_id] = (self._prompt_rows(hidden[index], s.prompt_targets),
                                         s.prompt_targets)
             for j in range(s.num_tokens - s.num_sampled, s.num_tokens):  # drafts: several
                 rows.append(offset + j)
@@ -403,13 +409,26 @@ class Executor:
             row = end
         return out
 
+    def _prompt_rows(self, hidden: torch.Tensor, targets: list[int]) -> PromptRows:
+        """The logprob and rank of each of `targets`, each predicted by its row of `hidden`,
+        and the row's top MAX_LOGPROBS; the logits made PROMPT_LOGPROB_ROWS rows at a time, so a
+        long chunk's never exist whole. Every tensor-parallel rank runs it (the logits gather
+        the vocabulary's shards)."""
+        ids = torch.tensor(targets, device=hidden.device)
+        parts = []
+        for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logits = self.model.compute_logits(hidden[i : i + PROMPT_LOGPROB_ROWS])
+            k = min(MAX_LOGPROBS, logits.shape[-1])
+            parts.append(compute_logprobs(logits, ids[i : i + PROMPT_LOGPROB_ROWS], k))
+        return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
+
     def _prompt_logprobs(
-        self, logits: torch.Tensor, targets: list[int], params: SamplingParams
+        self, rows: PromptRows, targets: list[int], params: SamplingParams
     ) -> list[TokenLogprob]:
-        """Logprobs of `targets`, each predicted by its row of `logits`."""
-        ids = torch.tensor(targets, device=logits.device)
-        lp, rank, top_ids, top_lps = (
-            t.tolist() for t in compute_logprobs(logits, ids, params.prompt_logprobs))
+        """`_prompt_rows`'s as TokenLogprobs, with the request's k top entries."""
+        k = params.prompt_logprobs
+        lp, rank, top_ids, top_lps = (t.tolist() for t in (rows[0], rows[1], rows[2][:, :k],
+                                                         rows[3][:, :k]))
         return [
             TokenLogprob(t, lp[j], list(zip(top_ids[j], top_lps[j])), rank[j])
             for j, t in enumerate(targets)

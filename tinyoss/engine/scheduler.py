@@ -238,8 +238,10 @@ class Scheduler:
             if self.draft_lookahead is not None:
                 self._draft_view(item, seq)
             if seq.wants_prompt_logprobs:
+                # position p is predicted by row p - 1: this chunk's rows begin .. begin + n - 1
+                # give positions begin + 1 .. begin + n (the first of the next chunk too)
                 first = max(seq.num_prompt_logprobs + 1, begin + 1)
-                last = min(begin + n, seq.num_prompt) - 1
+                last = min(begin + n, seq.num_prompt - 1)
                 if first <= last:
                     item.prompt_logprobs = (first, last + 1)
                     item.prompt_targets = seq.token_ids[first : last + 1]
