@@ -497,6 +497,12 @@ def test_prompt_logprobs_as_vllm_gives_them(srv):
         assert mine["decoded_token"] == srv.tokenizer.decode([ids[i]])
         ranks = sorted(v["rank"] for v in entry.values())
         assert len(entry) in (2, 3) and ranks[:2] == [1, 2] and mine["rank"] >= 1
+    both = ok_json(post(srv, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 4}))
+    both = both["choices"][0]
+    assert all(len(e) in (5, 6) for e in both["prompt_logprobs"][1:])  # 4 top, and the token
+    # echo's entries keep logprobs' 1 alternative (+ the token), as vLLM trims them
+    assert all(len(t) in (1, 2) for t in both["logprobs"]["top_logprobs"][1:])
     chat = ok_json(post(srv, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}))
     schemas.ChatCompletion.model_validate(chat)

@@ -135,6 +135,29 @@ def test_a_request_beyond_the_whole_budget_is_a_400_that_says_what_fits(srv):
     assert srv.budget.used == 0
 
 
+def test_prompt_logprobs_beyond_the_budget_name_their_field(srv):
+    """Prompt logprobs stay to the end of a request, streamed or not: beyond the budget a 400
+    names prompt_logprobs (or echo's logprobs, which ask for them), with no hint to stream.
+    The engine's copy counts, and each completions choice's (with echo and logprobs, twice)."""
+    ids = list(range(1000, 1070))  # 70 tokens x 6 entries, twice: more than FITS
+    err = error_of(post(srv, COMPLETIONS, {"prompt": ids, "max_tokens": 1,
+                                           "prompt_logprobs": K}), 400)
+    assert err["param"] == "prompt_logprobs", err
+    for part in ("prompt_logprobs may hold", "70 tokens x 6 entries", "--max-logprob-memory",
+                 "streaming does not help", "fewer prompt_logprobs", "shorter prompt"):
+        assert part in err["message"], err["message"]
+    assert "fewer choices" not in err["message"]
+    short = {"prompt": ids[:30], "max_tokens": 1, "prompt_logprobs": K}
+    answer = post(srv, COMPLETIONS, short)  # 30 x 2 copies: fits
+    assert answer.status_code == 200 and len(answer.json()["choices"][0]["prompt_logprobs"]) == 30
+    err = error_of(post(srv, COMPLETIONS, {**short, "n": 4}), 400)  # 30 x 5 copies
+    assert err["param"] == "prompt_logprobs" and "fewer choices" in err["message"]
+    echo = {"prompt": ids[:30], "max_tokens": 1, "echo": True, "logprobs": K, "n": 3}
+    err = error_of(post(srv, COMPLETIONS, echo), 400)  # 30 x 7 copies
+    assert err["param"] == "logprobs" and "echo with logprobs" in err["message"], err
+    assert srv.budget.used == 0
+
+
 def test_a_response_beyond_the_budget_names_its_own_fields(srv):
     """A response keeps its logprobs even streamed (its last events carry them all): no hint
     to stream."""

@@ -630,18 +630,35 @@ def _logprob_reservation(
     answer (or a response's last events and its store), every generated token's, up to
     max_tokens (else the context left) for each prompt and choice; a stream keeps none it has
     sent and reserves none (what it has not sent counts as it grows: `Run._watch`). Prompt
-    logprobs stay to the end either way. `max_tokens`: instead of the request's."""
+    logprobs stay to the end either way (`_prompt_logprob_reservation`). `max_tokens`: instead
+    of the request's."""
     p = prep.params
     max_tokens = p.max_tokens if max_tokens is None else max_tokens
-    total = 0
+    total = _prompt_logprob_reservation(prep)
     for ids in prep.prompts:
         if keep and p.logprobs is not None:
             room = max_model_len - len(ids)
             total += p.n * logprob_bytes(room if max_tokens is None else min(max_tokens, room),
                                          p.logprobs)  # fmt: skip
-        if p.prompt_logprobs is not None:
-            total += logprob_bytes(len(ids), p.prompt_logprobs)
     return total
+
+
+def _prompt_copies(prep: Prepared) -> int:
+    """How many copies of a prompt's logprobs an answer holds: the engine's one, then chat's
+    top-level prompt_logprobs, or completions' on each choice and, with echo and logprobs, in
+    each choice's logprobs too."""
+    p = prep.params
+    if prep.what != "prompt":
+        return 2
+    return 1 + p.n * (1 + (prep.echo is not None and p.logprobs is not None))
+
+
+def _prompt_logprob_reservation(prep: Prepared) -> int:
+    p = prep.params
+    if p.prompt_logprobs is None:
+        return 0
+    return _prompt_copies(prep) * sum(logprob_bytes(len(ids), p.prompt_logprobs)
+                                      for ids in prep.prompts)
 
 
 def _too_many_logprobs(
@@ -650,9 +667,22 @@ def _too_many_logprobs(
     """The 400 of a request whose logprobs alone may hold more than --max-logprob-memory: it
     names the fields and the largest max_tokens that would fit."""
     p = prep.params
-    if p.logprobs is None:  # prompt logprobs alone (the Python API's; not served over HTTP)
-        return APIError(400, f"prompt_logprobs may hold {_size(need)}, more than this server "
-                        f"allows ({_size(most)}, --max-logprob-memory)", param="prompt_logprobs")
+    prompt = _prompt_logprob_reservation(prep)
+    if p.logprobs is None or prompt > most:  # the prompt's alone are too many
+        tokens = sum(len(ids) for ids in prep.prompts)
+        copies = _prompt_copies(prep) - 1
+        field = "logprobs" if prep.echo_scores else "prompt_logprobs"
+        how = ("prompt_logprobs" if field == "prompt_logprobs"
+               else "echo with logprobs, which scores every prompt token,")
+        fixes = [f"ask for fewer {field}", "send a shorter prompt"]
+        if copies > 1:
+            fixes.append("ask for fewer choices")
+        return APIError(
+            400, f"{how} may hold {_size(prompt)} for the prompt's {tokens} tokens x "
+            f"{p.prompt_logprobs + 1} entries ({copies} in the answer, one in the engine), more "
+            f"than this server allows for the logprobs of all requests together ({_size(most)}, "
+            f"--max-logprob-memory); streaming does not help: " + ", or ".join(fixes),
+            param=field)
     k = p.logprobs
     field = "logprobs" if prep.what == "prompt" else "top_logprobs"  # completions' or chat's
     lo, hi = 0, max_model_len  # the largest max_tokens that fits
@@ -852,7 +882,7 @@ def create_app(
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
                        prep.prompts[p] if prep.return_token_ids else None,
                        prep.params.skip_special_tokens, keep,
-                       prep.prompts[p] if prep.echo and lp is not None else None)
+                       prep.prompts[p] if prep.echo and lp is not None else None, lp)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

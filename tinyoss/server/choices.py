@@ -271,9 +271,11 @@ class TextChoice:
         skip_special_tokens: bool = True,
         keep_logprobs: bool = True,
         prompt: list[int] | None = None,
+        top: int | None = None,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `prompt`:
-        the prompt's ids, whose logprobs come first (echo with logprobs)."""
+        the prompt's ids, whose logprobs come first (echo with logprobs), each with at most
+        `top` alternatives (the request's logprobs; its prompt_logprobs may ask for more)."""
         self.index, self.tokenizer = index, tokenizer
         self.keep_logprobs = keep_logprobs
         self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
@@ -289,7 +291,7 @@ class TextChoice:
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.prompt = prompt
+        self.prompt, self.top = prompt, top
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set by the run
         if prompt is not None:  # the generated tokens' text follows the echo
             self.offset = self.sent = len(self.prefix)
@@ -348,7 +350,7 @@ class TextChoice:
             lp = top = None
             if e is not None:
                 lp = _lp(e.logprob)
-                top = {_token(self.tokenizer, t)[0]: _lp(v) for t, v in e.top}
+                top = {_token(self.tokenizer, t)[0]: _lp(v) for t, v in e.top[: self.top]}
                 top.setdefault(token, lp)
             for key, value in zip(lps, (token, lp, top, at)):
                 lps[key].append(value)

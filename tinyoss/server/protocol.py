@@ -163,6 +163,7 @@ class Prepared:
     include_usage: bool = False
     continuous_usage: bool = False  # the usage so far on every chunk
     echo: list[str] | None = None  # completions: text put before each prompt's choices
+    echo_scores: bool = False  # the prompt logprobs are echo's with logprobs, not prompt_logprobs
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
     content_stop_kept: bool = False  # chat: the answer keeps the stop string that ended it
@@ -339,6 +340,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
         _check_chars(sources, info.max_model_len, "prompt")
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
+                    echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
                     return_token_ids=bool(req.return_token_ids), special_names=True)
 
 

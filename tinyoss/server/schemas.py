@@ -800,7 +800,8 @@ class Usage(_Out):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = Field(
         description="null only in a stream's chunks sent before the engine said how many of "
-        "the prompts' tokens it found cached (the opening chunk with continuous usage stats)")
+        "the prompts' tokens it found cached (with continuous usage stats: the opening chat "
+        "chunk; with several completions prompts, until each has begun)")
 
 
 class TopLogprob(_Out):
