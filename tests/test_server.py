@@ -461,6 +461,34 @@ def test_completions_echo_with_logprobs_scores_the_prompt(srv, client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice["text"]
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(srv, client):
+    """OpenAI's and vLLM's scoring form (a 400 before): echo with max_tokens 0 answers the
+    prompt and its logprobs and no token of its own (the engine's one is left out), streamed
+    alike; max_tokens 0 without echo is a 400 that says so."""
+    prompt = "The cat sat on the"
+    ids = srv.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    answer = ok_json(post(srv, "/v1/completions", {**body, "return_token_ids": True}))
+    choice = answer["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert choice["token_ids"] == [] and choice["prompt_token_ids"] == ids
+    assert answer["usage"]["completion_tokens"] == 0
+    scored = ok_json(post(srv, "/v1/completions", {**body, "max_tokens": 1}))["choices"][0]
+    assert choice["logprobs"]["tokens"] == scored["logprobs"]["tokens"][: len(ids)]
+    assert len(choice["logprobs"]["token_logprobs"]) == len(ids)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        scored["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4)
+    streamed = list(client.completions.create(model="tiny", stream=True, **body))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+    plain = ok_json(post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 0,
+                                                  "echo": True}))["choices"][0]
+    assert plain["text"] == prompt and plain["logprobs"] is None
+    r = post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "only with echo" in r.json()["error"]["message"]
+
+
 def test_prompt_logprobs_as_vllm_gives_them(srv):
     """vLLM's prompt_logprobs over HTTP (refused before): on each completions choice (each its
     own prompt's), at the top of a chat completion; null at the first position, then {token id:

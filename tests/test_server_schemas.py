@@ -243,8 +243,8 @@ def test_errors_name_the_field(srv, path, body, param, words):
 
 @pytest.mark.parametrize("parse, body, param, words", [
     # SamplingParams' Python words ("must be None or an int >= 1") had reached JSON clients
-    (parse_completion, {"prompt": "a", "max_tokens": 0}, "max_tokens",
-     "max_tokens=0 is invalid: must be an int >= 1"),
+    (parse_completion, {"prompt": "a", "max_tokens": -1}, "max_tokens",
+     "max_tokens=-1 is invalid: must be an int >= 1"),
     (parse_completion, {"prompt": "a", "logprobs": 30}, "logprobs",
      "logprobs=30 is invalid: must be an int in [0, 20]"),
     (parse_chat, {"messages": HI, "cache_salt": ""}, "cache_salt",

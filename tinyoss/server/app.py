@@ -882,7 +882,8 @@ def create_app(
             TextChoice(p * n + i, tok, prep.echo[p] if prep.echo else None, lp is not None,
                        prep.prompts[p] if prep.return_token_ids else None,
                        prep.params.skip_special_tokens, keep,
-                       prep.prompts[p] if prep.echo and lp is not None else None, lp)
+                       prep.prompts[p] if prep.echo and lp is not None else None, lp,
+                       prep.prompt_only)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

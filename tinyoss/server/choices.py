@@ -272,10 +272,13 @@ class TextChoice:
         keep_logprobs: bool = True,
         prompt: list[int] | None = None,
         top: int | None = None,
+        prompt_only: bool = False,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `prompt`:
         the prompt's ids, whose logprobs come first (echo with logprobs), each with at most
-        `top` alternatives (the request's logprobs; its prompt_logprobs may ask for more)."""
+        `top` alternatives (the request's logprobs; its prompt_logprobs may ask for more).
+        `prompt_only`: echo with max_tokens 0, the echo (and its logprobs) alone: the engine's
+        one token is left out and the choice ends at it ("length")."""
         self.index, self.tokenizer = index, tokenizer
         self.keep_logprobs = keep_logprobs
         self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
@@ -291,7 +294,7 @@ class TextChoice:
         self.logprobs: dict | None = _text_logprobs() if logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.prompt, self.top = prompt, top
+        self.prompt, self.top, self.prompt_only = prompt, top, prompt_only
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set by the run
         if prompt is not None:  # the generated tokens' text follows the echo
             self.offset = self.sent = len(self.prefix)
@@ -304,6 +307,8 @@ class TextChoice:
             return None
         if self.prompt is not None and not (out.token_ids or out.finished):
             return None  # the prompt's logprobs are not all in yet
+        if self.prompt_only:
+            return self._prompt_alone(out)
         text = "".join(out.pieces[self.seen :])
         new, self.sent = self.prefix + text, self.sent + len(text)
         self.prefix, self.seen = "", len(out.pieces)
@@ -339,6 +344,22 @@ class TextChoice:
         first = {} if self.opened else {"prompt_token_ids": self.prompt_ids}
         self.opened = True
         return {**choice, **first, "token_ids": self.ids.new()}
+
+    def _prompt_alone(self, out: CompletionOutput) -> dict:
+        """The whole choice of echo with max_tokens 0, from the engine's first output: the
+        echo, the prompt's logprobs, no token of its own."""
+        lps = None
+        if self.logprobs is not None:
+            lps = _text_logprobs()
+            if self.prompt is not None:
+                self._prompt_entries(lps)
+            release(out.logprobs, len(out.token_ids))
+        self.parts.append(self.prefix)
+        self.finish_reason, self.prefix = "length", ""
+        choice = _choice(self.index, self.finish_reason, text=self.parts[-1], logprobs=lps)
+        if self.ids is None:
+            return choice
+        return {**choice, "prompt_token_ids": self.prompt_ids, "token_ids": []}
 
     def _prompt_entries(self, lps: dict) -> None:
         """The prompt's entries, once, into `lps` (and the kept logprobs)."""

@@ -164,6 +164,9 @@ class Prepared:
     continuous_usage: bool = False  # the usage so far on every chunk
     echo: list[str] | None = None  # completions: text put before each prompt's choices
     echo_scores: bool = False  # the prompt logprobs are echo's with logprobs, not prompt_logprobs
+    # completions' echo with max_tokens 0: the prompt alone, as OpenAI's API and vLLM give it
+    # (the engine samples one token, which the answer leaves out)
+    prompt_only: bool = False
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
     content_stop_kept: bool = False  # chat: the answer keeps the stop string that ended it
@@ -314,10 +317,14 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     except ValueError as e:
         param = "structured_outputs" if "structured_outputs" in body else "response_format"
         raise APIError(400, f"{param}: {e}", param=param) from e
+    _require(req.max_tokens != 0 or req.echo, "max_tokens",
+             "max_tokens=0 is taken only with echo: true (the prompt alone, as OpenAI's API "
+             "gives it); ask for at least 1 token")
+    prompt_only = bool(req.echo) and req.max_tokens == 0
     params = _sampling(
         body,
         info.vocab_size,
-        max_tokens=req.max_tokens,
+        max_tokens=1 if prompt_only else req.max_tokens,
         logprobs=req.logprobs,
         # echo with logprobs: the prompt's too, as vLLM gives them (lm-evaluation-harness)
         prompt_logprobs=_prompt_logprobs(req, req.logprobs if req.echo else None),
@@ -341,6 +348,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
                     echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
+                    prompt_only=prompt_only,
                     return_token_ids=bool(req.return_token_ids), special_names=True)
 
 
