@@ -384,7 +384,9 @@ def test_piecewise_graphs_match_eager_prefill(tiny_dir):
         assert (llm.engine.executor.pieces is not None) == bool(piecewise)
         runs.append([o.prompt_logprobs for o in llm.generate(prompts, sp, use_tqdm=False)])
         del llm
-    for graph, eager in zip(*runs):
+    for prompt, graph, eager in zip(prompts, *runs):
+        # every position, each its own prompt token (across chunks of 96 too)
+        assert [p.token_id for p in graph[1:]] == [p.token_id for p in eager[1:]] == prompt[1:]
         a = torch.tensor([p.logprob for p in graph[1:]])
         b = torch.tensor([p.logprob for p in eager[1:]])
         assert a.shape == b.shape and torch.isfinite(a).all()
