@@ -52,6 +52,16 @@ def test_warm_up_runs_every_layer_on_the_largest_step_over_all_experts(tiny_llm,
         ((2048, m.hidden_size), list(range(m.num_local_experts)), "open")
     ] * m.num_hidden_layers
     assert contexts == ["closed"]
+    # a kernel with its own layout (CUTLASS) empties the checkpoint tensors after loading: the
+    # warm-up still routes over every expert (it counted the emptied tensor's 0 rows)
+    experts = model.model.layers[0].mlp.experts
+    monkeypatch.setattr(experts.gate_up_proj_blocks, "data",
+                        experts.gate_up_proj_blocks.data.new_empty(0))
+    seen = []
+    monkeypatch.setattr(kernels, "moe", lambda x, w, ids, e: seen.append(ids.unique().tolist())
+                        or torch.zeros_like(x))
+    warm_up_moe(model, backends, m, 64, torch.float32, torch.device("cpu"))
+    assert seen == [list(range(m.num_local_experts))] * m.num_hidden_layers
 
 
 def attend_without_sinks(q, k, v, sinks, q_pos, k_pos, window, scale):

@@ -509,7 +509,7 @@ def warm_up_moe(
     expert gets tokens: autotuners (inside `Kernels.moe_warmup`, sized for this many tokens) and
     lazy JIT builds see every expert and the largest shape before serving and before CUDA-graph
     capture."""
-    held = model.model.layers[0].mlp.experts.gate_up_proj_blocks.shape[0]  # experts on this rank
+    held = model.model.layers[0].mlp.experts.num_experts  # on this rank
     ids = uniform_routing(tokens, m.num_experts_per_tok, held, device)
     weights = torch.full(ids.shape, 1 / ids.shape[1], dtype=torch.float32, device=device)
     gen = torch.Generator(device).manual_seed(0)

@@ -100,6 +100,7 @@ class Experts(nn.Module):
         # expert parallelism: the global ids of the experts held, [first, end), which the
         # router hands the experts as 0.. (and the others as -1, which the kernels skip)
         self.held = shard.expert_range(config) if shard.experts and shard.size > 1 else None
+        self.num_experts = e  # on this rank (prepare() empties the tensors that also say it)
         self.gate_up_proj_blocks = _param(e, 2 * i, h // 32, 16, dtype=torch.uint8)
         self.gate_up_proj_scales = _param(e, 2 * i, h // 32, dtype=torch.uint8)
         self.gate_up_proj_bias = _param(e, 2 * i)
