@@ -21,6 +21,12 @@ the fix tinyoss would make.
         --kind triton --variant small   # not yet run
     python bench/experiments/graph_count/graph_count.py --kind triton --variant small \
         --stream side
+    for m in global thread_local relaxed; do for c in side current; do  # not yet run
+        python bench/experiments/graph_count/graph_count.py --kind triton --variant small \
+            --capture-mode $m --capture-stream $c; done; done
+
+The last: graph_count.cu captures in thread-local mode on the stream it replays on, where
+torch.cuda.graph captures in global mode on a side stream of its own (its defaults).
 """
 
 from __future__ import annotations
@@ -116,6 +122,11 @@ def main() -> None:
                    help="instantiate through the driver API with these flags (PyTorch's: 9)")
     p.add_argument("--stream", choices=("default", "side"), default="default",
                    help="replay on the default stream or a stream of its own")
+    p.add_argument("--capture-mode", choices=("global", "thread_local", "relaxed"),
+                   default="global", help="torch.cuda.graph's capture_error_mode")
+    p.add_argument("--capture-stream", choices=("side", "current"), default="side",
+                   help="capture on torch.cuda.graph's own side stream (its default) or on the "
+                   "stream the graph replays on, as graph_count.cu does")
     args = p.parse_args()
     if args.stream == "side":
         torch.cuda.set_stream(torch.cuda.Stream())
@@ -136,7 +147,8 @@ def main() -> None:
             launch(n)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph(keep_graph=args.flags is not None)
-        with torch.cuda.graph(g):
+        on = torch.cuda.current_stream() if args.capture_stream == "current" else None
+        with torch.cuda.graph(g, stream=on, capture_error_mode=args.capture_mode):
             for n in range(nodes):
                 launch(n)
         return g if args.flags is None else DriverGraph(g, args.flags)
@@ -160,8 +172,9 @@ def main() -> None:
         g.replay()
     torch.cuda.synchronize()
     after = [replay_us(g0), replay_us(g0)]
-    how = ("torch" if args.flags is None else f"flags {args.flags}") + f" {args.stream}"
-    print(f"{args.kind:<6} {how:<16} {args.variant:<7} before {before[0]:7.1f} "
+    how = (("torch" if args.flags is None else f"flags {args.flags}") + f" {args.stream}"
+           + f" {args.capture_mode}/{args.capture_stream}")
+    print(f"{args.kind:<6} {how:<30} {args.variant:<7} before {before[0]:7.1f} "
           f"{before[1]:7.1f} us  after {after[0]:7.1f} {after[1]:7.1f} us  "
           f"({after[0] - before[0]:+.1f})", flush=True)
 
