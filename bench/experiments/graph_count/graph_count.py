@@ -23,7 +23,7 @@ the fix tinyoss would make.
         --stream side
     for m in global thread_local relaxed; do for c in side current; do  # not yet run
         python bench/experiments/graph_count/graph_count.py --kind triton --variant small \
-            --capture-mode $m --capture-stream $c; done; done
+            --stream side --capture-mode $m --capture-stream $c; done; done
 
 The last: graph_count.cu captures in thread-local mode on the stream it replays on, where
 torch.cuda.graph captures in global mode on a side stream of its own (its defaults).
@@ -126,7 +126,8 @@ def main() -> None:
                    default="global", help="torch.cuda.graph's capture_error_mode")
     p.add_argument("--capture-stream", choices=("side", "current"), default="side",
                    help="capture on torch.cuda.graph's own side stream (its default) or on the "
-                   "stream the graph replays on, as graph_count.cu does")
+                   "stream the graph replays on, as graph_count.cu does (with --stream side: "
+                   "the legacy default stream cannot capture)")
     args = p.parse_args()
     if args.stream == "side":
         torch.cuda.set_stream(torch.cuda.Stream())
