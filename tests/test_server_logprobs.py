@@ -251,3 +251,14 @@ def test_streamed_text_offsets_never_pass_the_text(tok):
     streamed, final = completion(tok, ids, stop="Paris?", finish="length")
     assert final["text"] == "Hello there, Paris!" and streamed == final["logprobs"]
     assert final["logprobs"]["text_offset"] == [0, 5, 11, 12, 18]
+
+
+def test_echo_with_max_tokens_0_waits_for_the_whole_prompt(tok):
+    """Echo with max_tokens 0 (`prompt_only`) ends at the engine's first token, not at an
+    earlier output (a long prompt's prefill chunks bring theirs, prompt logprobs still
+    coming): the choice, and the prompt_logprobs read from it, are whole."""
+    choice = TextChoice(0, tok, "abc", logprobs=False, prompt_only=True)
+    assert choice.update(CompletionOutput(0)) is None and choice.finish_reason is None
+    done = choice.update(CompletionOutput(0, token_ids=[5], pieces=["x"]))
+    assert done["text"] == "abc" and done["finish_reason"] == "length"
+    assert choice.final()["text"] == "abc" and choice.num_tokens == 0

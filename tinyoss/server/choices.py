@@ -305,7 +305,7 @@ class TextChoice:
     def update(self, out: CompletionOutput) -> dict | None:
         if self.finish_reason is not None:
             return None
-        if self.prompt is not None and not (out.token_ids or out.finished):
+        if (self.prompt is not None or self.prompt_only) and not (out.token_ids or out.finished):
             return None  # the prompt's logprobs are not all in yet
         if self.prompt_only:
             return self._prompt_alone(out)
