@@ -265,6 +265,34 @@ def test_tiny_greedy_matches_cpu_reference(tiny_dir, enforce_eager, async_schedu
     _same_or_near_tie(cpu, tiny_dir, prompts, _greedy(cpu, prompts), _greedy(gpu, prompts))
 
 
+def test_steps_replay_graphs_on_the_stream_they_were_captured_on(tiny_dir, monkeypatch):
+    """Every graph (decode and piecewise) replays on the engine's own stream, where it was
+    captured, whichever thread steps the engine (one replayed elsewhere ran slower), and the
+    tokens do not depend on the thread."""
+    import threading
+
+    from tinyoss import LLM
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(199998) for _ in range(n)] for n in PROMPT_LENS]
+    llm = LLM(str(tiny_dir), device="cuda", max_num_seqs=8, kv_cache_tokens=8192,
+              enable_prefix_caching=False)  # the second run computes what the first did
+    executor = llm.engine.executor
+    assert executor.stream is not None and executor.pieces is not None
+    assert executor.stream != torch.cuda.default_stream()
+    streams = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
+                        lambda g: streams.append(torch.cuda.current_stream()) or replay(g))
+    here = _greedy(llm, prompts)
+    there = []
+    worker = threading.Thread(target=lambda: there.append(_greedy(llm, prompts)))
+    worker.start()
+    worker.join()
+    assert there == [here]
+    assert len(streams) > 2 * 32 and set(streams) == {executor.stream}
+
+
 def _same_or_near_tie(cpu, folder, prompts, want, got, bf16: bool = True) -> None:
     """Greedy tokens `got` equal the CPU reference's `want`, or part at a tie the engine may
     resolve either way:

@@ -407,7 +407,7 @@ def test_only_a_failed_collective_is_blamed_on_a_lost_worker(monkeypatch):
             return "tensor-parallel worker rank 1 (pid 7) was killed by SIGKILL"
 
     executor = Executor.__new__(Executor)
-    executor.peers = FakePeers()
+    executor.peers, executor.stream = FakePeers(), None
     monkeypatch.setattr(executor, "_launch", lambda plan: (_ for _ in ()).throw(
         RuntimeError("CUDA out of memory")))
     with pytest.raises(RuntimeError, match="^CUDA out of memory$"):

@@ -128,11 +128,13 @@ class Rank:
     drafter: Eagle3Drafter | None  # an EAGLE-3 draft model
     dtype: torch.dtype
     device: torch.device
+    stream: torch.cuda.Stream | None  # the one its graphs were captured on (None: the CPU)
 
     def executor(self, grammars: GrammarCompiler | None = None,
                  peers: Peers | None = None) -> Executor:
         return Executor(self.model, self.attention, len(self.layout.windows), self.device,
-                        self.graphs, self.pieces, grammars, peers, self.verify, self.drafter)
+                        self.graphs, self.pieces, grammars, peers, self.verify, self.drafter,
+                        self.stream)
 
 
 def build_engine(config: EngineConfig, folder: Path | None = None) -> EngineCore:
@@ -252,7 +254,15 @@ def _shard(config: EngineConfig, rank: int) -> Shard:
 def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, shard: Shard,
                group: Group | None) -> Rank:
     """Model, KV cache, attention and CUDA graphs of one rank. Every rank runs this in the same
-    order: the collectives of the graph warm-ups meet."""
+    order: the collectives of the graph warm-ups meet. Built on the stream its steps will run
+    on (`Executor.stream`), where the CUDA graphs are captured."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(stream):
+        return _build_rank(config, folder, device, shard, group, stream)
+
+
+def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device, shard: Shard,
+                group: Group | None, stream: torch.cuda.Stream | None) -> Rank:
     dtype = _DTYPES.get(config.dtype) or (
         torch.bfloat16 if device.type == "cuda" else torch.float32
     )
@@ -351,7 +361,7 @@ def build_rank(config: EngineConfig, folder: Path | None, device: torch.device, 
         log.info("loaded the EAGLE-3 draft %s in %.1f s (target layers %s)", speculative.model,
                  time.perf_counter() - t0, list(draft_config.aux_layer_ids))
     return Rank(model_config, backends, model, layout, num_blocks, per_block, max_model_len,
-                attention, graphs, pieces, verify, drafter, dtype, device)
+                attention, graphs, pieces, verify, drafter, dtype, device, stream)
 
 
 def _draft_config(folder: str, target: ModelConfig) -> Eagle3Config:

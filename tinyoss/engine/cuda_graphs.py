@@ -62,6 +62,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
+        on = torch.cuda.current_stream(self.device)  # the engine's, which replays them
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         for size in sorted(self.sizes, reverse=True):
             meta = AttentionMetadata([], [], [GroupMetadata([], [], empty)] * self.num_groups)
@@ -69,7 +70,7 @@ class CudaGraphRunner:
             self._forward(size)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=on):
                 self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph

@@ -78,11 +78,12 @@ class Eagle3Drafter:
             "drafts": torch.zeros(top, self.k - 1, dtype=torch.long, device=device),
         }
         pool = None
+        on = torch.cuda.current_stream(device)  # the engine's, which replays them
         for size in sorted(sizes, reverse=True):
             self._replayed_passes(size)  # warm-up: compiles outside the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=on):
                 self._replayed_passes(size)
             pool = graph.pool()
             self.graphs[size] = graph

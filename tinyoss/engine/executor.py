@@ -27,7 +27,7 @@ import torch
 
 from tinyoss.engine.cuda_graphs import CudaGraphRunner
 from tinyoss.engine.eagle3_drafter import Eagle3Drafter
-from tinyoss.engine.comm import GroupError
+from tinyoss.engine.comm import Group, GroupError
 from tinyoss.engine.workers import ENDS, Peers
 from tinyoss.engine.grammar import GrammarCompiler, Matcher
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner
@@ -170,8 +170,13 @@ class Executor:
         peers: Peers | None = None,
         verify: CudaGraphRunner | None = None,
         drafter: Eagle3Drafter | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.model = model
+        # Every step runs on this stream (None: the current one), the one the graphs were
+        # captured on: a graph replayed on another stream than its capture's ran slower once
+        # several graphs existed (bench/results/2026-11-27_session28.md).
+        self.stream = stream
         self.drafter = drafter  # an EAGLE-3 draft model, run after each step's sampling
         self.verify = verify  # graphs of verify steps (speculative decoding)
         self.peers = peers  # tensor parallelism: the other ranks, which follow every plan
@@ -200,7 +205,8 @@ class Executor:
         logprobs excepted). A collective that fails because a worker ended raises which worker
         and why (gloo and NCCL say only that a connection broke)."""
         try:
-            return self._launch(plan)
+            with torch.cuda.stream(self.stream):
+                return self._launch(plan)
         except GroupError as e:
             lost = self.peers.lost(wait_s=1.0) if self.peers is not None else None
             if lost is None:
@@ -229,12 +235,23 @@ class Executor:
         else:
             launched = self._launched(out.seq_ids, out.logits, prompt)
         if chained is None or not any(state.grammar for state, _ in launched.placeholders):
-            self.complete(launched)
+            self._complete(launched)
         if self.drafter is not None and out.logits is not None and any(
                 can_speculate(self.states[i].params) for i in out.seq_ids):
             launched.proposed = self._propose(plan, out, launched)
         self._last = launched
         return launched
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, group: Group) -> None:
+        """A tensor-parallel worker's step: rank 0's chained tokens (if the plan is chained),
+        then the forward pass; the logits are rank 0's to sample and are dropped here."""
+        with torch.cuda.stream(self.stream):
+            ids = None
+            if plan.seqs and plan.seqs[0].token_ids is None:
+                ids = group.broadcast(torch.empty(len(plan.seqs), dtype=torch.long,
+                                                  device=self.device))
+            self.forward(plan, ids)
 
     def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> StepLogits:
         """The step's forward pass and the logits it needs, in one fixed order: every
@@ -273,6 +290,10 @@ class Executor:
     def complete(self, launched: LaunchedStep) -> None:
         """Queues the sampling of a launched step (once the matchers hold the previous step's
         tokens); nothing when it is queued already."""
+        with torch.cuda.stream(self.stream):
+            self._complete(launched)
+
+    def _complete(self, launched: LaunchedStep) -> None:
         if launched.logits is None:
             return
         logits, launched.logits = launched.logits, None

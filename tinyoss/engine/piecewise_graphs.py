@@ -108,20 +108,17 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, so the smaller sets reuse the pool's memory."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for size in sorted(self.sizes, reverse=True):
-                self._forward(_Splitter(self, None, size), size)  # compiles outside the capture
-                torch.cuda.synchronize(self.device)
-                pieces = _Pieces()
-                splitter = _Splitter(self, pieces, size)
-                splitter.begin()
-                pieces.hidden = self._forward(splitter, size)
-                splitter.end()
-                self.pieces[size] = pieces
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        """Largest first, so the smaller sets reuse the pool's memory. On the current stream:
+        the engine's, which replays them (`Executor.stream`)."""
+        for size in sorted(self.sizes, reverse=True):
+            self._forward(_Splitter(self, None, size), size)  # compiles outside the capture
+            torch.cuda.synchronize(self.device)
+            pieces = _Pieces()
+            splitter = _Splitter(self, pieces, size)
+            splitter.begin()
+            pieces.hidden = self._forward(splitter, size)
+            splitter.end()
+            self.pieces[size] = pieces
         torch.cuda.synchronize(self.device)
         log.info("captured piecewise CUDA graphs for prefill and mixed steps of %s tokens",
                  self.sizes)

@@ -256,16 +256,6 @@ def _within(seconds: float, fn) -> None:
                     seconds)
 
 
-def follow(executor, group: Group, plan: StepPlan) -> None:
-    """A worker's step: rank 0's chained tokens (if the plan is chained), then the forward
-    pass; the logits are rank 0's to sample and are dropped here."""
-    ids = None
-    if plan.seqs and plan.seqs[0].token_ids is None:
-        ids = group.broadcast(torch.empty(len(plan.seqs), dtype=torch.long,
-                                          device=executor.device))
-    executor.forward(plan, ids)
-
-
 def _exit_with(parent: int) -> None:
     """Ends this worker when rank 0's process is gone, wherever the worker waits (a
     collective, a GPU sync, the next plan): a clean shutdown could wait forever."""
@@ -292,7 +282,7 @@ def _main(fd: int) -> None:
                 data = conn.recv_bytes()
                 if not data:
                     break
-                follow(executor, group, pickle.loads(data))
+                executor.follow(pickle.loads(data), group)
         executor.drop_graphs()
         group.close()
     except BaseException as e:  # noqa: BLE001 - rank 0 must hear why
