@@ -498,7 +498,7 @@ def test_prompt_logprobs_as_vllm_gives_them(srv):
 
     prompt = "The cat sat on the"
     ids = srv.tokenizer.encode(prompt)
-    body = {"prompt": [prompt, ids[:3]], "max_tokens": 1, "prompt_logprobs": 2}
+    body = {"prompt": [ids, ids[:3]], "max_tokens": 1, "prompt_logprobs": 2}
     answer = ok_json(post(srv, "/v1/completions", body))
     schemas.Completion.model_validate(answer)
     first, second = (c["prompt_logprobs"] for c in answer["choices"])

@@ -89,6 +89,8 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "<= 20"),
         (CHAT, {"messages": HI, "thinking_token_budget": -1}, "thinking_token_budget", ">= 0"),
         (CMPL, {"prompt": [[1], "a", 3]}, "prompt", "token ids"),
+        (CMPL, {"prompt": [[1, 2], "ab"]}, "prompt",  # mixed: refused as OpenAI and vLLM do
+         "must be a string, a list of token ids (ints), a list of strings or a list of token-id"),
         ("/tokenize", {}, "prompt", "prompt is required"),
         ("/tokenize", {"prompt": [1, 2]}, "prompt", "must be a string"),
         ("/tokenize", {"messages": "hi"}, "messages", "must be a list"),
@@ -328,9 +330,10 @@ def test_parse_functions_keep_their_contract():
     """parse_chat / parse_completion take a dict (the Responses API calls parse_chat too)."""
     prep = parse_chat({"messages": HI, "stop": "x", "n": 2, "temperature": 0}, INFO)
     assert prep.content_stop == ["x"] and prep.params.n == 2 and prep.params.temperature == 0
-    prep = parse_completion({"prompt": [[1, 2], "ab"], "stream": True,
+    prep = parse_completion({"prompt": [[1, 2], [3]], "stream": True,
                              "stream_options": {"include_usage": True}}, INFO)  # fmt: skip
-    assert prep.sources == [[1, 2], ["ab"]] and prep.stream and prep.include_usage
+    assert prep.sources == [[1, 2], [3]] and prep.stream and prep.include_usage
+    assert parse_completion({"prompt": ["ab", "c"]}, INFO).sources == [["ab"], ["c"]]
     with pytest.raises(APIError) as e:
         parse_chat({"messages": HI, "top_p": "1"}, INFO)
     assert (e.value.status, e.value.param) == (400, "top_p")
@@ -525,7 +528,7 @@ def test_chat_responses_match_the_models(srv):
 
 
 def test_completion_responses_match_the_models(srv):
-    body = {"prompt": ["Hello", [1, 2, 3]], "n": 2, "max_tokens": 4, "logprobs": 2}
+    body = {"prompt": ["Hello", "Hi there"], "n": 2, "max_tokens": 4, "logprobs": 2}
     answer = ok(post(srv, CMPL, body))
     exact(schemas.Completion, answer)
     assert len(answer["choices"]) == 4 and answer["choices"][0]["logprobs"]["tokens"]
@@ -553,9 +556,9 @@ def test_return_token_ids(srv):
     assert [c.get("prompt_token_ids") for c in chunks] == [prompt] + [None] * (len(chunks) - 1)
     assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == ids
 
-    body = {"prompt": ["Hello", [1, 2, 3]], "n": 2, "max_tokens": 4, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
     hello = ok(post(srv, "/tokenize", {"prompt": "Hello"}))["tokens"]
+    body = {"prompt": [hello, [1, 2, 3]], "n": 2, "max_tokens": 4, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
     answer = ok(post(srv, CMPL, body))
     exact(schemas.Completion, answer)
     choices = answer["choices"]
@@ -600,6 +603,22 @@ def test_continuous_usage_stats(srv):
     chunks = events(post(srv, CMPL, body))
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     assert all(c["usage"] for c in chunks)
+    # several prompts and choices: a chunk a choice, its usage its prompt's and its own tokens
+    # (as vLLM counts it; it had counted every prompt and choice together)
+    body = {"prompt": [[1, 2], [3, 4, 5]], "n": 2, "max_tokens": 4, "ignore_eos": True,
+            "stream": True, "stream_options": options, "return_token_ids": True}
+    chunks = events(post(srv, CMPL, body))
+    made = [0] * 4
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        i = choice["index"]
+        made[i] += len(choice["token_ids"] or [])
+        usage = c["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2 + i // 2, made[i])
+        assert usage["total_tokens"] == 2 + i // 2 + made[i]
+    assert made == [4] * 4
+    assert {k: chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == {
+        "prompt_tokens": 5, "completion_tokens": 16}  # each prompt once, as vLLM
 
 
 def test_other_responses_match_the_models(srv):

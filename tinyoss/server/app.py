@@ -306,16 +306,21 @@ class Run:
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    def usage(self) -> dict:
-        prompt = sum(len(p) for p in self.prep.prompts)
-        completion = sum(c.num_tokens for c in self.choices)
+    def usage(self, choice: int | None = None) -> dict:
+        """The request's usage, or (a continuous-usage chunk, as vLLM counts it) one choice's:
+        its prompt's tokens and its own."""
+        n = self.prep.params.n
+        prompts = range(len(self.prep.prompts)) if choice is None else [choice // n]
+        choices = self.choices if choice is None else [self.choices[choice]]
+        prompt = sum(len(self.prep.prompts[i]) for i in prompts)
+        completion = sum(c.num_tokens for c in choices)
+        cached = [self.cached[i] for i in prompts]
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             # null until every prompt's is known (a stream's opening chunk), never a guess
-            "prompt_tokens_details": (None if None in self.cached
-                                      else {"cached_tokens": sum(self.cached)}),
+            "prompt_tokens_details": None if None in cached else {"cached_tokens": sum(cached)},
         }
 
     def answer(self) -> dict:
@@ -331,11 +336,16 @@ class Run:
         top = self.top  # on the first chunk only
 
         def chunk(choices: list[dict]) -> str:
+            """One event; with continuous usage one a choice, each with its own usage (vLLM)."""
             nonlocal top
-            body, top = {**head, "choices": choices, **top}, {}
-            if self.prep.continuous_usage:
-                body["usage"] = self.usage()
-            return _sse(body)
+            if not self.prep.continuous_usage:
+                body, top = {**head, "choices": choices, **top}, {}
+                return _sse(body)
+            out = []
+            for c in choices:
+                body, top = {**head, "choices": [c], **top, "usage": self.usage(c["index"])}, {}
+                out.append(_sse(body))
+            return "".join(out)
 
         try:
             for c in self.choices:

@@ -280,9 +280,9 @@ ToolChoice = _either(
     "'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\": N}}",
 )
 TokenIds = _either(list[StrictInt], "a list of token ids (ints)")
-Prompt = _either(
-    StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]],
-    "a string or a list of token ids (ints), or a list of them",
+Prompt = _either(  # strings and token lists are not mixed in one list (OpenAI, vLLM)
+    StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]],
+    "a string, a list of token ids (ints), a list of strings or a list of token-id lists",
 )
 
 # ---------------------------------------------------------------- requests
