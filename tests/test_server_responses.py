@@ -379,10 +379,23 @@ def test_cancel_and_disconnect_abort_the_engine_request(srv, client, caplog):
     rid = next(events).response.id
     next(e for e in events if e.type == "response.reasoning_text.delta")
     assert srv.client.stats.num_requests_running == 1
-    assert client.responses.cancel(rid).status == "cancelled"
+    # deleting it while it runs would leave it running and beyond cancel's reach (a trial)
+    err = error(srv, None, 400, "DELETE", f"/{rid}")
+    assert "still in progress: cancel it" in err["message"] and err["param"] == "response_id"
+    cancelled = client.responses.cancel(rid)
+    assert cancelled.status == "cancelled"
     rest = list(events)
     last = rest[-1]
     assert last.type == "response.failed" and last.response.status == "cancelled"
+    # the cancel's answer is the settled response (it had null usage and items in progress)
+    assert cancelled.model_dump() == last.response.model_dump()
+    assert last.response.usage is not None
+    # the item the cancel cut short is closed in the stream, as a normal end closes it
+    done = [e for e in rest if e.type == "response.output_item.done"]
+    assert done and done[-1].item.status == "incomplete"
+    assert [e.type for e in rest[-4:-1]] == ["response.reasoning_text.done",
+                                             "response.content_part.done",
+                                             "response.output_item.done"]
     # a cancel is an abort, not an engine failure, and the log line names the response (it had
     # counted as finished_reason "error", logged "the engine failed it" under a cmpl- id)
     assert failed_requests(srv) == failed
@@ -574,6 +587,75 @@ def test_the_store_counts_a_response_s_output_once_it_has_ended():
     assert len(store) == 1 and store.get("resp_2") is runs[2] and store.bytes == 800
     runs[0].on_end(runs[0])  # evicted: nothing to count
     assert store.bytes == 800
+
+
+def test_a_response_in_progress_is_never_evicted():
+    """A running response pushed out by newer ones could no longer be cancelled, fetched or
+    continued, and was lost when it ended (a trial: 28 large stored requests during a stream).
+    The oldest that have ended go instead; a running one goes once it has ended."""
+    store = ResponseStore(2, max_bytes=100)
+    runs = [SimpleNamespace(id=f"resp_{i}", status="in_progress", footprint=lambda: 0)
+            for i in range(4)]  # fmt: skip
+    store.put(runs[0], 10)
+    runs[1].status = "completed"
+    store.put(runs[1], 10)
+    store.put(runs[2], 10)  # three kept is one too many: resp_1 (ended) goes, not resp_0
+    assert [r.id for r in (store.get("resp_0"), store.get("resp_2"))] == ["resp_0", "resp_2"]
+    with pytest.raises(APIError):
+        store.get("resp_1")
+    store.put(runs[3], 200)  # over both bounds, all in progress: kept until they end
+    assert len(store) == 3
+    runs[0].status = "completed"
+    runs[0].on_end(runs[0])
+    assert len(store) == 2 and store.held("resp_0") == 0
+    with pytest.raises(APIError, match="newest 2 within 0 MiB") as e:
+        store.get("resp_0")
+    assert e.value.status == 404
+    runs[2].status = "completed"
+    runs[2].on_end(runs[2])
+    assert len(store) == 1 and store.held("resp_3") == 200
+
+
+def test_a_continuation_counts_the_items_it_keeps_alive(srv, client, monkeypatch):
+    """A continuation shares the items of the responses it continues, which live as long as it
+    does: it counts their bytes as its own. A chain of 10 MiB reasoning items had grown the
+    server past the store's bound, its early responses evicted but their items still held."""
+    counted = {}
+    put = ResponseStore.put
+
+    def spy(self, run, nbytes):
+        counted[run.id] = nbytes
+        put(self, run, nbytes)
+
+    monkeypatch.setattr(ResponseStore, "put", spy)
+    big = {"type": "reasoning", "summary": [],
+           "content": [{"type": "reasoning_text", "text": "w" * 100_000}]}  # fmt: skip
+    first = create(client, input=[big, {"role": "user", "content": "x"}], max_output_tokens=2)
+    second = create(client, input="y", previous_response_id=first.id, max_output_tokens=2)
+    third = create(client, input="z", previous_response_id=second.id, max_output_tokens=2)
+    assert 100_000 < counted[first.id] < counted[second.id] < counted[third.id]
+    assert counted[third.id] - counted[second.id] >= counted[second.id] - counted[first.id]
+
+
+def test_a_function_call_needs_its_output_before_the_next_message():
+    """As OpenAI: a function_call answered by no function_call_output before the next message
+    (or the input's end) is a 400 naming the call; the model would read a conversation that
+    skips the tool's answer."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    user = {"role": "user", "content": "And?"}
+    for items, at in (([user, call, user], "the message at input[2]"),
+                      ([user, call], "the input ends")):  # fmt: skip
+        with pytest.raises(APIError) as e:
+            translate({"input": items, "tools": TOOLS}, lambda _: [])
+        assert e.value.param == "input[1]" and "'c1'" in e.value.message and at in e.value.message
+    before = [user, call]  # a previous response that ended with the call
+    with pytest.raises(APIError) as e:
+        translate({"input": "And?", "previous_response_id": "resp_x", "tools": TOOLS},
+                  lambda _: before)  # fmt: skip
+    assert e.value.param == "previous_response_id"
+    answered = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    translate({"input": [answered, user], "previous_response_id": "resp_x", "tools": TOOLS},
+              lambda _: before)  # fmt: skip
 
 
 def test_sampling_fields_reach_chat():

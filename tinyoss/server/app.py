@@ -524,6 +524,7 @@ def _too_large(most: int) -> APIError:
 # body fields that can carry a grammar (chat, completions, and Responses' own `text`)
 _GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools", "text")
 _THREAD_BYTES = 1 << 20  # bodies past this are read and checked off the event loop
+CANCEL_SETTLE_S = 5.0  # a cancel's answer waits this long at most for the run to settle
 
 
 async def _parse(parse: Callable[[Any, Any], Any], body: Any, info: Any,
@@ -903,13 +904,20 @@ def create_app(
     async def responses(request: Request) -> Response:
         client = state.ready()
         body = await body_of(request)
+        inherited = 0  # the bytes of the items it continues, which it keeps alive
+
+        def conversation(previous: str) -> list[dict]:
+            nonlocal inherited
+            items, inherited = store.conversation(previous), store.held(previous)
+            return items
+
         if request.state.body_bytes > _THREAD_BYTES:  # 200,000 items: ~1.4 s to check
             # the store is read here, on the event loop; the checks run in a worker thread
             previous = body.get("previous_response_id")
-            items = store.conversation(previous) if isinstance(previous, str) else []
+            items = conversation(previous) if isinstance(previous, str) else []
             req = await asyncio.to_thread(translate, body, lambda _: items)
         else:
-            req = translate(body, store.conversation)
+            req = translate(body, conversation)
         if not store.size:  # nothing is kept: the response says so, as OpenAI echoes the value
             req.store = req.echo["store"] = False
         try:  # every check of chat, its errors naming the Responses fields
@@ -926,7 +934,7 @@ def create_app(
         try:
             resp = ResponseRun(req, state.model_name, run, output, _error)
             if req.store:
-                store.put(resp, request.state.footprint)
+                store.put(resp, request.state.footprint + inherited)
             if req.stream:
                 events = (_sse(e, e["type"]) async for e in resp.events())
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -955,8 +963,12 @@ def create_app(
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def response_cancel(request: Request) -> Response:
+        """The cancelled response as GET gives it afterwards: once its run has settled (its
+        usage, its items closed), unless its stream's reader holds that up."""
         resp = store.get(request.path_params["id"])
         resp.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(resp.ended.wait(), CANCEL_SETTLE_S)
         return JSONResponse(resp.snapshot())
 
     async def tokenize_(request: Request) -> Response:

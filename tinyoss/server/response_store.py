@@ -1,12 +1,14 @@
 """The responses kept for GET /v1/responses/{id} (and its input_items) and
 `previous_response_id`: in memory, the newest `size` of them and at most MAX_BYTES of their
 request bodies (as parsed: the server counts a body's footprint, not its length), the least
-recently used evicted first. A response keeps its input and output items (continuations share
-the item objects of the responses they continue), not its engine run. The byte bound is what
-holds memory: `size` alone allowed 1000 bodies of up to --max-request-bytes (16 MiB) each, and
-a client reached gigabytes in minutes (a hostile-traffic trial). Once a response has ended, its
-output items count too: their logprobs, which its request's reservation
-(--max-logprob-memory) no longer covers, outweigh any body."""
+recently used evicted first; a response in progress is never evicted (it could no longer be
+cancelled, fetched or continued). A response keeps its input and output items, not its engine
+run; a continuation shares the item objects of the responses it continues, so it counts their
+bytes as its own (they live as long as it does, whether or not those responses are still
+kept). The byte bound is what holds memory: `size` alone allowed 1000 bodies of up to
+--max-request-bytes (16 MiB) each, and a client reached gigabytes in minutes (a hostile-traffic
+trial). Once a response has ended, its output items count too: their logprobs, which its
+request's reservation (--max-logprob-memory) no longer covers, outweigh any body."""
 
 from __future__ import annotations
 
@@ -56,19 +58,29 @@ class ResponseStore:
         self._evict()
 
     def _evict(self) -> None:
-        """The least recently used go while more than `size` responses or `max_bytes` are kept
-        (the newest always stays)."""
+        """The least recently used that have ended go while more than `size` responses or
+        `max_bytes` are kept (the newest always stays)."""
         while len(self._runs) > 1 and (len(self._runs) > self.size
                                        or self.bytes > self.max_bytes):
-            self.bytes -= self._runs.popitem(last=False)[1][1]
+            newest = next(reversed(self._runs))
+            old = next((rid for rid, (run, _) in self._runs.items()
+                        if run.status != "in_progress" and rid != newest), None)
+            if old is None:  # all in progress: their requests' own limits bound them
+                return
+            self.bytes -= self._runs.pop(old)[1]
+
+    def held(self, response_id: str) -> int:
+        """The bytes `response_id` is counted for (its items, and those it continues)."""
+        kept = self._runs.get(response_id)
+        return 0 if kept is None else kept[1]
 
     def get(self, response_id: str, param: str | None = None) -> ResponseRun:
         """The response (now the most recently used), or a 404 naming it."""
         kept = self._runs.get(response_id)
         if kept is None:
             why = (
-                f"responses are kept in memory, the newest {self.size}, and only those created "
-                "with store: true"
+                f"responses are kept in memory, the newest {self.size} within "
+                f"{self.max_bytes // 2**20} MiB, and only those created with store: true"
                 if self.size
                 else "storing is off on this server (--max-stored-responses 0): no response is "
                 "kept"
@@ -84,7 +96,15 @@ class ResponseStore:
         return kept[0]
 
     def delete(self, response_id: str) -> None:
-        self.get(response_id)
+        """Forgets a response that has ended (400 while it runs: cancel it first)."""
+        if self.get(response_id).status == "in_progress":
+            raise APIError(
+                400,
+                f"response {_clip(response_id)!r} is still in progress: cancel it "
+                f"(POST /v1/responses/{_clip(response_id)}/cancel) or wait for it to end, then "
+                "delete it",
+                param="response_id",
+            )
         self.bytes -= self._runs.pop(response_id)[1]
 
     def conversation(self, response_id: str) -> list[dict]:

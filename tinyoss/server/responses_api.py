@@ -12,6 +12,7 @@ store (`response_store.py`) for GET (of a response, and of its input items) and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -298,7 +299,16 @@ def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
     messages: list[dict] = []
     origins: list[str] = []
     calls: set[str] = set()
+    waiting: dict[str, str] = {}  # call id -> where its function_call is, until its output
     reasoning: list[str] = []
+
+    def answered(at: str) -> None:
+        """Refuses a message (or the input's end) while a function call has no output yet,
+        as OpenAI does: the model would read a conversation that skips the tool's answer."""
+        for call_id, where in waiting.items():
+            raise APIError(400, f"No tool output found for function call {call_id!r} (at "
+                           f"{where}): its function_call_output must come before {at}",
+                           param=where)  # fmt: skip
 
     def add(message: dict, at: str) -> None:
         if message["role"] == "assistant" and reasoning:
@@ -319,6 +329,7 @@ def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             calls.add(item["call_id"])
+            waiting[item["call_id"]] = at
             last = messages[-1] if messages else {}
             if last.get("role") == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
@@ -332,11 +343,14 @@ def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
                 "a function_call_output must follow its function_call (in the input, or in "
                 "the previous response)",
             )
+            waiting.pop(item["call_id"], None)
             text = _text(item["output"])
             add({"role": "tool", "tool_call_id": item["call_id"], "content": text}, at)
         else:
+            answered(f"the message at {at}")
             text = _text(item["content"])
             add({"role": item["role"], "content": text}, at)
+    answered("the input ends")
     return messages, origins
 
 
@@ -542,6 +556,7 @@ class ResponseRun:
         self.usage: dict | None = None
         self._seq = 0
         self.on_end: Callable[[ResponseRun], None] | None = None  # once its run is over
+        self.ended = asyncio.Event()  # set once its run is over
 
     def footprint(self) -> int:
         """About the bytes it holds but for its input: its own fields, and its output items'
@@ -645,6 +660,7 @@ class ResponseRun:
         yield self._event("response.created", response=self.snapshot())
         yield self._event("response.in_progress", response=self.snapshot())
         error: Exception | None = None
+        closing: list[dict] = []
         try:
             async with contextlib.aclosing(self.run.updates()) as updates:
                 async for changed in updates:
@@ -654,7 +670,9 @@ class ResponseRun:
         except Exception as e:  # the engine failed, or the response was cancelled
             error = e
         finally:
-            self._end(error)  # a client that left: cancelled
+            closing = self._end(error)  # a client that left: cancelled
+        for event in closing:  # the done events of an item cut short
+            yield self._event(**event)
         if self.status == "failed":
             yield self._event("error", **{k: self.error[k] for k in ("code", "message")},
                               param=None)  # fmt: skip
@@ -666,12 +684,12 @@ class ResponseRun:
         self._seq += 1
         return event
 
-    def _end(self, error: Exception | None = None) -> None:
+    def _end(self, error: Exception | None = None) -> list[dict]:
         """Settles the status once the engine run is over; drops the run (the store keeps only
-        the items and the usage)."""
+        the items and the usage). The done events of the item it cut short, if any."""
         output, run = self.output, self.run
         if output is None or run is None:
-            return
+            return []
         finish = output.finish_reason
         if self.status == "cancelled" or isinstance(error, Cancelled):
             self.status = "cancelled"  # by cancel(), which set the error
@@ -689,7 +707,7 @@ class ResponseRun:
             self.error = {"code": "server_error", "message": f"generation ended: {finish}"}
         if self.status == "completed":
             self.completed_at = int(time.time())
-        output.close("incomplete")  # an item cut short (nothing once the output finished)
+        closing = output.close("incomplete")  # nothing once the output finished
         usage = run.usage()
         cached = (usage["prompt_tokens_details"] or {"cached_tokens": 0})["cached_tokens"]
         self.usage = {
@@ -701,5 +719,7 @@ class ResponseRun:
             "total_tokens": usage["total_tokens"],
         }
         self.run = self.output = None
+        self.ended.set()
         if self.on_end is not None:
             self.on_end(self)
+        return closing
