@@ -209,6 +209,9 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
         "user": req.user,
+        "max_tool_calls": req.max_tool_calls,
+        "prompt_cache_key": req.prompt_cache_key,
+        "safety_identifier": req.safety_identifier,
     }
     stream, store = bool(req.stream), echo["store"]
     return ResponsesRequest(chat, origins, [item for _, item in conversation], echo, stream, store)
@@ -224,7 +227,8 @@ def _check_include(include: list[str]) -> None:
 
 
 def _reasoning(reasoning: dict) -> tuple[str, str | None]:
-    effort = reasoning.get("effort") or "medium"
+    effort = reasoning.get("effort")
+    effort = "medium" if effort is None else effort
     _need(
         effort in _EFFORTS,
         "reasoning.effort",
@@ -583,7 +587,6 @@ class ResponseRun:
             "incomplete_details": incomplete,
             "model": self.model,
             "output": [item.render() for item in self.items],
-            "max_tool_calls": None,
             "service_tier": "default",
             "truncation": "disabled",
             **self.echo,

@@ -655,6 +655,12 @@ ResponsesToolChoice = _either(
 )
 
 
+class ResponsesStreamOptions(_Body):
+    include_obfuscation: StrictBool | None = Field(
+        None, description="Accepted; events carry no obfuscation field."
+    )
+
+
 class ResponsesReasoning(_Body):
     effort: StrictStr | None = Field(
         None, description="low, medium (left out) or high: gpt-oss's efforts; others: 400."
@@ -777,6 +783,19 @@ class ResponseCreateRequest(_Request):
     )
     conversation: Any = Field(None, description="Not supported: use previous_response_id.")
     prompt: Any = Field(None, description="Prompt templates are not supported.")
+    max_tool_calls: StrictInt | None = Field(
+        None, ge=1, description="Echoed: it bounds built-in tool calls, and there are none."
+    )
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="Accepted; served as 'default' (there is one tier)."
+    )
+    stream_options: ResponsesStreamOptions | None = Field(
+        None, description="Accepted; events are never obfuscated."
+    )
+    prompt_cache_key: StrictStr | None = Field(
+        None, description="Echoed; the prefix cache needs no key."
+    )
+    safety_identifier: StrictStr | None = Field(None, description="Echoed.")
 
 
 # ---------------------------------------------------------------- responses
@@ -1134,8 +1153,10 @@ class ResponseObject(_Out):
     incomplete_details: IncompleteDetails | None
     model: str
     output: list[OutputItem] = Field(description="Items in the order the model wrote them.")
-    max_tool_calls: None
+    max_tool_calls: int | None
     service_tier: str
+    prompt_cache_key: str | None
+    safety_identifier: str | None
     top_logprobs: int
     truncation: Literal["disabled"]
     instructions: str | None
