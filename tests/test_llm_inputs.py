@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tinyoss import SamplingParams
 from tinyoss.engine.core import truncate_prompt
@@ -124,14 +125,79 @@ def test_replace_is_idempotent():
 def test_stream_checks_at_the_call(tiny_llm):
     with pytest.raises(TypeError, match=r"prompt=b'x' \(bytes\) is invalid: a prompt is a str"):
         tiny_llm.stream(b"x")
-    with pytest.raises(TypeError, match=r"prompt\[0\]='a' \(str\)"):
-        tiny_llm.stream(["a", "b"])  # one prompt only: a batch goes to generate
+    for batch in (["a", "b"], [[1], [2]]):  # one prompt only: a batch goes to generate
+        with pytest.raises(TypeError, match=r"stream takes one prompt.*give them all to generate"):
+            tiny_llm.stream(batch)
     with pytest.raises(TypeError, match=r"sampling_params=\[.*\(list\).*must be a SamplingParams"):
         tiny_llm.stream("a", [GREEDY])
-    with pytest.raises(ValueError, match=r"prompt: prompt is empty"):
-        next(tiny_llm.stream({"prompt": ""}, GREEDY))
+    # the engine's own checks too (they came on the first next, a trial found)
+    vocab, most = tiny_llm.engine.info.vocab_size, tiny_llm.engine.info.max_model_len
+    for prompt, match in (({"prompt": ""}, r"prompt: prompt is empty"),
+                          ([vocab], r"prompt: prompt token id \d+ is outside the vocabulary"),
+                          ([1] * most, r"prompt: prompt is \d+ tokens long")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.stream(prompt, GREEDY)
+    bias = SamplingParams(max_tokens=1, logit_bias={vocab: 1.0})
+    with pytest.raises(ValueError, match=r"^sampling_params\.logit_bias names token id"):
+        tiny_llm.stream("a", bias)  # it had blamed the prompt
+    with pytest.raises(ValueError, match=r"^sampling_params\.logit_bias.*\(the params of "
+                                         r"prompts\[1\]\)"):
+        tiny_llm.generate(["a", "b"], [GREEDY, bias], use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot be encoded as UTF-8"):  # the tokenizer's TypeError
+        tiny_llm.stream("a\ud800b", GREEDY)
     tiny_llm.stream("never started", GREEDY)
     assert not tiny_llm.engine.has_work()
+
+
+def test_a_streamed_output_keeps_its_text(tiny_llm):
+    """Each output of a stream keeps the text and cumulative logprob of its step (they grew with
+    the later steps: a trial read the final text on the first step's output)."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    outs = list(tiny_llm.stream("Once upon a time", params))
+    assert len(outs) == 5
+    texts = [o.outputs[0].text for o in outs]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == "".join(o.outputs[0].delta_text for o in outs)
+    sums = [o.outputs[0].cumulative_logprob for o in outs]
+    entries = outs[-1].outputs[0].logprobs
+    assert sums == pytest.approx([sum(e.logprob for e in entries[: i + 1]) for i in range(5)])
+
+
+def test_vllm_names_a_port_reads(tiny_llm):
+    """What vLLM code calls, found missing by a trial: SamplingParams.clone, the LLM's default
+    params, RequestOutput.metrics; chat's continue_final_message refused with what to do; the
+    engine's seed seeds sampling, as vLLM's; a pickled output keeps its tokens' text."""
+    params = SamplingParams(stop=["x"], temperature=0.5)
+    copy = params.clone()
+    assert copy == params and copy.stop is not params.stop
+    assert tiny_llm.get_default_sampling_params() == SamplingParams()
+    out = tiny_llm.generate("a", SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0]
+    assert out.metrics is None
+    back = pickle.loads(pickle.dumps(out))
+    lp, again = out.outputs[0].logprobs[0], back.outputs[0].logprobs[0]
+    assert [e.decoded_token for e in again.values()] == [e.decoded_token for e in lp.values()]
+    assert all(isinstance(e.decoded_token, str) for e in again.values())
+    with pytest.raises(ValueError, match="continue_final_message=True is not supported.*"
+                                         "generate"):
+        tiny_llm.chat(HI + [{"role": "assistant", "content": "The"}], GREEDY,
+                      continue_final_message=True)
+
+
+def test_the_engine_seed_seeds_sampling_as_vllms():
+    """LLM(seed=...) seeded only dummy weights (a trial): as vLLM's, it seeds the sampling of
+    requests without a seed of their own, so the same calls sample the same tokens run after
+    run."""
+    from tinyoss import LLM
+
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    runs = []
+    for seed in (7, 7, 8):
+        llm = LLM("tiny", device="cpu", seed=seed, kv_cache_tokens=4096)
+        assert torch.initial_seed() == seed
+        runs.append(llm.generate(["Hello", "Hi"], params, use_tqdm=False))
+        llm.close()
+    ids = [tokens(r) for r in runs]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
 
 
 def test_chat_accepts_one_conversation_or_a_batch(tiny_llm):
@@ -460,8 +526,9 @@ def test_vllm_code_reads_chat_outputs_and_logprobs_unchanged(tiny_llm):
         assert position.get(-1) is None
         for t, entry in position.items():  # each token's own text, as vLLM's detokenizer gives
             assert entry.decoded_token == tiny_llm.tokenizer.decode([t])
-        copy = pickle.loads(pickle.dumps(position))  # the tokenizer does not travel with it
-        assert copy.decode is None and copy == position
+        copy = pickle.loads(pickle.dumps(position))  # the texts travel, not the tokenizer
+        assert copy == position and dict(copy.items()) == dict(position.items())
+        assert not hasattr(copy.decode, "__self__") or isinstance(copy.decode.__self__, dict)
     ids = tiny_llm.tokenizer.encode("Hello there")
     prompt = tiny_llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1),
                                use_tqdm=False)[0].prompt_logprobs
@@ -555,5 +622,5 @@ def test_vllms_best_of_equal_to_n_is_taken():
     anyway) passes, any other is refused naming it."""
     assert SamplingParams(n=2, best_of=2).best_of == 2 and SamplingParams().best_of is None
     for bad in (3, True, 2.0):
-        with pytest.raises(ValueError, match="best_of"):
+        with pytest.raises(ValueError, match=r"best_of=.* is invalid: must be None or n \(2\)"):
             SamplingParams(n=2, best_of=bad)

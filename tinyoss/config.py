@@ -279,8 +279,10 @@ class EngineConfig:
     )
     revision: str | None = option("hub revision of the model", default=None)
     seed: int = option(
-        "seed of the random weights (load_format dummy); not a server-wide sampling seed as "
-        "in vLLM: requests give their own `seed` (chat and generate sample with this one)",
+        "seed of the random weights (load_format dummy) and, as in vLLM, of the sampling of "
+        "requests without a `seed` of their own (the same requests in the same order and "
+        "batches sample the same tokens run after run); a request's `seed` makes it "
+        "reproducible in any batch",
         default=0,
     )
     enforce_eager: bool = option("no CUDA graphs (debugging)", default=False)

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 from tinyoss import harmony
 from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
-from tinyoss.engine.core import CoreRequest, EngineCore, truncate_prompt
+from tinyoss.engine.core import CoreRequest, EngineCore, check_prompt, truncate_prompt
 from tinyoss.engine.grammar import check as check_grammar
 from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
 from tinyoss.engine.step import TokenLogprob
@@ -144,20 +144,37 @@ class LLM:
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, where: str = "prompt"
     ) -> str:
-        """Queues one checked prompt; returns its request id. The engine's own refusals (empty,
-        outside the vocabulary, too long) are prefixed with `where`, the prompt's place."""
+        """Queues one checked prompt; returns its request id."""
+        return self._queue(self._prepare(prompt, params, where))
+
+    def _prepare(self, prompt: str | list[int], params: SamplingParams,
+                 where: str) -> tuple[str | None, list[int], SamplingParams]:
+        """The prompt's text, token ids and params as the engine takes them, checked as the
+        engine checks them: its refusals name `where`, the prompt's place (or, for the
+        params' token ids, sampling_params)."""
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+        try:
+            ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+        except TypeError as e:  # the tokenizers library on a lone surrogate
+            raise ValueError(f"{where} cannot be encoded as UTF-8 (a lone surrogate?): {e}") from e
         params = bad_words_ids(params, self.tokenizer.encode)
+        try:
+            ids = truncate_prompt(ids, params, self.engine.info.max_model_len)
+            check_prompt(ids, params, self.engine.info)
+        except ValueError as e:
+            if str(e).startswith(("logit_bias", "allowed_token_ids")):
+                whose = "" if where == "prompt" else f" (the params of {where})"
+                raise ValueError(f"sampling_params.{e}{whose}") from e
+            raise ValueError(f"{where}: {e}") from e
+        return text, ids, params
+
+    def _queue(self, prepared: tuple[str | None, list[int], SamplingParams]) -> str:
+        text, ids, params = prepared
         with self._lock:
             if self._closed:
                 raise RuntimeError("this LLM was closed: start a new one to generate")
             request_id = f"gen-{next(self._ids)}"
-            try:
-                ids = truncate_prompt(ids, params, self.engine.info.max_model_len)
-                self.engine.add(CoreRequest(request_id, ids, params))
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from e
+            self.engine.add(CoreRequest(request_id, ids, params))
             self.processor.add(request_id, text, ids, params)
             self._inbox[request_id] = []
         return request_id
@@ -189,6 +206,11 @@ class LLM:
                 self.engine.abort(request_id)
                 self.processor.abort(request_id)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given none (vLLM's name): the model's
+        generation config sets no sampling fields, so the defaults."""
+        return SamplingParams()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -217,17 +239,26 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yields the request's output after each step; `outputs[i].delta_text` is the new text.
 
-        Bad input raises here, at the call; the request is queued on the first `next`, so an
-        iterator that is never started leaves nothing in the engine.
+        Bad input raises here, at the call (the engine's own checks too: an empty prompt, a token
+        outside the vocabulary, a prompt longer than the context); the request is queued on the
+        first `next`, so an iterator that is never started leaves nothing in the engine. Each
+        output's `text` stays as it was at its step (`token_ids` and `logprobs` are shared).
         """
+        if _is_seq(prompt) and prompt and all(
+                isinstance(p, str) or _is_seq(p) or isinstance(p, dict) and "role" not in p
+                for p in prompt):
+            raise TypeError("stream takes one prompt, and this is a list of them: stream each, "
+                            "or give them all to generate")
         checked = _prompt(prompt, "prompt")
         params = _checked(
             SamplingParams() if sampling_params is None else sampling_params, "sampling_params"
         )
-        return self._stream(checked, params)
+        return self._stream(self._prepare(checked, params, "prompt"))
 
-    def _stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[RequestOutput]:
-        request_id = self._submit(prompt, params)
+    def _stream(
+        self, prepared: tuple[str | None, list[int], SamplingParams]
+    ) -> Iterator[RequestOutput]:
+        request_id = self._queue(prepared)
         try:
             while True:
                 for out in self._outputs([request_id]):
@@ -250,6 +281,7 @@ class LLM:
         thinking_token_budget: int | None = None,
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[ChatOutput]:
         """Chat through the harmony format: one conversation or a list of them.
 
@@ -261,6 +293,11 @@ class LLM:
         `reasoning_effort` (default medium) may come as vLLM users give it, in
         `chat_template_kwargs`, which also takes `model_identity`; `use_tqdm` is the third
         argument, as in vLLM."""
+        if continue_final_message is not False:
+            raise ValueError("continue_final_message=True is not supported: harmony closes every "
+                             "message it renders; to continue a reply, render the prompt up to "
+                             "'<|start|>assistant<|channel|>final<|message|>' and your text "
+                             "yourself and give its token ids to generate")
         if add_generation_prompt is not True:
             raise ValueError("add_generation_prompt=False is not supported: a gpt-oss chat "
                              "prompt always ends with the assistant's turn (use generate for "

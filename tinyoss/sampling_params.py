@@ -6,6 +6,7 @@ on the hot path and a bad request fails with a message that names the field.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 
@@ -119,7 +120,7 @@ class SamplingParams:
         v = self
         _check("n", v.n, _is_int(v.n) and v.n >= 1, "an int >= 1")
         _check("best_of", v.best_of, v.best_of is None or _is_int(v.best_of) and v.best_of == v.n,
-               f"None or n ({v.n}): tinyoss returns every sample, so best_of above n is not "
+               f"n ({v.n}): tinyoss returns every sample, so best_of above n is not "
                "supported", optional=True)
         _check(
             "temperature",
@@ -237,6 +238,10 @@ class SamplingParams:
             "repetition_penalty",
         ):
             setattr(self, name, float(getattr(self, name)))
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's `clone` (its lists and structured outputs are its own)."""
+        return copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:

@@ -227,6 +227,9 @@ def _core(config: EngineConfig, folder: Path | None, device: torch.device,
         if config.decode_step_budget_ms:
             cost = _prefill_cost(core, config)
             scheduler.prefill_budget = (cost, config.decode_step_budget_ms / 1e3)
+    # as vLLM: requests without a seed of their own sample the same tokens run after run (in
+    # the same order and batches), from the engine's seed
+    torch.manual_seed(config.seed)
     return core
 
 

@@ -67,9 +67,11 @@ class LogprobWindow:
 
 @dataclass
 class CompletionOutput:
-    """One sequence after a step. `delta_*` hold what the step added; `token_ids` and
-    `logprobs` are the whole output so far, shared with later outputs of the same sequence
-    (copy them to keep a snapshot); from a windowed processor `logprobs` is a `LogprobWindow`
+    """One sequence after a step. `delta_*` hold what the step added; `text` and
+    `cumulative_logprob` are as of this step; `token_ids` and `logprobs` are the whole output
+    so far, shared with later outputs of the same sequence (copying them each step would cost
+    the whole output every step: slice them by `len` of an earlier step's, or copy them, to keep
+    a snapshot); from a windowed processor `logprobs` is a `LogprobWindow`
     whose consumer releases what it has taken, and `delta_logprobs` is empty (outputs waiting
     for a reader that is behind would hold on to entries the window let go)."""
 
@@ -82,18 +84,25 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list, repr=False)  # the text, as it came
+    # how many pieces and logprob entries there were at this step (the lists grow later)
+    upto: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.upto is None:
+            lps = self.logprobs if isinstance(self.logprobs, list) else ()
+            self.upto = (len(self.pieces), len(lps))
 
     @property
     def text(self) -> str:
-        return "".join(self.pieces)
+        return "".join(self.pieces[: self.upto[0]])
 
     @property
     def cumulative_logprob(self) -> float | None:
-        """vLLM's: the sum of the sampled tokens' logprobs so far (None without logprobs, or
-        from a windowed processor, which lets entries go)."""
+        """vLLM's: the sum of the sampled tokens' logprobs as of this step (None without
+        logprobs, or from a windowed processor, which lets entries go)."""
         if not isinstance(self.logprobs, list):
             return None
-        return float(sum(e.logprob for e in self.logprobs))
+        return float(sum(e.logprob for e in self.logprobs[: self.upto[1]]))
 
     def __repr__(self) -> str:  # the text first, as vLLM's shows it
         return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
@@ -117,6 +126,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     error: RequestError | None = None  # why it failed (its outputs' finish_reason: "error")
+    metrics: None = None  # vLLM's RequestStateStats: not kept (arrival and first-token times are)
 
 
 class StopStrings:

@@ -42,7 +42,19 @@ class TokenLogprob:
     decode: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "decode": None}
+        """Without `decode` (a processor's), but with the texts it gives the entries: an output
+        pickled to another process keeps its `decoded_token`s."""
+        state = {**self.__dict__, "decode": None}
+        if self.decode is not None:
+            ids = [self.token_id, *(t for t, _ in self.top)]
+            state["texts"] = {t: self.decode(t) for t in ids}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        texts = state.pop("texts", None)
+        self.__dict__.update(state)
+        if texts is not None:
+            self.decode = texts.get
 
     def _entries(self) -> dict[int, Logprob]:
         ranks = {t: r for r, (t, _) in reversed(list(enumerate(self.top, 1)))}
