@@ -241,6 +241,20 @@ def test_chat_stop_strings_cut_the_answer_only(tiny_llm):
                                                  include_stop_str_in_output=True),
                          use_tqdm=False)[0]
     assert kept.content == free.content[:cut + len(stop)] and kept.finish_reason == "stop"
+    # an answer in its harmony message (the random model writes one when its reasoning is
+    # cut at once): the sequence ends at the stop string in the engine too (it had run on to
+    # max_tokens, its raw output saying "length" where the reply said "stop")
+    final = dict(thinking_token_budget=0, use_tqdm=False)
+    free = tiny_llm.chat(HI, dataclasses.replace(params, ignore_eos=True), **final)[0]
+    assert free.content and len(free.content) > 8 and free.outputs[0].finish_reason == "length"
+    stop = free.content[4:6]
+    got = tiny_llm.chat(HI, dataclasses.replace(params, ignore_eos=True, stop=[stop]),
+                        **final)[0]  # fmt: skip
+    raw, whole = got.outputs[0], free.outputs[0]
+    assert got.content == free.content[: free.content.find(stop)] and got.finish_reason == "stop"
+    assert (raw.finish_reason, raw.stop_reason) == ("stop", stop)
+    assert raw.token_ids == whole.token_ids[: len(raw.token_ids)]
+    assert len(raw.token_ids) < len(whole.token_ids)
     tools = dict(tools=[TOOL], tool_choice="required", thinking_token_budget=10, use_tqdm=False)
     free = tiny_llm.chat(HI, params, **tools)[0]
     assert free.reasoning and free.tool_calls

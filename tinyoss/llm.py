@@ -17,10 +17,11 @@ from tinyoss.config import EngineConfig
 from tinyoss.engine.builder import build_engine, checkpoint_folder, load_tokenizer
 from tinyoss.engine.core import CoreRequest, EngineCore, check_prompt, truncate_prompt
 from tinyoss.engine.grammar import check as check_grammar
-from tinyoss.engine.output_processor import OutputProcessor, RequestOutput
+from tinyoss.engine.output_processor import OutputProcessor, RequestOutput, StopStrings
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams, bad_words_ids
+from tinyoss.tokenizer import IncrementalDetokenizer
 from tinyoss.server.vllm_flags import llm_keyword
 
 
@@ -199,6 +200,15 @@ class LLM:
                 self._inbox[r] = []
             return got
 
+    def _stop(self, request_id: str, index: int, reason: str) -> None:
+        """Ends one sequence at an answer's stop string: finish_reason "stop", `reason` its
+        stop_reason."""
+        with self._lock:
+            if request_id in self._inbox:
+                self.engine.abort(request_id, index)
+                if (out := self.processor.stop(request_id, index, reason)) is not None:
+                    self._inbox[request_id].append(out)
+
     def _abort(self, request_id: str) -> None:
         """Ends a request (done, or given up): nothing more of it is kept."""
         with self._lock:
@@ -223,7 +233,10 @@ class LLM:
         return self._generate(batch, _per_prompt(sampling_params, len(batch)), use_tqdm)
 
     def _generate(self, batch: list[tuple[str, str | list[int]]], params: list[SamplingParams],
-                  use_tqdm: bool) -> list[RequestOutput]:
+                  use_tqdm: bool,
+                  answer_stops: list[list[str]] | None = None) -> list[RequestOutput]:
+        """`answer_stops`: each prompt's stop strings on its harmony answer (chat), which end
+        its sequences in the engine."""
         request_ids = []
         try:
             for (where, p), sp in zip(batch, params):
@@ -232,7 +245,10 @@ class LLM:
             for request_id in request_ids:  # a bad prompt: nothing of the batch runs
                 self._abort(request_id)
             raise
-        return self._run(request_ids, use_tqdm)
+        watch = {r: [_AnswerStop(self.tokenizer, stops) for _ in range(sp.n)]
+                 for r, sp, stops in zip(request_ids, params, answer_stops or [[]] * len(params))
+                 if stops}
+        return self._run(request_ids, use_tqdm, watch)
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
@@ -289,7 +305,8 @@ class LLM:
         sampling params constrains the final answer only, `tool_choice` "required" or a named
         function forces a valid call, `thinking_token_budget` bounds the reasoning. Stop
         strings cut the answer (`content`) before the first one, never the reasoning or a
-        tool call; the reply is cut once generated (the raw output runs on to its end).
+        tool call, and end the sequence there (finish_reason "stop", its `outputs[i]`'s
+        stop_reason the string; its raw text is not cut).
         `reasoning_effort` (default medium) may come as vLLM users give it, in
         `chat_template_kwargs`, which also takes `model_identity`; `use_tqdm` is the third
         argument, as in vLLM."""
@@ -321,7 +338,7 @@ class LLM:
             except (ValueError, TypeError, AttributeError) as e:
                 raise ValueError(f"{where}: {e}") from e
         outputs = self._generate([(w, p) for (w, _), p in zip(conversations, prompts)], params,
-                                 use_tqdm)
+                                 use_tqdm, [p.stop for p in asked])
         decode = self.tokenizer.decode
         replies = []
         for out, p in zip(outputs, asked):
@@ -346,7 +363,10 @@ class LLM:
                                       first.finish_reason, first.logprobs, out, choices))
         return replies
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool,
+             watch: dict[str, list[_AnswerStop]] | None = None) -> list[RequestOutput]:
+        """Steps until every request has finished; `watch`: each sequence's answer stop, which
+        ends it in the engine once its answer reaches a stop string."""
         pending = list(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
@@ -354,6 +374,10 @@ class LLM:
         try:
             while pending:
                 for out in self._outputs(pending):
+                    for c in out.outputs if watch and out.request_id in watch else ():
+                        stop = watch[out.request_id][c.index]
+                        if c.finish_reason is None and (hit := stop.hit(c.token_ids)):
+                            self._stop(out.request_id, c.index, hit)
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
@@ -368,6 +392,28 @@ class LLM:
                 if b is not None:
                     b.close()
         return [done[r] for r in request_ids]
+
+
+class _AnswerStop:
+    """Chat's stop strings on the answer as its tokens come: the harmony parser's content
+    through StopStrings, as the server's chat choices read it, so the engine stops at the first
+    (it had run on to max_tokens, its reply cut afterwards)."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.parser = harmony.HarmonyStreamParser(
+            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
+        )
+        self.stops = StopStrings(stops, False)
+        self.seen = 0
+
+    def hit(self, token_ids: list[int]) -> str | None:
+        """The stop string the answer has reached, if any, after the new tokens."""
+        for token in token_ids[self.seen :]:
+            self.seen += 1
+            for d in self.parser.add(token):
+                if d.kind == "content" and (hit := self.stops.feed(d.text)[1]) is not None:
+                    return hit
+        return None
 
 
 class _FallbackHandler(logging.StreamHandler):
@@ -540,8 +586,8 @@ def _chat_params(
     )
     stops = [] if params.ignore_eos else [t for t in harmony.STOP_TOKENS
                                           if t not in params.stop_token_ids]
-    # stop strings apply to the answer only (`LLM.chat` cuts it), as on the server: the engine,
-    # which sees reasoning, headers and tool arguments too, does not look for them
+    # stop strings apply to the answer only (`LLM.chat` watches it), as on the server: the
+    # engine, which sees reasoning, headers and tool arguments too, does not look for them
     return dataclasses.replace(
         params, structured_outputs=grammar, stop_token_ids=params.stop_token_ids + stops, stop=[]
     )

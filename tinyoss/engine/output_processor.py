@@ -280,6 +280,19 @@ class OutputProcessor:
                 s.finish_reason = "abort"
         return request.output({})
 
+    def stop(self, request_id: str, index: int, reason: str) -> RequestOutput | None:
+        """Ends a sequence at a stop its caller found (chat's stop strings, which look at the
+        answer alone); the request's last output if that finished it (it is then forgotten).
+        The core must drop the sequence."""
+        request = self.requests.get(request_id)
+        if request is None or request.seqs[index].finish_reason is not None:
+            return None
+        request.seqs[index].finish_reason, request.seqs[index].stop_reason = "stop", reason
+        if not request.finished:
+            return None
+        del self.requests[request_id]
+        return request.output({})
+
     def process(
         self, deltas: list[SeqDelta]
     ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
