@@ -280,6 +280,10 @@ def test_openai_s_routing_fields_are_echoed(client):
 def test_get_delete_and_store_false(srv, client):
     r = create(client, input="hi", max_output_tokens=3)
     assert client.responses.retrieve(r.id).id == r.id
+    # OpenAI's stream=true replays a background response; it had been ignored (JSON came)
+    assert error(srv, None, 400, "GET", f"/{r.id}?stream=true")["param"] == "stream"
+    assert httpx.get(srv.url + f"/v1/responses/{r.id}?stream=false",
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     deleted = httpx.delete(
         srv.url + f"/v1/responses/{r.id}", headers={"Authorization": f"Bearer {KEY}"}
     )

@@ -949,7 +949,13 @@ def create_app(
             raise
 
     async def response_get(request: Request) -> Response:
-        return JSONResponse(store.get(request.path_params["id"]).snapshot())
+        resp = store.get(request.path_params["id"])
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            # OpenAI's streams a background response's events again; there are none here
+            raise APIError(400, "stream=true replays a background response's events, and "
+                           "background responses are not supported: GET without stream "
+                           "gives the response as it stands", param="stream")
+        return JSONResponse(resp.snapshot())
 
     async def response_input_items(request: Request) -> Response:
         resp, query = store.get(request.path_params["id"]), request.query_params
