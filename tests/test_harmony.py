@@ -922,6 +922,15 @@ def test_salvaged_text_is_whole_tokens(tokens, content, at):
     assert "".join(d.text for d in deltas) == content
 
 
+@pytest.mark.parametrize("cut", [" t", " to", " to=", " to=functions.get_"])
+def test_a_tool_call_header_cut_short_is_no_text(cut):
+    """A reply cut by max_tokens inside a tool call's header ("<|channel|>commentary to=") had
+    its leftover " to" salvaged as the answer's text (a new-user trial); other leftovers still
+    are (harmony's non-strict parser keeps them)."""
+    assert check(toks(CHANNEL, "commentary" + cut)).content is None
+    assert check(toks(CHANNEL, "commentary tomorrow")).content == "tomorrow"
+
+
 def test_lenient_headers():
     # No <|message|>: harmony's non-strict parser keeps the header's leftover text.
     assert check(toks(CHANNEL, "final Hello there", RETURN)) == ParsedCompletion(

@@ -227,6 +227,26 @@ def test_a_stop_token_id_is_left_out_of_the_text(tok):
     assert completion(tok, ids, finish="length")[1]["text"] == "Hello there, Paris!"
 
 
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_stop_token_id_is_left_out_of_the_answer(tok, kept):
+    """As completions' text (and vLLM's detokenizer): the stop_token_ids token that ended the
+    answer is not its text, nor among its content logprobs, unless include_stop_str_in_output
+    (a trial saw chat keep it where completions dropped it); token_ids keep it."""
+    ids = harmony_ids(tok, *FINAL, "Hello there, Paris!")
+    choice = ChatChoice(0, tok, [], logprobs=True, token_ids=True, stop_kept=kept)
+    out = CompletionOutput(0, logprobs=[])
+    for at, token in enumerate(ids):
+        out.token_ids.append(token)
+        out.logprobs.append(TokenLogprob(token, logprob(at), [(token, logprob(at))]))
+        if at == len(ids) - 1:
+            out.finish_reason, out.stop_reason = "stop", token
+        choice.update(out)
+    final = choice.final()
+    want = "Hello there, Paris!" if kept else "Hello there, Paris"
+    assert final["message"]["content"] == want and final["stop_reason"] == ids[-1]
+    assert text_of(final["logprobs"]["content"]) == want and final["token_ids"] == ids
+
+
 def test_completion_text_offsets_end_at_a_stop_string(tok):
     """The tokens that made the stop string stay (as vLLM keeps them), pointing no further than
     the end of the text the stop string cut."""

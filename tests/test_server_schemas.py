@@ -537,6 +537,12 @@ def test_completion_responses_match_the_models(srv):
     for chunk in chunks:
         exact(schemas.CompletionChunk, chunk)
     assert chunks[-1]["usage"]["completion_tokens"] == 16
+    # one choice a chunk, as vLLM sends them (clients read choices[0]; several had shared one)
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1])
+    assert {c["choices"][0]["index"] for c in chunks[:-1]} == {0, 1, 2, 3}
+    chat = events(post(srv, CHAT, {"messages": HI, "n": 2, "max_tokens": 4, "stream": True}))
+    assert all(len(c["choices"]) == 1 for c in chat)
+    assert {c["choices"][0]["index"] for c in chat} == {0, 1}
 
 
 def test_return_token_ids(srv):

@@ -585,6 +585,7 @@ class _WholeDecode:
 
 _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]*)")
 _RECIPIENT_RE = re.compile(r"to=([^\s<]+)")
+_CUT_RECIPIENT_RE = re.compile(r"t(o(=\S*)?)?")  # the start of " to=functions.f", cut
 _CONSTRAIN_RE = re.compile(r"<\|constrain\|>\s*[^\s<]*")
 _NOT_RECIPIENTS = ("all", "assistant", "user")
 # A header is a few tokens (a tool's name at most 64 characters): ordinary text past this many
@@ -766,6 +767,9 @@ class HarmonyStreamParser:
         mine, channel, recipient, left = self._parse_header()
         while left and self._header[left[-1]][2].isspace():
             left.pop()
+        rest = "".join(self._header[i][2] for i in left).strip()
+        if channel is not None and _CUT_RECIPIENT_RE.fullmatch(rest):
+            return  # "<|channel|>commentary to=": a tool call's header cut short, no text
         if mine and not recipient and left:
             self._new_message(self._kind_of(channel))
             self._feed_header(left, out)

@@ -22,6 +22,7 @@ from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams, bad_words_ids
 from tinyoss.tokenizer import IncrementalDetokenizer
+from tinyoss.server.choices import hidden_stop_token
 from tinyoss.server.vllm_flags import llm_keyword
 
 
@@ -344,7 +345,9 @@ class LLM:
         for out, p in zip(outputs, asked):
             choices = []
             for completion in out.outputs:
-                parsed = harmony.parse_completion(completion.token_ids, decode)
+                hidden = hidden_stop_token(completion, p.include_stop_str_in_output)
+                ids = completion.token_ids[: len(completion.token_ids) - hidden]
+                parsed = harmony.parse_completion(ids, decode)
                 finish = completion.finish_reason
                 if parsed.tool_calls and finish == "stop":
                     finish = "tool_calls"

@@ -336,14 +336,14 @@ class Run:
         top = self.top  # on the first chunk only
 
         def chunk(choices: list[dict]) -> str:
-            """One event; with continuous usage one a choice, each with its own usage (vLLM)."""
+            """An event a choice, as vLLM sends them (clients read `choices[0]`); with
+            continuous usage each with its choice's usage."""
             nonlocal top
-            if not self.prep.continuous_usage:
-                body, top = {**head, "choices": choices, **top}, {}
-                return _sse(body)
             out = []
             for c in choices:
-                body, top = {**head, "choices": [c], **top, "usage": self.usage(c["index"])}, {}
+                body, top = {**head, "choices": [c], **top}, {}
+                if self.prep.continuous_usage:
+                    body["usage"] = self.usage(c["index"])
                 out.append(_sse(body))
             return "".join(out)
 

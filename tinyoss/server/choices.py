@@ -105,7 +105,7 @@ class ChatChoice:
         send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons).
         `stop_kept`: the answer keeps the stop string that ended it (include_stop_str_in_output)."""
         self.index, self.tokenizer = index, tokenizer
-        self.reasoning = reasoning
+        self.reasoning, self.stop_kept = reasoning, stop_kept
         self.keep_logprobs = keep_logprobs
         self.ids = _TokenIds() if token_ids else None
         self.parser = harmony.HarmonyStreamParser(
@@ -134,11 +134,14 @@ class ChatChoice:
             return None
         start, deltas = self.num_tokens, []
         self.token_ids = out.token_ids
-        for token in out.token_ids[start:]:
+        end = len(out.token_ids) - hidden_stop_token(out, self.stop_kept)
+        for token in out.token_ids[start:end]:
             self.num_tokens += 1
             deltas += self._keep(self.parser.add(token))
             if self.finish_reason is not None:
                 break
+        if self.finish_reason is None and self.num_tokens == end < len(out.token_ids):
+            self.num_tokens += 1  # the stop token: in token_ids and logprobs, not the text
         if out.finished and self.finish_reason is None:
             deltas += self._keep(self.parser.finish())
             if self.stop is not None and self.finish_reason is None:
@@ -221,6 +224,16 @@ class ChatChoice:
             if self.finish_reason is not None:
                 break
         return kept
+
+
+def hidden_stop_token(out: CompletionOutput, kept: bool) -> int:
+    """1 where the output ended on a `stop_token_ids` token whose text is left out of the
+    answer (unless `kept`: include_stop_str_in_output), as completions leave it out of their
+    text and vLLM's detokenizer does; harmony's own end tokens are never text."""
+    reason = out.stop_reason
+    return int(out.finish_reason == "stop" and not kept and isinstance(reason, int)
+               and reason not in harmony.STOP_TOKENS and bool(out.token_ids)
+               and out.token_ids[-1] == reason)
 
 
 def _delta(deltas: list[harmony.Delta]) -> dict:
