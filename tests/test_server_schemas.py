@@ -235,6 +235,15 @@ def events(r: httpx.Response) -> list[dict]:
          "response_format.json_schema", 'must be {"name": N, "schema": SCHEMA}'),
         (CHAT, {"messages": HI, "response_format": {"type": "json_schema"}},
          "response_format.json_schema", "is required"),
+        # OpenAI's fields with nothing to do here took any value (a trial)
+        (CHAT, {"messages": HI, "user": {}}, "user", "string"),
+        (CMPL, {"prompt": "a", "user": 5}, "user", "string"),
+        (CHAT, {"messages": HI, "store": [1]}, "store", "bool"),
+        (CHAT, {"messages": HI, "service_tier": 5}, "service_tier", "'priority'"),
+        (CHAT, {"messages": HI, "metadata": {"k": 1}}, "metadata", "string values"),
+        # the context-length error names the field given (it said max_tokens)
+        (CHAT, {"messages": HI, "max_completion_tokens": 10**6}, "max_completion_tokens",
+         "maximum context length"),
     ],
 )  # fmt: skip
 def test_errors_name_the_field(srv, path, body, param, words):
@@ -625,6 +634,13 @@ def test_continuous_usage_stats(srv):
     assert made == [4] * 4
     assert {k: chunks[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == {
         "prompt_tokens": 5, "completion_tokens": 16}  # each prompt once, as vLLM
+
+
+def test_an_empty_model_name_is_the_served_model(srv):
+    """As vLLM: "" (as null or left out) asks for the served model (it was a 404)."""
+    body = {"messages": HI, "max_tokens": 1, "model": "", "user": "u1", "store": False,
+            "metadata": {"k": "v"}, "service_tier": "auto"}  # fmt: skip
+    assert ok(post(srv, CHAT, body))["model"] == "tiny"
 
 
 def test_other_responses_match_the_models(srv):

@@ -846,7 +846,7 @@ def create_app(
         name = body.get("model")
         if name is not None and not isinstance(name, str):
             raise APIError(400, f"model must be a string, not {_clip(name)}", param="model")
-        if name is not None and name not in state.names:
+        if name and name not in state.names:  # "" is the served model, as in vLLM
             raise state.unknown_model(name)
         return body
 

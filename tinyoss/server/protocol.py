@@ -175,6 +175,7 @@ class Prepared:
     # reads them; chat text never does
     special_names: bool = False
     prompts: list[list[int]] = field(default_factory=list)
+    max_tokens_field: str = "max_tokens"  # as the client spelled it (max_completion_tokens)
 
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
@@ -225,7 +226,9 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         _check_chars([segments], info.max_model_len, "messages")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
                     content_stop_kept=params.include_stop_str_in_output,
-                    return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning)
+                    return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning,
+                    max_tokens_field="max_tokens" if max_tokens is None
+                    else "max_completion_tokens")
 
 
 def _path_in(message: str, field: str) -> str:
@@ -434,7 +437,8 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
                 ids = truncate_prompt(ids, prep.params, info.max_model_len)
             except ValueError as e:
                 raise APIError(400, str(e), param="truncate_prompt_tokens") from e
-        _check_length(len(ids), prep.params.max_tokens, info.max_model_len, prep.what)
+        _check_length(len(ids), prep.params.max_tokens, info.max_model_len, prep.what,
+                      prep.max_tokens_field)
         prep.prompts.append(ids)
     if prep.echo is not None:
         prep.echo = [
@@ -597,7 +601,8 @@ def _too_long(tokens: str, max_model_len: int, what: str) -> None:
     )
 
 
-def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int, what: str) -> None:
+def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int, what: str,
+                  field: str = "max_tokens") -> None:
     head = f"This model's maximum context length is {max_model_len} tokens. However, "
     if num_prompt >= max_model_len:
         raise APIError(
@@ -613,6 +618,6 @@ def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int, w
             f"{head}you requested {num_prompt + max_tokens} tokens ({num_prompt} in the {what}, "
             f"{max_tokens} in the completion). Please reduce the length of the {what} or "
             "completion.",
-            param="max_tokens",
+            param=field,
             code="context_length_exceeded",
         )

@@ -288,10 +288,18 @@ Prompt = _either(  # strings and token lists are not mixed in one list (OpenAI, 
 # ---------------------------------------------------------------- requests
 
 
+_Key = Annotated[StrictStr, Field(max_length=64)]
+Metadata = _either(
+    Annotated[dict[_Key, Annotated[StrictStr, Field(max_length=512)]], Field(max_length=16)],
+    "an object of at most 16 string values (keys up to 64 characters, values up to 512)",
+)
+
+
 class _Sampling(_Request):
     """The sampling fields chat and completions share (SamplingParams checks their ranges)."""
 
     n: StrictInt | None = Field(_DEFAULT.n, description="Choices to generate for each prompt.")
+    user: StrictStr | None = Field(None, description="Accepted (an end user's id).")
     temperature: StrictFloat | None = Field(
         _DEFAULT.temperature, description="Sampling temperature; 0 samples greedily."
     )
@@ -474,6 +482,13 @@ class ChatCompletionRequest(_Sampling, ChatInput):
     )
     documents: list[Any] | None = Field(
         None, description="vLLM: not supported, refused unless empty (gpt-oss reads none)."
+    )
+    store: StrictBool | None = Field(
+        None, description="Accepted; chat completions are not stored here."
+    )
+    metadata: Metadata | None = Field(None, description="Accepted: up to 16 string pairs.")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="Accepted (there is one tier)."
     )
 
 
@@ -705,11 +720,6 @@ class ResponsesText(_Body):
     )
 
 
-_Key = Annotated[StrictStr, Field(max_length=64)]
-Metadata = _either(
-    Annotated[dict[_Key, Annotated[StrictStr, Field(max_length=512)]], Field(max_length=16)],
-    "an object of at most 16 string values (keys up to 64 characters, values up to 512)",
-)
 
 
 class ResponseCreateRequest(_Request):
