@@ -568,6 +568,21 @@ def test_choices_carry_vllms_stop_reason(srv, client):
     assert reasons[-1] == ", Par" and not any(reasons[:-1])
 
 
+def test_chat_usage_counts_the_reasoning_tokens(srv, client):
+    """OpenAI's usage.completion_tokens_details.reasoning_tokens (agents and cost trackers read
+    it): the scripted answer reasons "Let me think."; streamed with continuous usage alike."""
+    r = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64)
+    want = len(srv.tokenizer.encode("Let me think."))
+    assert r.usage.completion_tokens_details.reasoning_tokens == want
+    assert r.usage.completion_tokens > want
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=user(ANSWER), max_tokens=64, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == want
+    text = client.completions.create(model="tiny", prompt="a", max_tokens=2)
+    assert text.usage.completion_tokens_details is None  # no harmony parse: not counted
+
+
 def ok_json(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()

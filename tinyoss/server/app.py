@@ -315,13 +315,17 @@ class Run:
         prompt = sum(len(self.prep.prompts[i]) for i in prompts)
         completion = sum(c.num_tokens for c in choices)
         cached = [self.cached[i] for i in prompts]
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             # null until every prompt's is known (a stream's opening chunk), never a guess
             "prompt_tokens_details": None if None in cached else {"cached_tokens": sum(cached)},
         }
+        if all(isinstance(c, ChatChoice) for c in choices):  # OpenAI's, which agents read
+            reasoning = sum(c.parser.reasoning_tokens for c in choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def answer(self) -> dict:
         choices = [c.final() for c in self.choices]

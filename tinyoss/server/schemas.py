@@ -823,10 +823,16 @@ class PromptTokensDetails(_Out):
     cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
 
 
+class CompletionTokensDetails(_Out):
+    reasoning_tokens: int = Field(description="Tokens of reasoning (analysis) text generated.")
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="Chat's: the reasoning tokens among the completion's.")
     prompt_tokens_details: PromptTokensDetails | None = Field(
         description="null only in a stream's chunks sent before the engine said how many of "
         "the prompts' tokens it found cached (with continuous usage stats: the opening chat "
