@@ -2,7 +2,7 @@
 GEMVs lose less time between kernels when each kernel starts streaming its weights while the one
 before it finishes?
 
-    python bench/experiments/pdl_prefetch/bench.py
+    python bench/experiments/pdl_prefetch/bench.py [--capture-stream current]
 
 A GEMV's weights do not depend on the kernel before it, only x does. Each GEMV here loads its
 first PRE K steps of weights into registers, lets the next kernel launch
@@ -13,6 +13,7 @@ reads x. Chains, all in one CUDA graph: 24 x (q/k/v, o) and 24 x (q/k/v, small, 
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -77,16 +78,28 @@ def small(x, pdl, programs=16):
     return out
 
 
+CAPTURE_ON_REPLAY_STREAM = False  # --capture-stream current
+
+
 def graph_time(fn) -> float:
+    """The chain's time in one graph replayed on the current stream; captured on torch's side
+    stream (its default) or, with --capture-stream current, on the stream it replays on (the
+    side stream cost +17..27 us a replay once several graphs existed:
+    bench/results/2026-11-27_session28.md, which this script's first runs had)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    on = torch.cuda.current_stream() if CAPTURE_ON_REPLAY_STREAM else None
+    with torch.cuda.graph(graph, stream=on):
         fn()
     return triton.testing.do_bench(graph.replay, warmup=25, rep=300) * 1e3
 
 
 def main() -> None:
+    global CAPTURE_ON_REPLAY_STREAM
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--capture-stream", choices=("side", "current"), default="side")
+    CAPTURE_ON_REPLAY_STREAM = p.parse_args().capture_stream == "current"
     dev = torch.device("cuda")
     torch.manual_seed(0)
     qkv = [torch.randn(5120, 2880, device=dev).to(torch.bfloat16) * 0.02 for _ in range(24)]
@@ -120,4 +133,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torch.cuda.stream(torch.cuda.Stream()):  # a stream that may capture (not the default)
+        sys.exit(main())
