@@ -215,6 +215,37 @@ def test_regex_and_choice_on_raw_prompts(llm):
     assert b.outputs[0].text in ("yes", "no", "maybe")
 
 
+def test_special_token_names_in_a_grammar_are_written_as_text(llm):
+    """A schema or choice whose text spells a special token ('<|end|>') is written as plain
+    text, in chat too: llguidance wrote a grammar's forced text with a tokenizer that read such
+    names as the special tokens, its parser refused them, and no answer could ever follow."""
+    consts = ["<|end|>", "a<|return|>b", "<|call|>"]
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=1, structured_outputs=so)
+              for so in [StructuredOutputs(json={"const": c}) for c in consts]
+              + [StructuredOutputs(choice=["<|channel|>"])] for t in (0, 1)]
+    outs = llm.generate(["x"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * len(params)
+    assert texts == [t for c in consts for t in [json.dumps(c)] * 2] + ["<|channel|>"] * 2
+    reply = llm.chat([HI], SamplingParams(max_tokens=64, structured_outputs=StructuredOutputs(
+        json={"const": "<|end|>"})), thinking_token_budget=0, use_tqdm=False)[0]
+    assert reply.finish_reason == "stop" and json.loads(reply.content) == "<|end|>"
+
+
+def test_the_grammars_vocabulary_writes_any_bytes():
+    """The encoder llguidance is given spells every byte string with tokens of exactly those
+    bytes: special-token names as text, a UTF-8 character cut short as one-byte tokens."""
+    from tinyoss.engine.builder import load_tokenizer
+    from tinyoss.engine.grammar import _Vocabulary
+
+    vocabulary = _Vocabulary(load_tokenizer(None), 201088, 200002)
+    for text in [b"a<|end|>b", "\u00e9".encode()[:1], b"ab\xc3cd", b"\xff\xfe",
+                 "\u65e5\u672c".encode()[:4], b""]:
+        ids = vocabulary(text)
+        assert b"".join(vocabulary.tokens[i] for i in ids) == text
+        assert not set(ids) & set(vocabulary.special_token_ids)
+
+
 def _thought(reply) -> list[int]:
     """The tokens of a reply's analysis message (the first message, when it reasoned)."""
     ids = reply.output.outputs[0].token_ids

@@ -188,7 +188,7 @@ def _core(config: EngineConfig, folder: Path | None, device: torch.device,
     rank = build_rank(config, folder, device, _shard(config, 0),
                       None if peers is None else peers.group)
     grammars = GrammarCompiler(
-        lambda: load_tokenizer(folder).to_json(), model_config.vocab_size,
+        lambda: load_tokenizer(folder), model_config.vocab_size,
         list(model_config.eos_token_ids),
     )
     executor = rank.executor(grammars, peers)

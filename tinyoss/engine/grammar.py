@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from tinyoss.sampling_params import StructuredOutputs
+from tinyoss.tokenizer import Tokenizer
 
 # JSON is written compactly apart from one space after ',' and ':' (as json.dumps does): no
 # freedom to pad with whitespace, which a weak model can fill without end.
@@ -160,15 +161,46 @@ class Matcher:
         return ("structured_output", f"the output left its structured-output grammar: {why}")
 
 
+class _Vocabulary:
+    """tinyoss's tokenizer as llguidance's `TokenizerWrapper` sees one: every id's bytes, the
+    special ids, and an encoder that keeps special-token look-alikes as text. llguidance writes
+    a grammar's forced text ('<|end|>' inside a JSON string) with this encoder; built from the
+    tokenizer.json instead, it wrote such text as the special token, which its parser then
+    refused, so the schema's text could never be generated."""
+
+    bos_token_id = None
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int) -> None:
+        tokenizer.fill_byte_cache()
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if tokenizer.is_special(i)]
+        self.eos_token_id, self._encode = eos_token_id, tokenizer.encode
+        special = set(self.special_token_ids)
+        self._byte_ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))
+                          if len(t) == 1 and i not in special}
+
+    def __call__(self, text: bytes) -> list[int]:
+        """Ids of `text`; a byte that is not UTF-8 (a character cut short) as its own token."""
+        ids: list[int] = []
+        while text:
+            try:
+                return ids + self._encode(text.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                ids += self._encode(text[: e.start].decode("utf-8")) if e.start else []
+                ids.append(self._byte_ids[text[e.start : e.start + 1]])
+                text = text[e.start + 1 :]
+        return ids
+
+
 class GrammarCompiler:
-    """Builds matchers for one tokenizer. The llguidance tokenizer takes ~1.3 s to build at
-    this vocabulary: it is built on first use (the engine's warm-up uses it on the GPU)."""
+    """Builds matchers for one tokenizer. The llguidance tokenizer takes ~1 s to build at this
+    vocabulary: it is built on first use (the engine's warm-up uses it on the GPU)."""
 
     def __init__(
-        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]
+        self, tokenizer: Callable[[], Tokenizer], vocab_size: int, eos_token_ids: list[int]
     ) -> None:
-        """`tokenizer_json`: gives the tokenizer.json text when the first grammar needs it."""
-        self._json, self.vocab_size, self._eos = tokenizer_json, vocab_size, eos_token_ids
+        """`tokenizer`: gives the model's tokenizer when the first grammar needs it."""
+        self._load, self.vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
         self._tokenizer = None
         self._lock = threading.Lock()
 
@@ -178,8 +210,10 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 ll = _llguidance()
                 # one end token: where a grammar that is complete lets the output stop
+                vocabulary = _Vocabulary(self._load(), self.vocab_size, self._eos[0])
                 self._tokenizer = ll.LLTokenizer(
-                    self._json(), n_vocab=self.vocab_size, eos_token=self._eos[0]
+                    ll.TokenizerWrapper(vocabulary), n_vocab=self.vocab_size,
+                    eos_token=self._eos[0],
                 )
             return self._tokenizer
 
