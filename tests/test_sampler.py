@@ -214,6 +214,24 @@ def test_allowed_token_ids_of_ends_only_outrank_min_tokens() -> None:
     assert sample(logits[None], [row]).token_ids.tolist() == [3]
 
 
+@pytest.mark.parametrize("kw", [{"temperature": 1e39}, {"temperature": 3.5e38},
+                                {"top_p": 1e-50}, {"repetition_penalty": 1e-46},
+                                {"repetition_penalty": 1e39, "temperature": 1e-4}])
+def test_values_beyond_float32_sample_an_allowed_token(kw: dict) -> None:
+    """A temperature, top_p or repetition penalty that float32 cannot hold (inf or 0 there)
+    still samples only tokens the row allows: they had turned the -inf of a grammar's (or
+    allowed_token_ids') masked tokens into NaN, and the row took token 0 whatever it allowed.
+    top_p below float32's smallest number keeps the most likely token, as a tiny top_p does."""
+    logits = fixed_logits()
+    allowed = [5, 9, 12]
+    rows = [SamplingRow(SamplingParams(allowed_token_ids=allowed, **kw),
+                        prompt_token_ids=[5, 9, 3], output_token_ids=[12, 1])] * 64
+    got = set(sample(logits.expand(64, -1).contiguous(), rows).token_ids.tolist())
+    assert got <= set(allowed)
+    if "top_p" in kw:  # the allowed token of the highest logit, every time
+        assert got == {max(allowed, key=lambda t: logits[t].item())}
+
+
 def penalised(
     logits: torch.Tensor,
     prompt: list[int],

@@ -25,6 +25,15 @@ from tinyoss.kernels import greedy_pick_torch
 from tinyoss.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+# Temperatures and repetition penalties are clamped into this range on their way to float32:
+# beyond it (a temperature of 1e39 is inf there, a penalty of 1e-46 is 0) -inf logits became NaN
+# and the row sampled token 0 whatever its grammar said; within it nothing differs that a
+# float32 softmax could show (x / 1e30 is uniform already).
+_FLOAT32_SAFE = (1e-30, 1e30)
+
+
+def _safe(x: float) -> float:
+    return min(max(x, _FLOAT32_SAFE[0]), _FLOAT32_SAFE[1])
 
 
 class SamplingRowLike(Protocol):
@@ -118,7 +127,8 @@ class SamplingBatch:
             vocab_size=v,
             greedy=_dev(greedy, torch.bool, device) if any(greedy) and rand else None,
             all_greedy=not rand,
-            temperature=_col([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
+            temperature=_col([1.0 if g else _safe(p.temperature) for p, g in zip(params, greedy)],
+                             device)
             if rand
             else None,
             min_p=_col([0.0 if g else p.min_p for p, g in zip(params, greedy)], device)
@@ -277,8 +287,9 @@ def _filter(x: Tensor, batch: SamplingBatch) -> Tensor:
     pos = torch.arange(batch.vocab_size, device=x.device)
     vals = vals.masked_fill(pos >= batch.top_k, _NEG_INF)
     probs = vals.softmax(-1)
-    # Keep a token while the mass before it is below top_p: the smallest set reaching top_p.
-    vals = vals.masked_fill(probs.cumsum(-1) - probs >= batch.top_p, _NEG_INF)
+    # Keep a token while the mass before it is below top_p: the smallest set reaching top_p;
+    # the most likely always (a top_p below float32's smallest number is 0 there, as vLLM keeps)
+    vals = vals.masked_fill((probs.cumsum(-1) - probs >= batch.top_p) & (pos > 0), _NEG_INF)
     sub = torch.empty_like(sub).scatter_(-1, idx, vals)
     if batch.sort_rows is None:
         return sub
@@ -312,7 +323,7 @@ def _penalties(
         seen=seen,
         presence=_col([p.presence_penalty for p in params], device),
         frequency=_col([p.frequency_penalty for p in params], device),
-        repetition=_col([p.repetition_penalty for p in params], device),
+        repetition=_col([_safe(p.repetition_penalty) for p in params], device),
     )
 
 
