@@ -534,6 +534,25 @@ def test_user_text_cannot_inject_special_tokens():
     assert evil in [s for s in render_segments(msgs, current_date="") if isinstance(s, str)][-2]
 
 
+@pytest.mark.parametrize("parameters, refused", [
+    ({"type": "integer"}, '"integer"'), ({"type": ["array", "null"]}, '["array", "null"]'),
+    ({"type": "object"}, None), ({"type": ["object"]}, None), ({"properties": {}}, None),
+    ({}, None), (None, None)])
+def test_a_tools_parameters_are_an_object_schema(parameters, refused):
+    """As OpenAI requires: the arguments the model writes are an object (with another type a
+    call's arguments came back as a bare 9 or [false])."""
+    from tinyoss.harmony import check_tools
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    if refused is None:
+        check_tools(tools)
+        return
+    with pytest.raises(ValueError, match=re.escape(
+            f"tools[0].function.parameters must be a JSON schema of type 'object' (a call's "
+            f"arguments are an object), got type {refused}")):
+        check_tools(tools)
+
+
 def test_tool_choice():
     msgs = [{"role": "user", "content": "hi"}]
     tools = WEATHER_TOOLS

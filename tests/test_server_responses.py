@@ -517,6 +517,8 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
          "tool_choice", "naming one of the tools"),
         ({"input": "hi", "metadata": {"k": 1}}, "metadata", "metadata"),
         ({"input": "hi", "tools": [*TOOLS, *TOOLS]}, "tools[1]", "like tools[0]"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {
+            "type": "array"}}]}, "tools[0].parameters", 'of type \'object\''),
         ({"input": "hi", "tools": [{"type": "function", "name": "get weather"}]}, "tools[0]",
          "a tool's name must be 1 to 64 letters"),
         ({"input": "hi", "stream": "yes"}, "stream", "bool"),

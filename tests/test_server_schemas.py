@@ -137,6 +137,11 @@ def events(r: httpx.Response) -> list[dict]:
          "non-empty string"),
         (CHAT, {"messages": HI, "tools": [*TOOLS, {"function": {"name": "f", "parameters": 1}}]},
          "tools[1].function.parameters", "an object"),
+        # OpenAI's rule: the arguments are an object (a trial got bare 9 or [false] back)
+        (CHAT, {"messages": HI, "tools": [{"function": {"name": "f", "parameters": {
+            "type": "integer"}}}]}, "tools[0].function.parameters",
+         "must be a JSON schema of type 'object' (a call's arguments are an object), got type "
+         '"integer"'),
         (CHAT, {"messages": HI, "tools": [{"type": "web", "function": {"name": "f"}}]},
          "tools[0].type", "'function'"),
         (CHAT, {"messages": HI, "tools": [*TOOLS, *TOOLS]}, "tools[1]", "like tools[0]"),

@@ -190,6 +190,14 @@ def check_messages(messages: Any, where: str = "messages") -> None:
                   "the prompt's headers)")
 
 
+def not_object_type(parameters: dict | None) -> str | None:
+    """The type a tool's parameters schema gives, in JSON, where it is not "object" (OpenAI
+    requires an object: the arguments the model writes are one; any other type had a call's
+    arguments written as a bare 9 or [false]); None where it is or none is given."""
+    kind = (parameters or {}).get("type", "object")
+    return None if kind in ("object", ["object"]) else json.dumps(kind)
+
+
 def check_tools(tools: Any) -> None:
     """Raises ValueError naming the tool (tools[i]) that is not a function tool the renderer
     can show the model."""
@@ -217,6 +225,9 @@ def check_tools(tools: Any) -> None:
             params is None or isinstance(params, dict),
             f"{at}.function.parameters must be a JSON schema object, not {short_repr(params)}",
         )
+        _need(not_object_type(params) is None,
+              f"{at}.function.parameters must be a JSON schema of type 'object' (a call's "
+              f"arguments are an object), got type {not_object_type(params)}")
         _need(
             desc is None or isinstance(desc, str),
             f"{at}.function.description must be a string, not {short_repr(desc)}",

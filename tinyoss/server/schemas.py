@@ -20,6 +20,7 @@ import json
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -36,7 +37,7 @@ from pydantic import (
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
-from tinyoss import __version__
+from tinyoss import __version__, harmony
 from tinyoss.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _DEFAULT = SamplingParams()  # SamplingParams' defaults, documented as the server's
@@ -56,6 +57,18 @@ def _either(kind: Any, expected: str) -> Any:
             ) from None
 
     return Annotated[kind, WrapValidator(check)]
+
+
+def _object_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tool's parameters: a schema of type object (`harmony.not_object_type`)."""
+    if (got := harmony.not_object_type(schema)) is not None:
+        raise PydanticCustomError(
+            "object_schema", "must be a JSON schema of type 'object' (a call's arguments are an "
+            "object), got type {got}", {"got": got})
+    return schema
+
+
+_Parameters = Annotated[dict[str, Any] | None, AfterValidator(_object_schema)]
 
 
 def _by_type(kind: Any, expected: str, at_type: bool = False) -> Any:
@@ -185,9 +198,9 @@ class ChatMessage(_Body):
 class FunctionDef(_Body):
     name: StrictStr = Field(min_length=1, description="The name the model calls it by.")
     description: StrictStr | None = Field(None, description="What it does, for the model.")
-    parameters: dict[str, Any] | None = Field(
-        None, description="A JSON schema of its arguments (shown to the model, and enforced "
-        "when tool_choice forces a call)."
+    parameters: _Parameters = Field(
+        None, description="A JSON schema of its arguments, of type object (shown to the model, "
+        "and enforced when tool_choice forces a call)."
     )  # fmt: skip
     strict: StrictBool | None = Field(None, description="Accepted; calls follow the schema.")
 
@@ -652,9 +665,10 @@ class ResponsesTool(_Body):
     ) = Field(description="function: other tools are not supported.")
     name: StrictStr = Field(min_length=1, description="The name the model calls it by.")
     description: StrictStr | None = Field(None, description="What it does, for the model.")
-    parameters: _either(dict[str, Any] | None, "a JSON schema object") = Field(
-        None, description="A JSON schema of its arguments (enforced when tool_choice forces "
-        "a call)."
+    parameters: Annotated[_either(dict[str, Any] | None, "a JSON schema object"),
+                          AfterValidator(_object_schema)] = Field(
+        None, description="A JSON schema of its arguments, of type object (enforced when "
+        "tool_choice forces a call)."
     )  # fmt: skip
     strict: StrictBool | None = Field(None, description="Accepted; calls follow the schema.")
 
