@@ -190,6 +190,14 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
         (CMPL, {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
         (CMPL, {"prompt": "a", "guided_choice": ["y"]}, "guided_choice", "structured_outputs"),
+        # an error inside names its part (it had been the whole object's generic message)
+        (CHAT, {"messages": HI, "structured_outputs": {"choice": [1, 2]}},
+         "structured_outputs.choice[0]", "structured_outputs.choice[0]=1 is invalid: must be a "
+         "string"),
+        (CMPL, {"prompt": "a", "structured_outputs": {"json": {}, "whitespace_pattern": " *"}},
+         "structured_outputs.whitespace_pattern",
+         "structured_outputs.whitespace_pattern is not supported: structured_outputs has no "
+         "field 'whitespace_pattern'"),
         (CHAT, {"messages": HI, "guided_json": {}}, "guided_json", "give structured_outputs"),
         (CHAT, {"messages": HI, "skip_special_tokens": False}, "skip_special_tokens",
          "/v1/completions returns them as text"),

@@ -462,6 +462,10 @@ def validate(model: type[Model], body: dict) -> Model:
         hint = f": {what[0].lower()}{what[1:].rstrip('.')}" if what else ""
         raise APIError(400, f"{path} is required{hint}", param=path)
     kind, msg, ctx = err["type"], err["msg"], err.get("ctx", {})
+    if kind == "extra_forbidden":  # (a typo, or vLLM's structured_outputs.whitespace_pattern)
+        parent, _, name = path.rpartition(".")
+        raise APIError(400, f"{path} is not supported: {parent} has no field {name!r}",
+                       param=path)
     if kind in ("too_short", "string_too_short") and ctx["min_length"] == 1:
         kind = "empty_" + kind
     must = "must be " + _MUST[kind].format(**ctx) if kind in _MUST else msg

@@ -272,10 +272,10 @@ class StructuredOutputsSpec(BaseModel):
     )
 
 
-StructuredOutputs = _either(
-    StructuredOutputsSpec | None,
-    "an object with one of json, json_object, regex, choice or grammar",
-)
+# an error inside names its part (structured_outputs.choice), as vLLM's does
+StructuredOutputs = _object(
+    StructuredOutputsSpec, "an object with one of json, json_object, regex, choice or grammar"
+) | None
 
 
 class StreamOptions(_Body):
