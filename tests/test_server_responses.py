@@ -538,6 +538,18 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "use_beam_search": True}, "use_beam_search", "beam search"),
         ({"input": "hi", "echo": True}, "echo", "not supported"),
         ({"input": "hi", "logit_bias": {"1": 2}}, "logit_bias", "not supported"),
+        # a call's part is named by its function_call item (it had been the chat path
+        # input[1].tool_calls[0].function.name); the second call of a turn by its own item
+        ({"input": [{"role": "user", "content": "w"},
+                    {"type": "function_call", "call_id": "c1", "name": "a b", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"}]},
+         "input[1].name", "input[1].name is 'a b'"),
+        ({"input": [{"role": "user", "content": "w"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "a b", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "x"}]},
+         "input[2].name", "input[2].name is 'a b'"),
         ({"input": "hi", "top_k": -5}, "top_k", "top_k=-5 is invalid"),
         ({"input": "hi", "seed": "x"}, "seed", "an integer"),
     ],

@@ -61,6 +61,9 @@ _RENAMES = (
     ("messages", "input"),
 )
 _MESSAGE_PATH = re.compile(r"\bmessages\[(\d+)\]")
+# a chat tool call's field -> its function_call item's
+_CALL_PATH = re.compile(r"\bmessages\[(\d+)\]\.tool_calls\[(\d+)\](?:\.function)?(\.\w+)?")
+_CALL_FIELDS = {".id": ".call_id"}
 # id prefixes of the items of each type, in output and in input_items' listing
 _PREFIX = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_",
            "function_call_output": "fco_"}  # fmt: skip
@@ -85,6 +88,7 @@ class ResponsesRequest:
 
     chat: dict  # the chat-completions body that parse_chat checks and renders
     origins: list[str]  # where each chat message came from: input[i], instructions, ...
+    call_origins: list[list[str]]  # each message's tool calls': the function_call items
     input: list[dict]  # the conversation's input items: the previous response's, then these
     echo: dict  # request fields the response object repeats
     stream: bool
@@ -93,7 +97,14 @@ class ResponsesRequest:
     def renamed(self, e: APIError) -> APIError:
         """parse_chat's error, naming the Responses field (and input item) instead of chat's."""
 
+        def call(m: re.Match) -> str:
+            i, k = int(m[1]), int(m[2])
+            if i >= len(self.call_origins) or k >= len(self.call_origins[i]):
+                return m[0]
+            return self.call_origins[i][k] + _CALL_FIELDS.get(m[3] or "", m[3] or "")
+
         def rename(text: str) -> str:
+            text = _CALL_PATH.sub(call, text)
             text = _MESSAGE_PATH.sub(
                 lambda m: self.origins[int(m[1])] if int(m[1]) < len(self.origins) else m[0], text
             )
@@ -165,10 +176,11 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
     items = [(f"input[{i}]", item) for i, item in enumerate(_input(body["input"]))]
     earlier = previous(req.previous_response_id) if req.previous_response_id is not None else []
     conversation = [("previous_response_id", item) for item in earlier] + items
-    messages, origins = _messages(conversation)
+    messages, origins, call_origins = _messages(conversation)
     if req.instructions:
         messages.insert(0, {"role": "developer", "content": req.instructions})
         origins.insert(0, "instructions")
+        call_origins.insert(0, [])
     _need(messages, "input", "input holds no message: give the model something to answer")
 
     chat: dict[str, Any] = {"messages": messages, "reasoning_effort": effort}
@@ -214,7 +226,8 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         "safety_identifier": req.safety_identifier,
     }
     stream, store = bool(req.stream), echo["store"]
-    return ResponsesRequest(chat, origins, [item for _, item in conversation], echo, stream, store)
+    return ResponsesRequest(chat, origins, call_origins, [item for _, item in conversation], echo,
+                            stream, store)
 
 
 def _check_include(include: list[str]) -> None:
@@ -295,13 +308,15 @@ def _text(content: str | list[dict]) -> str:
     return "".join(p["refusal"] if p["type"] == "refusal" else p["text"] for p in content)
 
 
-def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
-    """Chat messages of (path, item) pairs, and the path each message came from. Reasoning goes
+def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str], list[list[str]]]:
+    """Chat messages of (path, item) pairs, the path each message came from, and each one's
+    tool calls' paths (for errors that name a call's part). Reasoning goes
     on the assistant message after it (harmony keeps it only before a tool call of the turn in
     progress); function calls join the assistant message before them, as harmony renders one
     turn: a commentary preamble, then the calls."""
     messages: list[dict] = []
     origins: list[str] = []
+    call_origins: list[list[str]] = []
     calls: set[str] = set()
     waiting: dict[str, str] = {}  # call id -> where its function_call is, until its output
     reasoning: list[str] = []
@@ -320,6 +335,7 @@ def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
         reasoning.clear()  # reasoning before a user or tool message has nowhere to go
         messages.append(message)
         origins.append(at)
+        call_origins.append([])
 
     for at, item in items:
         kind = item.get("type", "message")
@@ -339,6 +355,7 @@ def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 add({"role": "assistant", "content": None, "tool_calls": [call]}, at)
+            call_origins[-1].append(at)
         elif kind == "function_call_output":
             _need(
                 item["call_id"] in calls,
@@ -355,7 +372,7 @@ def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
             text = _text(item["content"])
             add({"role": item["role"], "content": text}, at)
     answered("the input ends")
-    return messages, origins
+    return messages, origins, call_origins
 
 
 # ---------------------------------------------------------------- output items and events
