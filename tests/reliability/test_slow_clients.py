@@ -105,6 +105,32 @@ def body_trickled(api: Api) -> RawResponse:
         thread.join(2)
 
 
+def _answered_then_trickled(head: bytes):
+    """A request the server answers without reading its body (413 for its Content-Length, 404
+    for its path), whose body then comes a byte every 0.3 s: it had held its connection for as
+    long as bytes came (a few such clients took every --max-connections slot, /health too)."""
+
+    def client(api: Api) -> RawResponse:
+        sock, stop = connect(api), threading.Event()
+        sock.sendall(head)
+        thread = threading.Thread(target=_trickle, args=(sock, BODY * 4, 0.3, stop), daemon=True)
+        thread.start()
+        try:
+            return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
+        finally:
+            stop.set()
+            sock.close()
+            thread.join(2)
+
+    return client
+
+
+over_limit_trickled = _answered_then_trickled(http_head(
+    "POST", CHAT, {"Content-Type": "application/json", "Content-Length": "99999999"}))
+unknown_path_trickled = _answered_then_trickled(http_head(
+    "POST", "/v1/nowhere", {"Content-Type": "application/json", "Content-Length": "1000"}))
+
+
 def idle_keep_alive(api: Api) -> RawResponse:
     """One complete request on a keep-alive connection, then silence."""
     sock = connect(api)
@@ -127,6 +153,8 @@ SCENARIOS: dict[str, tuple[Callable[[Api], RawResponse], str, float, bool]] = {
     "body-stalled": (body_stalled, "--body-timeout", BODY_TIMEOUT, True),
     "body-trickled": (body_trickled, "--body-timeout", BODY_TIMEOUT, True),
     "idle-keep-alive": (idle_keep_alive, "--timeout-keep-alive", KEEP_ALIVE, False),
+    "413-then-body-trickled": (over_limit_trickled, "--header-timeout", HEADER_TIMEOUT, False),
+    "404-then-body-trickled": (unknown_path_trickled, "--header-timeout", HEADER_TIMEOUT, False),
 }
 
 

@@ -40,7 +40,8 @@ class ServerLimits:
     )
     max_connections: int = option("most open connections (503 beyond)", default=2048)
     header_timeout: float = option(
-        "seconds a connection may take to send its request headers", default=10.0
+        "seconds a connection may take to send its request headers, and to end a body the "
+        "server answered without reading (a 413, say) before it is closed", default=10.0
     )
     max_header_bytes: int = option(
         "largest request line and headers in bytes (431 beyond)", default=64 << 10
@@ -103,13 +104,16 @@ class LogprobBudget:
 
 def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing connections whose headers are not complete within
-    --header-timeout seconds of connecting (or of the previous response), answering 431 to
+    --header-timeout seconds of connecting (or of the previous response), and those answered
+    before their body arrived (413, 415, 404, 408) whose body is not complete within
+    --header-timeout more (uvicorn kept them open while any byte came), answering 431 to
     headers beyond --max-header-bytes (httptools takes any size, and joins a long header in
     quadratic time: one 100 MB header held the event loop for seconds), and 503 beyond
     --max-connections (open connections, or requests in progress)."""
 
     class LimitedHttp(HttpToolsProtocol):
         _header_timer = None
+        _unread_timer = None  # the body of a request already answered: its time to end
         _header_bytes = 0
         _body_done = True  # the request's body is read to its end (the next headers may come)
 
@@ -159,6 +163,7 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._body_done = True
+            self._stop_unread()
             if self.cycle is not None and self.cycle.response_complete:
                 self._next_headers()
 
@@ -166,6 +171,17 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
             super().on_response_complete()
             if self._body_done:
                 self._next_headers()
+            elif not self.transport.is_closing():
+                # answered before its body arrived: the rest is read (and dropped) for a while,
+                # so the client gets to read the answer, then the connection closes; a client
+                # trickling a body nobody reads had held a connection for ever
+                self._stop_unread()
+                self._unread_timer = self.loop.call_later(limits.header_timeout, self._too_slow)
+
+        def _stop_unread(self) -> None:
+            if self._unread_timer is not None:
+                self._unread_timer.cancel()
+                self._unread_timer = None
 
         def _next_headers(self) -> None:
             """The next request's headers are counted and timed from here: once both the
@@ -177,6 +193,7 @@ def limited_http(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._stop_unread()
             super().connection_lost(exc)
 
     return LimitedHttp
