@@ -46,6 +46,10 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped while a request was running or queued."""
 
 
+class ShuttingDown(EngineDeadError):
+    """The server is shutting down and its grace for requests in flight has ended."""
+
+
 class EngineUnavailable(RuntimeError):
     """The engine core is not ready for requests (still starting, restarting, or failed)."""
 
@@ -183,6 +187,8 @@ class CoreClient:
         self._core: _Core | None = None
         self._streams: dict[str, OutputStream] = {}
         self._reader: asyncio.Task | None = None
+        self._gone = False  # the watcher found the core's process gone (and cancelled the reader)
+        self.closing = False  # the server is shutting down: a core that stops stays stopped
 
     @property
     def num_requests(self) -> int:
@@ -216,8 +222,19 @@ class CoreClient:
         self._reader = asyncio.create_task(self._read(core))
         return self.info
 
+    def begin_shutdown(self) -> None:
+        """The server's first signal: requests in flight may still finish, but a core that
+        stops from now on (a second Ctrl-C reaches it too) is not restarted."""
+        self.closing = True
+
+    def end_requests(self, why: str) -> None:
+        """Ends every request in flight with ShuttingDown(why), so that each answers it (a
+        stream with an error event and its end) before the server closes its connection."""
+        for request_id in list(self._streams):
+            self._put(request_id, ShuttingDown(why))
+
     async def shutdown(self) -> None:
-        self.state = "stopped"
+        self.closing, self.state = True, "stopped"
         if self._reader is not None:
             self._reader.cancel()
         if self._core is not None:
@@ -240,13 +257,20 @@ class CoreClient:
                     self._put(msg[1], ValueError(msg[2]))
                 elif msg[0] == "dead":
                     break
-        except asyncio.CancelledError:  # the watcher found the process gone
-            msg = None
+        except asyncio.CancelledError:
+            if not self._gone:  # cancelled from outside (uvicorn's forced exit): no restart
+                watcher.cancel()
+                raise
+            msg = None  # the watcher found the process gone
+        self._gone = False
         watcher.cancel()
         why = self._hung or (f"exit code {core.process.exitcode}" if msg is None else msg[1])
         self._hung = None
-        if self.state == "ready":
+        if self.state == "ready" and not self.closing:
             await self._restart(f"the engine core stopped ({why})")
+        elif self.state == "ready":  # stopped while the server shuts down: fail, don't restart
+            self.state, self.error = "stopped", f"the engine core stopped ({why})"
+            self._fail_all(EngineDeadError("the server is shutting down"))
 
     async def _watch(self, core: _Core) -> None:
         while core.process.is_alive():
@@ -260,6 +284,7 @@ class CoreClient:
                 core.process.kill()
         await asyncio.sleep(0.2)  # its last words (a "dead" message) may still be on the way
         if self._reader is not None:
+            self._gone = True
             self._reader.cancel()
 
     async def _restart(self, why: str) -> None:

@@ -37,6 +37,7 @@ from tinyoss.engine.builder import checkpoint_folder, load_tokenizer
 from tinyoss.engine.core_client import (
     CoreClient,
     EngineDeadError,
+    ShuttingDown,
     EngineUnavailable,
     OutputStream,
     RequestFailed,
@@ -288,6 +289,9 @@ class Run:
             if self.state.shutting_down:
                 why = "the server is shutting down"
             raise
+        except ShuttingDown:
+            cut, why = "error", "the server is shutting down"
+            raise
         except Exception:  # a request the engine failed (not a client that left)
             cut, why = "error", "the engine failed it"
             raise
@@ -436,6 +440,8 @@ _MAX_FAULT_CHARS = 200  # of a request's own fault, in its answer; all of it goe
 def _error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, (EngineDeadError, EngineUnavailable)):
         return APIError(503, str(e), code="engine_unavailable")
     if isinstance(e, RequestFailed):

@@ -20,6 +20,7 @@ from typing import Any
 log = logging.getLogger("tinyoss.server")
 API_KEY_ENVS = ("TINYOSS_API_KEY", "VLLM_API_KEY")  # in this order, after --api-key
 SHUTDOWN_GRACE_S = 5  # after SIGTERM or Ctrl-C, requests in flight get this long, then end
+_ANSWER_S = 1  # of the grace, the time requests ended by the shutdown get to send their answer
 
 
 def _cut_off_quietly(app: Any) -> Any:
@@ -294,7 +295,27 @@ def serve(args: argparse.Namespace) -> None:
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             state.shutting_down = True
+            if state.client is not None:  # (a second Ctrl-C reaches the core's process too)
+                state.client.begin_shutdown()
+            forced = self.force_exit
             super().handle_exit(sig, frame)
+            if self.force_exit and not forced:
+                quiet.cutting = True  # its cut-off requests and cancelled lifespan: expected
+                log.info("a second signal: exiting now, requests in flight are cut off")
+
+        async def _wait_tasks_to_complete(self) -> None:
+            """uvicorn's wait for the requests in flight, whose tasks it cancels when the grace
+            ends; a second before that they are ended through the engine, so a stream's client
+            reads an error event (shutting_down) and the stream's end, not a cut connection."""
+            try:
+                await asyncio.wait_for(super()._wait_tasks_to_complete(),
+                                       SHUTDOWN_GRACE_S - _ANSWER_S)
+            except TimeoutError:
+                if state.client is not None:
+                    state.client.end_requests(
+                        f"the server is shutting down: this request was cut off after the "
+                        f"{SHUTDOWN_GRACE_S} s grace; send it again once the server is back")
+                await super()._wait_tasks_to_complete()
 
     server = Server(
         uvicorn.Config(
@@ -310,7 +331,8 @@ def serve(args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
     )
-    logging.getLogger("uvicorn.error").addFilter(_QuietShutdown())  # after uvicorn's log config
+    quiet = _QuietShutdown()
+    logging.getLogger("uvicorn.error").addFilter(quiet)  # after uvicorn's log config
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down in order
@@ -323,13 +345,17 @@ class _QuietShutdown(logging.Filter):
     """uvicorn's ERROR lines when the shutdown grace ends with requests still running, which
     read like a crash: its count of them becomes an INFO line in tinyoss's words, and from then
     on "ASGI callable returned without completing response" (a stream cut mid-answer, which
-    `_cut_off_quietly` logs) goes. Before the cut-off that line stays an error: a real fault."""
+    `_cut_off_quietly` logs) goes, as does, after a second signal's forced exit, the lifespan's
+    cancellation traceback. Before the cut-off those stay errors: a real fault."""
 
     cutting = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if self.cutting and text == "ASGI callable returned without completing response.":
+            return False
+        if self.cutting and text.startswith("Traceback") and text.rstrip().endswith(
+                "CancelledError"):
             return False
         if text.startswith("Cancel ") and text.endswith("timeout graceful shutdown exceeded"):
             self.cutting = True
