@@ -6,11 +6,12 @@ and the KV cache and prefix cache stay consistent."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
-from tinyoss import LLM, SamplingParams
+from tinyoss import LLM, SamplingParams, StructuredOutputs
 from tinyoss.engine.sampler import SamplingBatch, SamplingRow
 from tinyoss.engine.speculative import NgramProposer, SpeculativeConfig, verify
 
@@ -200,3 +201,50 @@ def test_steps_still_chain_when_no_sequence_can_take_drafts(prompts_and_referenc
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == ref and any(chained) and core.stats.spec_drafts == 0
+
+
+def test_the_neighbours_of_drafting_sequences_keep_their_grammar_and_logprobs(
+        prompts_and_reference):
+    """Requests that do not draft (a grammar, logprobs) sharing verify steps with requests that
+    do: their grammar's mask and their logprobs, as without speculation. Both had been dropped
+    in those steps: a regex request wrote free text (and finished 'stop'), a logprobs request
+    lost an entry a step."""
+    prompts, ref, params = prompts_and_reference
+    rx = SamplingParams(temperature=0, max_tokens=20,
+                        structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-z]{4}"))
+    lp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    extra, mixed = [[5, 6, 7, 8, 9], [11, 12, 13]], [params] * len(prompts) + [rx, lp]
+    plain = LLM("tiny", max_model_len=1024, enable_prefix_caching=False)
+    want = [o.outputs[0] for o in plain.generate(prompts + extra, mixed, use_tqdm=False)]
+    llm = LLM("tiny", max_model_len=1024,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    llm.engine.proposer = Replay({tuple(p): r for p, r in zip(prompts, ref)})
+    got = [o.outputs[0] for o in llm.generate(prompts + extra, mixed, use_tqdm=False)]
+    assert llm.engine.stats.spec_accepted_tokens > 0
+    assert [g.token_ids for g in got[: len(prompts)]] == ref
+    assert got[-2].text == want[-2].text and re.fullmatch(r"[0-9]{3}-[a-z]{4}", got[-2].text)
+    g, w = got[-1], want[-1]
+    assert g.token_ids == w.token_ids and len(g.logprobs) == len(g.token_ids) == 20
+    for a, b in zip(g.logprobs, w.logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_stop_string_inside_a_verify_steps_tokens_drops_the_rest(prompts_and_reference):
+    """A stop string that ends inside a step's accepted drafts: the tokens after it are
+    dropped, so token_ids (and the usage) are those without speculation (they had kept the
+    step's later drafts)."""
+    prompts, ref, _ = prompts_and_reference
+    plain = LLM("tiny", max_model_len=1024, enable_prefix_caching=False)
+    text = plain.get_tokenizer().decode
+    stops = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            stop=[text(ref[1][end - 3 : end])]) for end in (6, 7, 8, 9)]
+    want = [o.outputs[0] for o in plain.generate([prompts[1]] * 4, stops, use_tqdm=False)]
+    llm = LLM("tiny", max_model_len=1024,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    llm.engine.proposer = Replay({tuple(p): r for p, r in zip(prompts, ref)})
+    got = [o.outputs[0] for o in llm.generate([prompts[1]] * 4, stops, use_tqdm=False)]
+    assert llm.engine.stats.spec_accepted_tokens > 0
+    assert [(g.token_ids, g.text, g.finish_reason) for g in got] == \
+        [(w.token_ids, w.text, w.finish_reason) for w in want]
+    assert all(w.finish_reason == "stop" for w in want)

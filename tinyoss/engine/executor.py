@@ -346,13 +346,17 @@ class Executor:
         prompt: dict[int, list[TokenLogprob]],
     ) -> LaunchedStep:
         """A step that scores drafted tokens (speculative decoding): which are accepted, and
-        the token after them, per row; `result` takes each sequence's run."""
+        the token after them, per row; `result` takes each sequence's run. The step's other
+        sequences (one row each: a grammar, logprobs or a seed keep a request from drafting)
+        sample their token here under their grammar's mask, with their logprobs."""
         states = [self.states[i] for i in seq_ids]
         batch = SamplingBatch.build(states, logits.shape[-1], logits.device)
+        batch.allowed = self._masks(states)
         drafted = to_device(torch.tensor(drafts), self.device)
         tokens, accepted = verify(logits, batch, drafted)
         finite = self.sampler.pick(logits)[1]  # 0 where a row holds a NaN or an infinity
-        host = HostCopy.start([tokens, finite, accepted])
+        lps = compute_logprobs(logits, tokens, batch.max_logprobs) if batch.needs_logprobs else ()
+        host = HostCopy.start([tokens, finite, accepted, *lps])
         chosen = torch.where(accepted, drafted, tokens)  # the token after each row
         return LaunchedStep(seq_ids, None, host, prompt, [], drafts=drafts,
                             verified=(chosen, accepted))
@@ -413,20 +417,35 @@ class Executor:
         return out
 
     def _verified(self, launched: LaunchedStep, out: StepResult) -> StepResult:
-        """Each sequence of a verify step emits its accepted drafts and one token more."""
-        tokens, finite, accepted = (t.tolist() for t in launched.host.wait())
+        """Each sequence of a verify step emits its accepted drafts and one token more (a
+        sequence without drafts: its token, through its grammar, with its logprobs)."""
+        tokens, finite, accepted, *lps = (t.tolist() for t in launched.host.wait())
+        logprobs, ranks, top_ids, top_lps = lps or (None,) * 4
         ids, drafts, row = launched.seq_ids, launched.drafts, 0
         while row < len(ids):
             end = row + 1
             while end < len(ids) and ids[end] == ids[row]:
                 end += 1
-            if all(finite[row:end]):
-                a = next((j for j in range(row, end - 1) if not accepted[j]), end - 1) - row
-                emitted = drafts[row : row + a] + [tokens[row + a]]
-                out.sampled[ids[row]] = emitted
-                self.states[ids[row]].output_token_ids.extend(emitted)
+            seq_id, state = ids[row], self.states[ids[row]]
+            if not all(finite[row:end]):
+                out.failed.add(seq_id)
+                row = end
+                continue
+            a = next((j for j in range(row, end - 1) if not accepted[j]), end - 1) - row
+            emitted = drafts[row : row + a] + [tokens[row + a]]
+            state.output_token_ids.extend(emitted)
+            for token in emitted if state.grammar is not None else ():
+                if state.error is None and (refused := state.grammar.consume(token)):
+                    state.error = refused
+            if state.error is not None:
+                out.errors[seq_id] = state.error
             else:
-                out.failed.add(ids[row])
+                out.sampled[seq_id] = emitted
+                k = state.params.logprobs
+                if k is not None and logprobs is not None:  # one row: it does not draft
+                    top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k and top_ids else []
+                    out.logprobs[seq_id] = [TokenLogprob(emitted[0], logprobs[row], top,
+                                                         ranks[row])]
             row = end
         return out
 

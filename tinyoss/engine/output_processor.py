@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tinyoss.engine.core import RequestError, SeqDelta
 from tinyoss.engine.step import TokenLogprob
@@ -183,7 +183,24 @@ class _Seq:
         )
 
     def apply(self, d: SeqDelta) -> tuple[str, bool]:
-        """Takes a delta in; returns the new text and whether a stop string ended it."""
+        """Takes a delta in; returns the new text and whether a stop string ended it. A delta of
+        several tokens (a speculative step's accepted drafts and the token after them) is taken
+        a token at a time where stop strings are watched: the tokens after the one a stop string
+        ends in are dropped, as a step at a time would never have made them."""
+        if self.stops is None or len(d.token_ids) < 2:
+            return self._apply(d)
+        texts, last = [], len(d.token_ids) - 1
+        for i, token in enumerate(d.token_ids):
+            text, stopped = self._apply(replace(
+                d, token_ids=[token], logprobs=d.logprobs[i : i + 1] if d.logprobs else None,
+                finish_reason=d.finish_reason if i == last else None,
+                stop_reason=d.stop_reason if i == last else None))
+            texts.append(text)
+            if stopped:
+                break
+        return "".join(texts), stopped
+
+    def _apply(self, d: SeqDelta) -> tuple[str, bool]:
         self.token_ids += d.token_ids
         if self.logprobs is not None and d.logprobs:
             self.logprobs += d.logprobs
