@@ -190,6 +190,26 @@ def test_stop_ids_stop_strings_and_length(tiny_llm):
     assert tok.decode(free.token_ids) == free.text
 
 
+def test_a_stop_string_begun_within_min_tokens_still_stops(tiny_llm):
+    """A stop string that begins in the text of the first min_tokens tokens (shown unwatched)
+    and ends after them stops the output, as vLLM looks back for it (it had been missed, and the
+    output ran to max_tokens); its head, shown already, stays, and the deltas still add up."""
+    p = prompts(1, seed=5)[0]
+    free = tiny_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+    tok = tiny_llm.get_tokenizer()
+    text, b = free.text, len(tok.decode(free.token_ids[:4]))
+    stop = text[b - 2 : b + 2]
+    assert text.index(stop) == b - 2
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=4,
+                            stop=[stop])
+    out = tiny_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[:b]
+    ends = [k for k in range(5, 13) if len(tok.decode(free.token_ids[:k])) >= b + 2]
+    assert out.token_ids == free.token_ids[: ends[0]]
+    streamed = "".join(o.outputs[0].delta_text for o in tiny_llm.stream(p, params))
+    assert streamed == out.text
+
+
 def test_streaming_deltas_add_up(tiny_llm):
     p = prompts(1, seed=6)[0]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -131,25 +131,40 @@ class RequestOutput:
 
 class StopStrings:
     """Finds stop strings in streamed text. The last (longest stop - 1) characters are held
-    back, since they could still begin one (as vLLM does), so a feed costs O(new text)."""
+    back, since they could still begin one (as vLLM does), so a feed costs O(new text). Text
+    passed on unwatched (`skip`: before min_tokens) is looked back into as vLLM does: a stop
+    string that begins there and ends in watched text still stops (its head already shown)."""
 
     def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops, self.include = stops, include
         self.keep = max(len(s) for s in stops) - 1
         self.pending = ""
+        self.shown = ""  # the last `keep` characters passed on
+
+    def skip(self, text: str) -> str:
+        """`text` passed on without watching it (it may begin a stop string that ends later)."""
+        self._show(text)
+        return text
 
     def feed(self, text: str) -> tuple[str, str | None]:
-        """(text safe to pass on, the stop string found or None)."""
+        """(text safe to pass on, the stop string found or None): a stop string that ends in
+        text not passed on yet."""
         self.pending += text
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        both, seen = self.shown + self.pending, len(self.shown)
+        hits = [(i, s) for s in self.stops
+                if (i := both.find(s, max(0, seen - len(s) + 1))) >= 0]
         if hits:
             i, s = min(hits)
-            out = self.pending[: i + len(s) if self.include else i]
-            self.pending = ""
+            out = both[seen : max(seen, i + len(s) if self.include else i)]
+            self.pending = self.shown = ""
             return out, s
         cut = max(0, len(self.pending) - self.keep)
         out, self.pending = self.pending[:cut], self.pending[cut:]
+        self._show(out)
         return out, None
+
+    def _show(self, text: str) -> None:
+        self.shown = (self.shown + text)[-self.keep:] if self.keep else ""
 
     def flush(self) -> str:
         text, self.pending = self.pending, ""
@@ -217,6 +232,8 @@ class _Seq:
             text, hit = self.stops.feed(text)
             if hit is not None:
                 self.finish_reason, self.stop_reason, stopped = "stop", hit, True
+        elif self.stops is not None:
+            text = self.stops.skip(text)
         if d.finish_reason is not None and not stopped:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
             tail = self.detok.flush()
