@@ -509,6 +509,28 @@ def test_chat_template_kwargs_over_http(srv):
     assert err["param"] == "chat_template_kwargs.x"
 
 
+def test_a_context_length_refusal_says_the_prompt_carries_tools_and_schema():
+    """A schema or tools too large for the context: the refusal says the prompt carries them
+    (it had blamed the messages alone, a two-word message here)."""
+    import asyncio
+
+    from tinyoss.engine.builder import load_tokenizer
+    from tinyoss.server.protocol import tokenize
+
+    big = {"enum": [f"v{i}" for i in range(3000)]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": big}}
+    tools = [{"type": "function", "function": {"name": "f", "description": "lorem " * 5000}}]
+    for extra, words in (({"response_format": fmt}, "the response format's schema"),
+                         ({"tools": tools}, "the tools' definitions")):
+        prep = parse_chat({"messages": HI, **extra}, INFO)
+        with pytest.raises(APIError) as e:
+            asyncio.run(tokenize(prep, load_tokenizer(None), INFO))
+        assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+        assert e.value.message.endswith(f"The prompt carries {words} as well as the messages.")
+    prep = parse_chat({"messages": HI}, INFO)
+    assert prep.length_note == ""
+
+
 def test_too_many_messages_are_refused_before_validation():
     """More messages than the context can hold are refused at a glance, before validating
     each (220,000 developer messages took seconds holding the GIL): leading system and

@@ -20,6 +20,7 @@ context: a 10 MB prompt costs neither the loop nor the CPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sys
 from collections.abc import Iterator
@@ -176,6 +177,8 @@ class Prepared:
     special_names: bool = False
     prompts: list[list[int]] = field(default_factory=list)
     max_tokens_field: str = "max_tokens"  # as the client spelled it (max_completion_tokens)
+    # chat: said after a context-length refusal, where tools or a schema are in the prompt too
+    length_note: str = ""
 
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
@@ -222,9 +225,17 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     if not params.ignore_eos:  # whatever the checkpoint's generation_config.json lists
         params.stop_token_ids += [t for t in harmony.STOP_TOKENS if t not in params.stop_token_ids]
     stops, params.stop = params.stop, []
+    carried = [name for name, given in (("the tools' definitions", req.tools),
+                                        ("the response format's schema",
+                                         getattr(req.response_format, "type", None)
+                                         == "json_schema")) if given]
+    note = (f" The prompt carries {' and '.join(carried)} as well as the messages."
+            if carried else "")
     if not _truncates(body):
-        _check_chars([segments], info.max_model_len, "messages")
+        with _noted(note):
+            _check_chars([segments], info.max_model_len, "messages")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
+                    length_note=note,
                     content_stop_kept=params.include_stop_str_in_output,
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning,
                     max_tokens_field="max_tokens" if max_tokens is None
@@ -408,6 +419,22 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
     loop running between them; refuses a prompt as soon as it cannot fit the context, unless
     its request truncates it (vLLM's truncate_prompt_tokens: then it is encoded whole, within
     --max-request-bytes, and cut to its last tokens)."""
+    with _noted(prep.length_note):
+        await _tokenize(prep, tokenizer, info)
+
+
+@contextlib.contextmanager
+def _noted(note: str) -> Iterator[None]:
+    """A context-length refusal raised inside, with `note` after its message."""
+    try:
+        yield
+    except APIError as e:
+        if not note or e.code != "context_length_exceeded":
+            raise
+        raise APIError(e.status, e.message + note, param=e.param, code=e.code) from None
+
+
+async def _tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> None:
     cut = prep.params.truncate_prompt_tokens is not None
     limit = sys.maxsize if cut else info.max_model_len
     for source in prep.sources:
