@@ -938,6 +938,29 @@ def test_killing_the_core_fails_open_and_queued_requests_at_once_and_it_restarts
         served.close()
 
 
+def test_a_request_right_after_an_idle_core_dies_is_a_503_with_retry_after():
+    """The moments after the core dies, before the watcher sees it (up to ~0.4 s): a request
+    is a 503 engine_unavailable with Retry-After (it was a 500, zmq's "Again", with a
+    traceback) and /health is not 200; so is every request while the core restarts."""
+    served = Served(create_app(TINY, model_name="tiny"))
+    try:
+        wait_healthy(served)
+        client = served.state_of().client
+        os.kill(client.pid, signal.SIGKILL)
+        while client.core_alive:
+            time.sleep(0.001)
+        r = httpx.post(served.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        err = error(r, 503)
+        assert err["code"] == "engine_unavailable" and "stopped" in err["message"], err
+        assert r.headers["Retry-After"] == "5"
+        assert httpx.get(served.url + "/health").status_code == 503
+        wait_healthy(served)
+        r = httpx.post(served.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        served.close()
+
+
 def test_stream_events_never_hold_a_line_break_that_splitlines_sees():
     from tinyoss.server.app import _sse
 
@@ -953,15 +976,17 @@ def _running(pid: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sigs", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT] * 2],
-                         ids=["SIGTERM", "SIGINT", "SIGINT-twice"])
-def test_a_signal_stops_the_server_and_its_engine_core(sigs):
+@pytest.mark.parametrize("sigs, group", [([signal.SIGTERM], False), ([signal.SIGINT], False),
+                                         ([signal.SIGINT] * 2, False), ([signal.SIGTERM], True)],
+                         ids=["SIGTERM", "SIGINT", "SIGINT-twice", "SIGTERM-to-the-group"])
+def test_a_signal_stops_the_server_and_its_engine_core(sigs, group):
     """`tinyoss serve` as a user runs it: SIGTERM or SIGINT ends both processes, in order,
     within the shutdown grace, though a long stream is in flight (uvicorn had waited for it
     to finish: a 60,000-token stream kept a signalled server up); a request not streamed that
     is cut off gets a JSON 503, a stream an error event (shutting_down) and its end (it had
     been cut mid-body). A second Ctrl-C (uvicorn's force quit) exits at once: it had
-    restarted the engine core, reloading the model, first."""
+    restarted the engine core, reloading the model, first. A SIGTERM to the whole process
+    group (systemd's KillMode=control-group) drains the same: the core had died at once."""
     import subprocess
     import sys
 
@@ -972,7 +997,8 @@ def test_a_signal_stops_the_server_and_its_engine_core(sigs):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tinyoss.cli", "serve", "tiny", "--port", str(port),
            "--device", "cpu", "--max-model-len", "8192", "--kv-cache-tokens", "9216"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=group)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -1008,7 +1034,10 @@ def test_a_signal_stops_the_server_and_its_engine_core(sigs):
         start = time.monotonic()
         for i, sig in enumerate(sigs):
             time.sleep(0.3 * i)
-            server.send_signal(sig)
+            if group:
+                os.killpg(server.pid, sig)
+            else:
+                server.send_signal(sig)
         # uvicorn shuts down in order, then re-raises SIGTERM (the conventional exit status)
         assert server.wait(30) in (0, -sig), server.stderr.read().decode()[-2000:]
         assert time.monotonic() - start < (SHUTDOWN_GRACE_S if len(sigs) == 1 else 0) + 15

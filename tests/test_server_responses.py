@@ -220,10 +220,12 @@ def test_previous_response_continues_the_conversation(srv, client):
     assert "<|start|>user<|message|>" + ANSWER in prompt and "And tomorrow?" in prompt
     assert "<|channel|>final<|message|>" + ANSWER_TEXT in prompt
     assert REASONING not in prompt  # the turn ended in an answer: its reasoning is dropped
-    with pytest.raises(openai.NotFoundError, match="resp_nope"):
+    # a 400, as OpenAI's (the SDK's BadRequestError, which agent frameworks catch)
+    with pytest.raises(openai.BadRequestError, match="resp_nope"):
         create(client, previous_response_id="resp_nope", input="hi")
-    err = error(srv, {"previous_response_id": "resp_nope", "input": "hi"}, 404)
-    assert err["param"] == "previous_response_id"
+    err = error(srv, {"previous_response_id": "resp_nope", "input": "hi"}, 400)
+    assert err["param"] == "previous_response_id" and err["code"] == "previous_response_not_found"
+    assert err["type"] == "invalid_request_error"
 
 
 def test_a_large_body_is_checked_off_the_event_loop_with_the_same_answers(srv, client,
@@ -260,10 +262,10 @@ def test_a_large_body_is_checked_off_the_event_loop_with_the_same_answers(srv, c
     assert r.json()["previous_response_id"] == first.id
     assert "<|start|>user<|message|>" + ANSWER in prompt and "And tomorrow?" in prompt
     r = post({"previous_response_id": "resp_nope", "input": "hi"})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     r = post({"input": "hi", "stream": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
-    assert where == ["event loop"] + ["worker thread"] * 2  # resp_nope: 404 from the store
+    assert where == ["event loop"] + ["worker thread"] * 2  # resp_nope: 400 from the store
 
 
 def test_openai_s_routing_fields_are_echoed(client):
@@ -295,7 +297,7 @@ def test_get_delete_and_store_false(srv, client):
     assert private.status == "incomplete" and private.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(private.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):  # a 400 for previous_response_id, as OpenAI's
         create(client, input="hi", previous_response_id=private.id)
     assert httpx.get(srv.url + f"/v1/responses/{r.id}").status_code == 401
 

@@ -136,11 +136,7 @@ ANY = object()  # "not checked"
 
 
 def error_type(status: int) -> str | None:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if 400 <= status < 500:
+    if 400 <= status < 500:  # OpenAI's type for 401 and 404 too
         return "invalid_request_error"
     return None  # 5xx: not pinned
 

@@ -15,6 +15,7 @@ says it is alive at least once a second while it steps) is killed, and restarted
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -40,6 +41,7 @@ from tinyoss.tokenizer import Tokenizer
 log = logging.getLogger("tinyoss.server")
 
 _SHUTDOWN_WAIT_S = 10.0
+_CORE_GONE = "the engine core stopped; it restarts, retry shortly"
 
 
 class EngineDeadError(RuntimeError):
@@ -188,12 +190,19 @@ class CoreClient:
         self._streams: dict[str, OutputStream] = {}
         self._reader: asyncio.Task | None = None
         self._gone = False  # the watcher found the core's process gone (and cancelled the reader)
+        atexit.register(self.kill_core)  # before multiprocessing's exit handler (LIFO)
         self.closing = False  # the server is shutting down: a core that stops stays stopped
 
     @property
     def num_requests(self) -> int:
         """Requests handed to the core and not finished (running or queued)."""
         return len(self._streams)
+
+    @property
+    def core_alive(self) -> bool:
+        """Whether the core's process runs: false from the moment it dies, before the watcher
+        notices (up to ~0.4 s) and the state turns to restarting."""
+        return self._core is not None and self._core.process.is_alive()
 
     @property
     def pid(self) -> int | None:
@@ -232,6 +241,14 @@ class CoreClient:
         stream with an error event and its end) before the server closes its connection."""
         for request_id in list(self._streams):
             self._put(request_id, ShuttingDown(why))
+
+    def kill_core(self) -> None:
+        """Kills the core's process now if it still runs. Registered to run at exit: the core
+        ignores SIGINT and SIGTERM, so multiprocessing's own terminate at exit would not end it
+        (and its join would wait for ever) where `shutdown` did not run (a forced exit)."""
+        if self.core_alive:
+            self._core.process.kill()
+            self._core.process.join(5)
 
     async def shutdown(self) -> None:
         self.closing, self.state = True, "stopped"
@@ -342,6 +359,8 @@ class CoreClient:
         that changes it, the last one finished. Closing the stream early aborts the request."""
         if self.state != "ready" or self.info is None:
             raise EngineUnavailable(self.error or f"the engine is {self.state}")
+        if not self.core_alive:
+            raise EngineUnavailable(_CORE_GONE)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = bad_words_ids(params, self.tokenizer.encode)
@@ -351,9 +370,15 @@ class CoreClient:
             self._heard = time.monotonic()
         stream = self._streams[request_id] = OutputStream(self, request_id)
         self.processor.add(request_id, prompt, prompt_token_ids, params)
-        self._send("add", CoreRequest(request_id, prompt_token_ids, params))
+        try:
+            self._send("add", CoreRequest(request_id, prompt_token_ids, params))
+        except zmq.ZMQError as e:  # the core went away just now (zmq: no peer to take it)
+            self._streams.pop(request_id, None)
+            self.processor.abort(request_id)
+            raise EngineUnavailable(_CORE_GONE) from e
         return stream
 
     def abort(self, request_id: str) -> None:
         if self.processor.abort(request_id) is not None:
-            self._send("abort", request_id, None)
+            with contextlib.suppress(zmq.ZMQError):  # a core that is gone runs nothing
+                self._send("abort", request_id, None)

@@ -52,8 +52,13 @@ def run_core(
     config: EngineConfig, folder: str | None, inbox: str, outbox: str, parent: int
 ) -> None:
     """The process's entry point (multiprocessing, spawn)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent
-    logging.basicConfig(  # decides, and stops us in order
+    # Ctrl-C reaches the whole process group, and so does systemd's SIGTERM (KillMode=
+    # control-group): the parent decides, and stops us in order after its drain (the core had
+    # died at once on a group SIGTERM, failing every request in flight). An orphaned core
+    # exits by itself (below), so ignoring them leaves nothing running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     thread_lock_only()

@@ -121,9 +121,9 @@ class ServerState:
         if self.load_error is not None:
             raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
         if client is None or client.state == "loading":
-            raise APIError(503, "the model is still loading, retry shortly", code="loading")
+            raise _unavailable("the model is still loading, retry shortly")
         if client.state != "ready":
-            raise APIError(503, f"the engine is {client.state}: {client.error}", code="unavailable")
+            raise _unavailable(f"the engine is {client.state}: {client.error}")
         return client
 
 
@@ -434,6 +434,17 @@ def _error_response(err: APIError) -> Response:
     return Response(body, err.status, err.headers, media_type="application/json")
 
 
+RETRY_AFTER_S = 5  # a 503's Retry-After: an engine core restarts in seconds
+
+
+def _unavailable(message: str) -> APIError:
+    """503 engine_unavailable (loading, restarting, or the core that ran a request stopped),
+    with Retry-After: OpenAI's SDKs wait that long before their retry (their own backoff, ~1 s
+    in all, ran out before a restarted core was back)."""
+    return APIError(503, message, code="engine_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 _MAX_FAULT_CHARS = 200  # of a request's own fault, in its answer; all of it goes to the log
 
 
@@ -443,7 +454,7 @@ def _error(e: Exception) -> APIError:
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, (EngineDeadError, EngineUnavailable)):
-        return APIError(503, str(e), code="engine_unavailable")
+        return _unavailable(str(e))
     if isinstance(e, RequestFailed):
         message = str(e)
         if len(message) > _MAX_FAULT_CHARS or "\n" in message:  # e.g. a grammar parser's state
@@ -1031,6 +1042,9 @@ def create_app(
     async def health(request: Request) -> Response:
         client, error = state.client, state.load_error
         if client is not None and client.state == "ready":
+            if not client.core_alive:  # died a moment ago: the watcher has yet to see it
+                return JSONResponse({"status": "restarting",
+                                     "message": "the engine core stopped"}, 503)
             return JSONResponse({"status": "ok"})
         if error is None and (client is None or client.state == "loading"):
             return JSONResponse({"status": "loading"}, 503)

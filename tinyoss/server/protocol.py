@@ -144,9 +144,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(
-            self.status, "invalid_request_error" if self.status < 500 else "server_error"
-        )
+        kind = "invalid_request_error" if self.status < 500 else "server_error"  # as OpenAI's
         return {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }

@@ -75,7 +75,8 @@ class ResponseStore:
         return 0 if kept is None else kept[1]
 
     def get(self, response_id: str, param: str | None = None) -> ResponseRun:
-        """The response (now the most recently used), or a 404 naming it."""
+        """The response (now the most recently used), or a 404 naming it (a 400 where it is
+        a request's `param`, previous_response_id: OpenAI's answer to an unknown one)."""
         kept = self._runs.get(response_id)
         if kept is None:
             why = (
@@ -87,7 +88,7 @@ class ResponseStore:
             )
             what = "Previous response" if param == "previous_response_id" else "Response"
             raise APIError(
-                404,
+                400 if param else 404,
                 f"{what} with id {_clip(response_id)!r} not found: {why}.",
                 param=param,
                 code="previous_response_not_found" if param else "not_found",
