@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -959,6 +960,23 @@ def test_a_request_right_after_an_idle_core_dies_is_a_503_with_retry_after():
         assert r.status_code == 200
     finally:
         served.close()
+
+
+def test_every_answer_carries_a_request_id(srv, client):
+    """x-request-id on every answer, as OpenAI's (the SDK's `_request_id`): the client's own
+    X-Request-Id echoed (vLLM's --enable-request-id-headers), else a new req_ id; streams and
+    errors too (no answer had one)."""
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="a", max_tokens=1)
+    assert re.fullmatch(r"req_[0-9a-f]{32}", raw.headers["x-request-id"])
+    assert raw.parse()._request_id == raw.headers["x-request-id"]
+    mine = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-abc.1"}
+    body = {"prompt": "a", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=mine) as r:
+        assert r.headers["x-request-id"] == "trace-abc.1" and r.read().endswith(b"[DONE]\n\n")
+    bad = post(srv, "/v1/completions", {"prompt": 5})
+    assert bad.status_code == 400 and bad.headers["x-request-id"].startswith("req_")
+    long = httpx.get(srv.url + "/health", headers={"X-Request-Id": "x" * 129})
+    assert long.headers["x-request-id"].startswith("req_")
 
 
 def test_stream_events_never_hold_a_line_break_that_splitlines_sees():

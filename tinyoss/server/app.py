@@ -127,6 +127,34 @@ class ServerState:
         return client
 
 
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # what a client's X-Request-Id may be
+
+
+class RequestIdHeader:
+    """Every answer carries `x-request-id`, as OpenAI's do (its SDKs show it as `_request_id`,
+    and apps log it): the client's own X-Request-Id (up to 128 printable characters, as vLLM's
+    --enable-request-id-headers echoes it), else a new `req_...`. An ASGI middleware: it adds
+    a header to the response's start and leaves streamed bodies as they are."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        rid = (given if _REQUEST_ID.fullmatch(given.decode("latin-1")) else
+               f"req_{uuid.uuid4().hex}".encode())
+
+        async def tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
 class EventStream(StreamingResponse):
     """SSE that closes its event generator however the stream ends: a client that left must
     abort its request now, not whenever the suspended generator is garbage-collected.
@@ -1103,7 +1131,8 @@ def create_app(
         Route("/metrics", endpoint(metrics, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
     ]
-    middleware = [] if cors is None else [Middleware(CORSMiddleware, **cors.kwargs())]
+    middleware = [Middleware(RequestIdHeader)]
+    middleware += [] if cors is None else [Middleware(CORSMiddleware, **cors.kwargs())]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

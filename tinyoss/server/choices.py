@@ -175,9 +175,11 @@ class ChatChoice:
     def final(self) -> dict:
         content, reasoning = ("".join(self.parts[k]) or None for k in ("content", "reasoning"))
         reasoning = reasoning if self.reasoning else None
-        message = {
+        message = {  # refusal and annotations as OpenAI's (apps iterate annotations)
             "role": "assistant",
             "content": content,
+            "refusal": None,
+            "annotations": [],
             "reasoning": reasoning,
             "reasoning_content": reasoning,
         }

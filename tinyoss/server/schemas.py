@@ -885,6 +885,8 @@ class ToolCallOut(_Out):
 class AssistantMessage(_Out):
     role: Literal["assistant"]
     content: str | None = Field(description="The answer (null when there is none).")
+    refusal: None = Field(description="OpenAI's: always null (gpt-oss writes no refusals).")
+    annotations: list[Any] = Field(description="OpenAI's: always empty.")
     reasoning: str | None = Field(description="gpt-oss's reasoning (its analysis channel).")
     reasoning_content: str | None = Field(description="The same as reasoning.")
     tool_calls: list[ToolCallOut] | None = Field(None, description="Present when it calls.")
