@@ -128,7 +128,8 @@ class SamplingParams:
             _is_real(v.temperature) and v.temperature >= 0,
             "a finite number >= 0 (0 = greedy)",
         )
-        _check("top_p", v.top_p, _is_real(v.top_p) and 0 < v.top_p <= 1, "a number in (0, 1]")
+        # [0, 1] as OpenAI's (vLLM refuses 0): 0 keeps only the most likely token
+        _check("top_p", v.top_p, _is_real(v.top_p) and 0 <= v.top_p <= 1, "a number in [0, 1]")
         _check("top_k", v.top_k, _is_int(v.top_k) and v.top_k >= -1, "an int >= -1 (0 or -1 = off)")
         _check("min_p", v.min_p, _is_real(v.min_p) and 0 <= v.min_p <= 1, "a number in [0, 1]")
         seed_ok = v.seed is None or _is_int(v.seed) and _SEED_MIN <= v.seed <= _SEED_MAX
