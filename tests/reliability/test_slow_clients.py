@@ -68,17 +68,22 @@ headers_without_end = _sends_then_waits(
 )
 
 
-def headers_trickled(api: Api) -> RawResponse:
-    """A byte every 0.3 s: each read is recent, but the headers never complete in time."""
-    sock, stop = connect(api), threading.Event()
-    thread = threading.Thread(target=_trickle, args=(sock, HEAD_1000, 0.3, stop), daemon=True)
+def _trickled(sock, data: bytes, limit: float, **wait) -> RawResponse:
+    """`data` a byte every 0.3 s on `sock` until the server closes it (`wait_closed`)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_trickle, args=(sock, data, 0.3, stop), daemon=True)
     thread.start()
     try:
-        return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
+        return wait_closed(sock, limit, **wait)
     finally:
         stop.set()
         sock.close()
         thread.join(2)
+
+
+def headers_trickled(api: Api) -> RawResponse:
+    """A byte every 0.3 s: each read is recent, but the headers never complete in time."""
+    return _trickled(connect(api), HEAD_1000, HEADER_TIMEOUT + MARGIN + 3)
 
 
 def body_stalled(api: Api) -> RawResponse:
@@ -93,16 +98,9 @@ def body_stalled(api: Api) -> RawResponse:
 
 def body_trickled(api: Api) -> RawResponse:
     """Content-Length 1000, then a byte every 0.3 s: never complete within the timeout."""
-    sock, stop = connect(api), threading.Event()
+    sock = connect(api)
     sock.sendall(HEAD_1000)
-    thread = threading.Thread(target=_trickle, args=(sock, BODY, 0.3, stop), daemon=True)
-    thread.start()
-    try:
-        return wait_closed(sock, BODY_TIMEOUT + MARGIN + 3, stop_on_status=True)
-    finally:
-        stop.set()
-        sock.close()
-        thread.join(2)
+    return _trickled(sock, BODY, BODY_TIMEOUT + MARGIN + 3, stop_on_status=True)
 
 
 def _answered_then_trickled(head: bytes):
@@ -111,16 +109,9 @@ def _answered_then_trickled(head: bytes):
     long as bytes came (a few such clients took every --max-connections slot, /health too)."""
 
     def client(api: Api) -> RawResponse:
-        sock, stop = connect(api), threading.Event()
+        sock = connect(api)
         sock.sendall(head)
-        thread = threading.Thread(target=_trickle, args=(sock, BODY * 4, 0.3, stop), daemon=True)
-        thread.start()
-        try:
-            return wait_closed(sock, HEADER_TIMEOUT + MARGIN + 3)
-        finally:
-            stop.set()
-            sock.close()
-            thread.join(2)
+        return _trickled(sock, BODY * 4, HEADER_TIMEOUT + MARGIN + 3)
 
     return client
 
