@@ -202,6 +202,8 @@ def test_chat_stream_equals_non_stream_for_a_seed(client):
     assert joined["finish"] == whole.choices[0].finish_reason == "length"
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == whole.usage.completion_tokens
+    # the chunks before it say usage: null, as OpenAI's (the key had been left out)
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
     assert usage.prompt_tokens == whole.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
 

@@ -380,6 +380,8 @@ class Run:
                 body, top = {**head, "choices": [c], **top}, {}
                 if self.prep.continuous_usage:
                     body["usage"] = self.usage(c["index"])
+                elif self.prep.include_usage:  # null until the last chunk, as OpenAI's
+                    body["usage"] = None
                 out.append(_sse(body))
             return "".join(out)
 
