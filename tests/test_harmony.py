@@ -553,6 +553,32 @@ def test_a_tools_parameters_are_an_object_schema(parameters, refused):
         check_tools(tools)
 
 
+def test_rendering_details_openai_harmony_agrees_on():
+    """Cases checked token for token against openai-harmony 0.0.8 (a trial): an empty property
+    description keeps its `// ` line; a tool description is cut into lines at \\n only (Python's
+    splitlines had also cut at \\r, \\u2028, \\x0b); parameters that are a top-level oneOf show
+    the union (they had shown as taking no arguments, while a forced call's grammar wrote
+    some); an empty model identity keeps its empty line."""
+    from tinyoss.harmony import render_tool_namespace
+
+    def tool(name, desc, params=None):
+        fn_ = {"name": name, "description": desc}
+        return {"type": "function", "function": fn_ | ({"parameters": params} if params else {})}
+
+    empty = tool("f", "d", {"type": "object", "properties": {"a": {"type": "string",
+                                                                   "description": ""}}})
+    assert "type f = (_: {\n// \na?: string,\n}) => any;" in render_tool_namespace([empty])
+    odd = tool("ping", "Line a\rLine b\u2028Line c\x0bd\r\nLine e\n")
+    assert "\n// Line a\rLine b\u2028Line c\x0bd\n// Line e\ntype ping = () => any;" in (
+        render_tool_namespace([odd]))
+    union = tool("f", "d", {"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                                      {"type": "object", "properties": {"b": {"type": "number"}}}]})
+    assert ("type f = (_: \n | {\n   a?: string,\n   }\n | {\n   b?: number,\n   }) => any;"
+            in render_tool_namespace([union]))
+    text = render_text([{"role": "user", "content": "hi"}], model_identity="", current_date="")
+    assert text.startswith("<|start|>system<|message|>\nKnowledge cutoff: 2024-06\n\nReasoning:")
+
+
 def test_tool_choice():
     msgs = [{"role": "user", "content": "hi"}]
     tools = WEATHER_TOOLS

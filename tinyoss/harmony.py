@@ -274,14 +274,15 @@ def render_segments(
     tools, directive = _choose_tools(tools or [], tool_choice)
     if current_date is None:
         current_date = datetime.date.today().isoformat()
-    head = "\n".join(
-        line
-        for line in (
-            model_identity,
-            knowledge_cutoff and f"Knowledge cutoff: {knowledge_cutoff}",
-            current_date and f"Current date: {current_date}",
-        )
-        if line
+    head = "\n".join(  # an empty identity keeps its (empty) line, as harmony's renderer does
+        [model_identity] + [
+            line
+            for line in (
+                knowledge_cutoff and f"Knowledge cutoff: {knowledge_cutoff}",
+                current_date and f"Current date: {current_date}",
+            )
+            if line
+        ]
     )
     channels = CHANNELS_LINE + ("\n" + TOOLS_LINE if tools else "")
     out: list[Segment] = []
@@ -428,12 +429,24 @@ def render_tool_namespace(tools: list[dict]) -> str:
     lines = ["## functions\n", "namespace functions {\n"]
     for tool in tools:
         fn = tool.get("function", tool)
-        lines += [f"// {line}" for line in (fn.get("description") or "").splitlines()]
+        lines += [f"// {line}" for line in _lines(fn.get("description") or "")]
         params = fn.get("parameters")
-        args = f"_: {_ts(params, '')}" if params and params.get("properties") else ""
+        # arguments with properties, or a union of them (shown as harmony shows it: a top-level
+        # oneOf had been shown as taking none)
+        shown = params and (params.get("properties") or isinstance(params.get("oneOf"), list))
+        args = f"_: {_ts(params, '')}" if shown else ""
         lines.append(f"type {fn['name']} = ({args}) => any;\n")
     lines.append("} // namespace functions")
     return "\n".join(lines)
+
+
+def _lines(text: str) -> list[str]:
+    """`text`'s lines as harmony's renderer (Rust's `lines`) cuts them: at \\n and \\r\\n only
+    (Python's splitlines also cuts at \\r, \\x0b, \\u2028 and more)."""
+    parts = text.split("\n")
+    if parts[-1] == "":
+        parts.pop()
+    return [p[:-1] if p.endswith("\r") else p for p in parts]
 
 
 def _is_enum(schema: dict) -> bool:
@@ -488,7 +501,7 @@ def _ts_object(schema: dict, indent: str) -> str:
         if isinstance(val.get("title"), str):
             out += f"{indent}// {val['title']}\n{indent}//\n"
         desc = val.get("description") if isinstance(val.get("description"), str) else None
-        if desc and "oneOf" not in val:
+        if desc is not None and "oneOf" not in val:  # an empty one too, as harmony's
             out += f"{indent}// {desc}\n"
         if isinstance(val.get("examples"), list) and val["examples"]:
             out += f"{indent}// Examples:\n" + "".join(
@@ -500,7 +513,7 @@ def _ts_object(schema: dict, indent: str) -> str:
             out += f" // default: {_default(val['default'], val)}" if "default" in val else ""
             out += "\n"
             continue
-        above = bool(desc) and not (variants and variants[0].get("description") == desc)
+        above = desc is not None and not (variants and variants[0].get("description") == desc)
         out += f"{indent}// {desc}\n" if above else ""
         out += f"{indent}// default: {_default(val['default'], val)}\n" if "default" in val else ""
         out += f"{indent}{key}{opt}:\n"
