@@ -3,7 +3,9 @@ benchmark without a GPU; and `tinyoss chat` on `tiny` showing what it generated.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,9 +42,26 @@ def test_serve_on_a_port_in_use_stops_at_once():
         took = time.monotonic() - t0
     assert run.returncode == 2, run.stderr
     assert f"tinyoss serve: error: port {port} on 127.0.0.1 is already in use" in run.stderr
-    assert f"--port {port + 1}" in run.stderr
+    assert re.search(r"pick a free port with --port, e\.g\. --port \d+", run.stderr)
     assert "Traceback" not in run.stderr and "loaded" not in run.stderr
     assert took < 15, f"took {took:.1f} s: something loaded before the check"
+
+
+def test_the_port_in_use_message_suggests_a_port_that_is_free():
+    """The suggested port is one that binds now (it had been the next one, often taken too)."""
+    import errno
+
+    from tinyoss.server.cli import _bind_error
+
+    with _listening() as busy:
+        port = busy.getsockname()[1]
+        with contextlib.ExitStack() as taken:
+            with contextlib.suppress(OSError):  # (the next port may be another's already)
+                taken.enter_context(socket.create_server(("127.0.0.1", port + 1)))
+            message = _bind_error("127.0.0.1", port, OSError(errno.EADDRINUSE, "in use"))
+        suggested = int(re.search(r"--port (\d+)$", message)[1])
+    assert suggested not in (port, port + 1)
+    socket.create_server(("127.0.0.1", suggested)).close()
 
 
 def test_serve_of_a_model_that_is_not_there_says_so_in_one_line(tmp_path):
@@ -372,3 +391,21 @@ def test_a_shutdown_that_cuts_requests_off_logs_no_error():
     assert not quiet.filter(record(incomplete))
     other = record("Exception in ASGI application")
     assert quiet.filter(other) and other.levelno == logging.ERROR
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "tiny", "--served-model-name", "", "b"], "a served model name must not be blank"),
+    (["serve", "tiny", "--allowed-origins", '["*"]', "--allowed-headers", "{}"],
+     '--allowed-headers takes a JSON list of strings, e.g. \'["*"]\' or \'["Content-Type", '),
+])
+def test_serve_flags_refused_by_name(capsys, argv, says):
+    """A blank --served-model-name (an unset shell variable had served the model as "") and a
+    CORS flag's example fitting the flag (it had shown an origin for --allowed-headers)."""
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_generate_takes_max_tokens_as_the_other_integer_flags_do():
+    args = cli.build_parser().parse_args(["generate", "hi", "--max-tokens", "1k"])
+    assert args.max_tokens == 1000

@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"{text_arg}; the model loads in this process.")  # fmt: skip
         p.add_argument(text_arg, help=f"the {text_arg} text")
         p.add_argument("--model", default=None, help=MODEL_HELP)
-        p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+        p.add_argument("--max-tokens", type=human_int, default=256, help="most tokens to generate")
         p.add_argument("--temperature", type=float, default=1.0,
                        help="sampling temperature; 0 = greedy")  # fmt: skip
         if name == "chat":

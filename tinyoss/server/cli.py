@@ -59,18 +59,27 @@ def _cut_off_quietly(app: Any) -> Any:
     return wrapped
 
 
+def _model_name(text: str) -> str:
+    """argparse type of --served-model-name: a name with something in it (an unset shell
+    variable had served the model as "")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"a served model name must not be blank, not {text!r}")
+    return text
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
-        help="the model name clients send (default: MODEL); several: any of them, answers "
-        "named by the first (as vLLM's flag)",
+        type=_model_name, help="the model name clients send (default: MODEL); several: any of "
+        "them, answers named by the first (as vLLM's flag)",
     )
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (default: env TINYOSS_API_KEY, else "
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: "
+        "env TINYOSS_API_KEY, else "
         "env VLLM_API_KEY; neither set: no key)",
     )
     p.add_argument(
@@ -93,20 +102,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("CORS (vLLM's flags; off unless --allowed-origins is given)")
     group.add_argument(
         "--allowed-origins",
-        type=_json_list("--allowed-origins"),
+        type=_json_list("--allowed-origins", '["https://app.example"]'),
         default=None,
         help='origins allowed to call the API from a browser, a JSON list: \'["*"]\' for any, '
         '\'["https://app.example"]\' (default: none, no CORS headers)',
     )
     group.add_argument(
         "--allowed-methods",
-        type=_json_list("--allowed-methods"),
+        type=_json_list("--allowed-methods", '["GET", "POST"]'),
         default=None,
         help='methods allowed, a JSON list (default \'["*"]\'); needs --allowed-origins',
     )
     group.add_argument(
         "--allowed-headers",
-        type=_json_list("--allowed-headers"),
+        type=_json_list("--allowed-headers", '["Content-Type", "Authorization"]'),
         default=None,
         help='request headers allowed, a JSON list (default \'["*"]\'); needs --allowed-origins',
     )
@@ -124,7 +133,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_vllm_args(p)
 
 
-def _json_list(flag: str):
+def _json_list(flag: str, example: str):
     """argparse type: a JSON list of strings, as vLLM takes its CORS flags."""
 
     def parse(text: str) -> list[str]:
@@ -134,8 +143,8 @@ def _json_list(flag: str):
             value = None
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise argparse.ArgumentTypeError(
-                f"{flag} takes a JSON list of strings, e.g. '[\"*\"]' or "
-                f"'[\"https://app.example\"]', not {text!r}"
+                f"{flag} takes a JSON list of strings, e.g. '[\"*\"]' or '{example}', not "
+                f"{text!r}"
             )
         return value
 
@@ -207,11 +216,24 @@ def check_port(host: str, port: int) -> None:
                 raise CliError(_bind_error(host, port, e)) from None
 
 
+def _free_port(host: str, after: int) -> int | None:
+    """The first of the ten ports after `after` that `host` can bind now, or None (the
+    suggestion had been `after + 1`, taken as often as not)."""
+    for port in range(after + 1, min(after + 11, 65536)):
+        try:
+            with socket.create_server((host, port)):
+                return port
+        except OSError:
+            continue
+    return None
+
+
 def _bind_error(host: str, port: int, e: OSError) -> str:
     if e.errno == errno.EADDRINUSE:
         return (
             f"port {port} on {host} is already in use (is another server running there?): "
-            f"stop it, or pick a free port with --port, e.g. --port {port + 1}"
+            "stop it, or pick a free port with --port" + (
+                f", e.g. --port {free}" if (free := _free_port(host, port)) else "")
         )
     if e.errno == errno.EACCES:
         return (
