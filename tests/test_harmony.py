@@ -579,6 +579,22 @@ def test_rendering_details_openai_harmony_agrees_on():
     assert text.startswith("<|start|>system<|message|>\nKnowledge cutoff: 2024-06\n\nReasoning:")
 
 
+@pytest.mark.parametrize("value, written", [
+    (1e-06, "1e-6"), (1e20, "1e20"), (1.5e300, "1.5e300"), (0.5, "0.5"), (100.0, "100.0"),
+    (1e16, "1e16"), (1e15, "1000000000000000.0"), (1e-5, "0.00001"), (0.0001, "0.0001"),
+    (-2.5e-7, "-2.5e-7"), (0.0, "0.0"), (-0.0, "-0.0"), (1e-300, "1e-300"),
+    (12345678901234567.0, "1.2345678901234568e16"), (2.5e21, "2.5e21"),
+    ([1.5e-9, 2], "[1.5e-9,2]"), ({"a": 1e30, "b": "c"}, '{"a":1e30,"b":"c"}')])
+def test_a_schema_default_is_written_as_openai_harmony_writes_it(value, written):
+    """Floats as serde_json (Rust's ryu) writes them, which harmony's renderer uses: each case
+    is openai-harmony 0.0.8's own output (Python had written 1e-06, 1e+20 and 1e-05)."""
+    from tinyoss.harmony import render_tool_namespace
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number", "default": value}}}}}
+    assert f"x?: number, // default: {written}\n" in render_tool_namespace([tool])
+
+
 def test_tool_choice():
     msgs = [{"role": "user", "content": "hi"}]
     tools = WEATHER_TOOLS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import random
 import re
 import string
@@ -458,7 +459,41 @@ def _default(value: Any, schema: dict, raw_enum: bool = True) -> str:
         return f'"{value}"'
     if isinstance(value, str) and raw_enum:
         return value
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return _json(value)
+
+
+def _json(value: Any) -> str:
+    """Compact JSON as harmony's renderer (Rust's serde_json) writes it: floats in its form."""
+    if isinstance(value, float):
+        return _float(value)
+    if isinstance(value, list):
+        return "[" + ",".join(_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(json.dumps(str(k), ensure_ascii=False) + ":" + _json(v)
+                              for k, v in value.items()) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _float(x: float) -> str:
+    """A float as serde_json (Rust's ryu) writes it: 1e-6, 1e20 and 0.00001, where Python
+    writes 1e-06, 1e+20 and 1e-05 (a schema default the model saw in another form)."""
+    if x == 0:
+        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
+    mantissa, _, exp = repr(abs(x)).partition("e")
+    whole, _, frac = mantissa.partition(".")
+    digits = (whole + frac).lstrip("0")
+    k = int(exp or 0) - len(frac) + len(digits) - len(digits.rstrip("0"))
+    digits = digits.rstrip("0")
+    n, kk = len(digits), len(digits) + k  # value = digits x 10^k; kk: the point's place
+    if 0 <= k and kk <= 16:
+        body = digits + "0" * k + ".0"
+    elif 0 < kk <= 16:
+        body = digits[:kk] + "." + digits[kk:]
+    elif -5 < kk <= 0:
+        body = "0." + "0" * -kk + digits
+    else:
+        body = digits[0] + ("." + digits[1:] if n > 1 else "") + f"e{kk - 1}"
+    return ("-" if x < 0 else "") + body
 
 
 def _nullable(ts: str, schema: dict) -> str:
