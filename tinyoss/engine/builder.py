@@ -36,6 +36,7 @@ from tinyoss.engine.kv_cache import (
 from tinyoss.engine.scheduler import PrefillCost, Scheduler
 from tinyoss.kernels.attention import TorchAttention
 from tinyoss.kernels.backends import BackendChoice, select_backends
+from tinyoss.kernels.compile_cache import empty_cache_note
 from tinyoss.model.eagle3 import Eagle3Config, load_draft
 from tinyoss.model.gpt_oss import GptOssForCausalLM
 from tinyoss.model.loader import disable_attention_sinks, load_model, resolve_model
@@ -282,6 +283,9 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
         kernels.all_reduce, kernels.all_gather = group.all_reduce, group.all_gather
         kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
+    note = empty_cache_note() if device.type == "cuda" and shard.rank == 0 else None
+    if note:
+        log.info(note)
     t0 = time.perf_counter()
     model = load_model(
         folder, model_config, dtype=dtype, device=device, kernels=backends.kernels,
