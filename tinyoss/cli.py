@@ -99,8 +99,10 @@ _MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**2
 def human_int(text: str) -> int:
     """An integer flag's value as vLLM reads it: 32768, 32k (32,000), 32K (32,768), 1.5m."""
     m = _HUMAN_INT.fullmatch(text.strip())
+    if m and "." not in m[1]:  # exact: through a float, --seed 2**53 + 1 became 2**53
+        return int(m[1]) * _MULTIPLIERS[m[2]]
     value = float(m[1]) * _MULTIPLIERS[m[2]] if m else 0.5
-    if value != int(value) or (m and "." in m[1] and m[2].isupper()):
+    if value != int(value) or (m and m[2].isupper()):
         raise argparse.ArgumentTypeError(
             f"invalid integer {text!r}: give one such as 32768, 32k (32,000) or 32K (32,768)")
     return int(value)
@@ -231,16 +233,14 @@ def _os_error(e: OSError) -> str:
 
 def _params(args: argparse.Namespace, text: str, what: str) -> SamplingParams:
     """chat's and generate's sampling parameters and input, checked before anything loads."""
-    from tinyoss import SamplingParams
+    from tinyoss.sampling_flags import sampling_params
 
     if not text:
         raise CliError(f"{what} is empty: give some text, e.g. 'Hello'")
     try:
-        return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                              seed=args.seed)
+        return sampling_params(args)
     except ValueError as e:
-        flag = str(e).partition("=")[0].replace("_", "-")
-        raise CliError(f"--{flag}: {e}") from None
+        raise CliError(str(e)) from None
 
 
 def reply_text(reply: ChatOutput) -> str:
@@ -299,6 +299,7 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: cheap to build (no torch), so --help and errors are instant."""
     from tinyoss.model.presets import PRESETS
+    from tinyoss.sampling_flags import add_sampling_args
     from tinyoss.server.cli import add_serve_args, serve
     from tinyoss.server.vllm_flags import ENGINE_FLAGS, add_vllm_args
 
@@ -346,9 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"{text_arg}; the model loads in this process.")  # fmt: skip
         p.add_argument(text_arg, help=f"the {text_arg} text")
         p.add_argument("--model", default=None, help=MODEL_HELP)
-        p.add_argument("--max-tokens", type=human_int, default=256, help="most tokens to generate")
-        p.add_argument("--temperature", type=float, default=1.0,
-                       help="sampling temperature; 0 = greedy")  # fmt: skip
+        add_sampling_args(p)
         if name == "chat":
             p.add_argument("--reasoning-effort", default="medium",
                            choices=("low", "medium", "high"),
