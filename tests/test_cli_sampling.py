@@ -1,9 +1,10 @@
 """`tinyoss generate` and `chat`'s sampling flags (--top-p, --top-k, --min-p,
---repetition-penalty, --stop, --seed): what reaches the engine, the refusals in the API's
-words naming the flag, and end to end on `tiny`."""
+--repetition-penalty, --stop, --seed) and generate's prompt from stdin: what reaches the
+engine, the refusals in the API's words naming the flag, and end to end on `tiny`."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -42,6 +43,13 @@ def llm(monkeypatch) -> FakeLLM:
     fake = FakeLLM()
     monkeypatch.setattr(cli, "_load", lambda args: fake)
     return fake
+
+
+def piped(monkeypatch, data: bytes, tty: bool = False) -> None:
+    """stdin as a pipe (or a terminal) holding `data`."""
+    stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    stdin.isatty = lambda: tty  # type: ignore[method-assign]
+    monkeypatch.setattr(sys, "stdin", stdin)
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "hi"]])
@@ -108,9 +116,43 @@ def test_a_seed_past_2_53_is_kept_exactly(llm, capsys):
     assert llm.calls[0][1].seed == 2**53 + 1
 
 
+@pytest.mark.parametrize("argv, data, prompt", [
+    (["generate"], b"The capital of France is\n", "The capital of France is"),
+    (["generate", "-"], b"line one\nline two\r\n", "line one\nline two"),
+    (["generate", "-"], b"two newlines\n\n", "two newlines\n"),  # only echo's is dropped
+    (["generate"], "caf\u00e9 \U0001f99c".encode(), "caf\u00e9 \U0001f99c"),
+])  # fmt: skip
+def test_generate_reads_its_prompt_from_stdin(argv, data, prompt, llm, capsys, monkeypatch):
+    piped(monkeypatch, data)
+    cli.main(argv)
+    assert llm.calls[0][0] == prompt
+    assert capsys.readouterr().out == "ok\n"
+
+
+def test_a_prompt_argument_wins_over_stdin(llm, capsys, monkeypatch):
+    piped(monkeypatch, b"from stdin")
+    cli.main(["generate", "from the argument"])
+    assert llm.calls[0][0] == "from the argument"
+
+
+@pytest.mark.parametrize("argv, data, tty, says", [
+    (["generate"], b"", True, "PROMPT is missing: give it as an argument, or pipe it in"),
+    (["generate"], b"", False, "PROMPT (read from stdin) is empty: give some text"),
+    (["generate", "-"], b"\n", False, "PROMPT (read from stdin) is empty"),
+    (["generate", "-"], b"ok \xff", False, "stdin is not UTF-8 text (at byte 3)"),
+])  # fmt: skip
+def test_stdin_refusals(argv, data, tty, says, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("it loaded"))
+    piped(monkeypatch, data, tty)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"tinyoss generate: error: {says}" in err, err
+
+
 def test_on_tiny_top_k_1_is_greedy_and_stop_cuts_the_text(capsys):
-    """End to end: greedy text, then the same prompt with --top-k 1 (greedy at temperature 1)
-    and a stop string from that text: the text up to the stop string."""
+    """End to end: greedy text, then the same prompt piped in with --top-k 1 (greedy at
+    temperature 1) and a stop string from that text: the text up to the stop string."""
     prompt, common = "The capital of France is", ["--model", "tiny", "--kv-cache-tokens", "1024",
                                                   "--max-tokens", "12"]  # fmt: skip
     cli.main(["generate", prompt, "--temperature", "0", *common])
@@ -119,8 +161,8 @@ def test_on_tiny_top_k_1_is_greedy_and_stop_cuts_the_text(capsys):
     assert len(greedy) > 6 and stop.strip(), greedy
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     run = subprocess.run(
-        [sys.executable, "-m", "tinyoss", "generate", prompt, "--top-k", "1", "--stop", stop,
-         *common], cwd=REPO, env=env, capture_output=True, timeout=300,
+        [sys.executable, "-m", "tinyoss", "generate", "--top-k", "1", "--stop", stop, *common],
+        input=(prompt + "\n").encode(), cwd=REPO, env=env, capture_output=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     assert run.stdout.decode().removesuffix("\n") == greedy[: greedy.index(stop)]
