@@ -843,3 +843,75 @@ def test_openapi_documents_the_responses_api(srv):
     jsonschema.validate(listed, {"$ref": "#/components/schemas/ResponseItemList", **doc})
     exact(schemas.ResponseDeleted, ok(httpx.delete(url, headers=headers)))
     error(httpx.get(url, headers=headers), 404)
+
+
+OPERATION_IDS = {  # OpenAI's own names where its spec has the operation
+    ("/v1/chat/completions", "post"): "createChatCompletion",
+    ("/v1/completions", "post"): "createCompletion",
+    ("/v1/responses", "post"): "createResponse",
+    ("/v1/responses/{id}", "get"): "getResponse",
+    ("/v1/responses/{id}", "delete"): "deleteResponse",
+    ("/v1/responses/{id}/input_items", "get"): "listInputItems",
+    ("/v1/responses/{id}/cancel", "post"): "cancelResponse",
+    ("/v1/models", "get"): "listModels",
+    ("/v1/models/{id}", "get"): "retrieveModel",
+}
+METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def operations(doc: dict) -> dict[tuple[str, str], dict]:
+    return {(path, m): op for path, item in doc["paths"].items()
+            for m, op in item.items() if m in METHODS}  # fmt: skip
+
+
+def keyless_and_keyed_docs() -> dict[bool, dict]:
+    """/openapi.json of an app without an API key and of one with (no engine started: the
+    app's lifespan does not run outside a `with`)."""
+    from starlette.testclient import TestClient
+
+    docs = {}
+    for key in (None, KEY):
+        r = TestClient(create_app(TINY, model_name="tiny", api_key=key)).get("/openapi.json")
+        docs[key is not None] = ok(r)
+    return docs
+
+
+def test_openapi_every_route_and_operation_is_documented_once():
+    """Every route of the app and method is an operation of the document, and back; each has
+    an operationId, unique, OpenAI's where its spec has one; /ping takes GET and POST (vLLM)."""
+    app = create_app(TINY, model_name="tiny")
+    served = {(r.path.replace(":path}", "}"), m.lower()) for r in app.routes
+              for m in r.methods - {"HEAD"}}  # fmt: skip
+    for doc in keyless_and_keyed_docs().values():
+        ops = operations(doc)
+        assert set(ops) == served
+        ids = [op["operationId"] for op in ops.values()]
+        assert len(ids) == len(set(ids)) and all(ids), ids
+        assert {k: ops[k]["operationId"] for k in OPERATION_IDS} == OPERATION_IDS
+        assert {"get", "post"} <= set(doc["paths"]["/ping"])
+        check_refs_and_schemas(doc)
+
+
+def test_openapi_declares_the_bearer_key_only_when_the_server_has_one():
+    """A client generated from the document must not ask for a key the server lacks."""
+    docs = keyless_and_keyed_docs()
+    keyed, keyless = docs[True], docs[False]
+    assert keyed["security"] == [{"bearer": []}]
+    assert keyed["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    ops = operations(keyed)
+    assert ops[("/health", "get")]["security"] == [] == ops[("/ping", "post")]["security"]
+    assert "401" in ops[("/v1/chat/completions", "post")]["responses"]
+    assert "401" in ops[("/v1/responses/{id}", "get")]["responses"]
+    assert "security" not in keyless and "securitySchemes" not in keyless["components"]
+    assert "Error401" not in keyless["components"]["responses"]
+    for where, op in operations(keyless).items():
+        assert "security" not in op and "401" not in op["responses"], where
+    # the rest is the same document
+    assert set(operations(keyless)) == set(ops)
+    assert keyless["components"]["schemas"] == keyed["components"]["schemas"]
+
+
+def test_post_ping_answers_as_get_does(srv):
+    for method in ("GET", "POST"):
+        r = httpx.request(method, srv.url + "/ping")  # no key needed, as documented
+        assert r.status_code == 200 and r.json() == ok(httpx.get(srv.url + "/health"))

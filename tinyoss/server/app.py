@@ -1091,7 +1091,7 @@ def create_app(
         return Response(body, headers={"Content-Type": content_type})
 
     async def openapi(request: Request) -> Response:
-        return Response(openapi_json(), media_type="application/json")
+        return Response(openapi_json(bool(state.api_key)), media_type="application/json")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         path = request.url.path

@@ -1258,7 +1258,7 @@ def _json(schema: dict, description: str = "OK") -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _post(summary: str, request: dict, answer: str, chunk: str | None = None) -> dict:
+def _post(summary: str, op_id: str, request: dict, answer: str, chunk: str | None = None) -> dict:
     ok = _json(_ref(answer), f"A {answer}")
     if chunk is not None:
         ok["description"] += (
@@ -1269,13 +1269,14 @@ def _post(summary: str, request: dict, answer: str, chunk: str | None = None) ->
     errors = {code: {"$ref": f"#/components/responses/Error{code}"} for code in _ERRORS}
     return {"post": {
         "summary": summary,
+        "operationId": op_id,
         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
         "responses": {"200": ok, **errors},
     }}  # fmt: skip
 
 
-def _get(summary: str, ok: dict, *, public: bool = False, **more: dict) -> dict:
-    op: dict = {"summary": summary, "responses": {"200": ok, **more}}
+def _get(summary: str, op_id: str, ok: dict, *, public: bool = False, **more: dict) -> dict:
+    op: dict = {"summary": summary, "operationId": op_id, "responses": {"200": ok, **more}}
     if public:
         op["security"] = []  # no API key needed
     else:
@@ -1287,48 +1288,57 @@ def build_openapi(
     extra_paths: dict[str, dict] | None = None,
     extra_requests: tuple[type[BaseModel], ...] = (),
     extra_responses: tuple[type[BaseModel], ...] = (),
+    *,
+    api_key: bool = False,
 ) -> dict:
     """The OpenAPI 3.1 document of the server's routes. The hook for more routes (the Responses
     API): `extra_paths` are added as they are; their schemas may `$ref`
-    "#/components/schemas/<Model>" of `extra_requests` and `extra_responses`."""
+    "#/components/schemas/<Model>" of `extra_requests` and `extra_responses`. `api_key`: the
+    server has one, so the bearer scheme, its requirement and the 401s are declared (a client
+    generated from a document that asks for a key the server lacks would demand one)."""
     models = [(m, "validation") for m in _REQUESTS + extra_requests]
     models += [(m, "serialization") for m in _RESPONSES + extra_responses]
     _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
     tokenize = {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
+    ping = _get("/health's answer, under vLLM's (SageMaker's) name", "getPing",
+                _json(_ref("Health")), public=True,
+                **{"503": _json(_ref("Health"), "Not ready")})["get"]  # fmt: skip
     paths = {
         "/v1/chat/completions": _post(
-            "A chat reply", _ref("ChatCompletionRequest"), "ChatCompletion", "ChatCompletionChunk"
+            "A chat reply", "createChatCompletion", _ref("ChatCompletionRequest"),
+            "ChatCompletion", "ChatCompletionChunk",
         ),
         "/v1/completions": _post(
-            "A text completion", _ref("CompletionRequest"), "Completion", "CompletionChunk"
+            "A text completion", "createCompletion", _ref("CompletionRequest"), "Completion",
+            "CompletionChunk",
         ),
-        "/tokenize": _post("A text's or a chat's tokens", tokenize, "TokenizeResponse"),
-        "/detokenize": _post("Token ids' text", _ref("DetokenizeRequest"), "DetokenizeResponse"),
-        "/v1/models": _get("The served model", _json(_ref("ModelList"))),
+        "/tokenize": _post("A text's or a chat's tokens", "tokenize", tokenize, "TokenizeResponse"),
+        "/detokenize": _post("Token ids' text", "detokenize", _ref("DetokenizeRequest"),
+                             "DetokenizeResponse"),
+        "/v1/models": _get("The served model", "listModels", _json(_ref("ModelList"))),
         "/v1/models/{id}": {
             "parameters": [{"name": "id", "in": "path", "required": True,
                             "schema": {"type": "string"}}],
-            **_get("The served model, by its name", _json(_ref("ModelCard")),
+            **_get("The served model, by its name", "retrieveModel", _json(_ref("ModelCard")),
                    **{"404": _json(_ref("ErrorResponse"), "No model of that name")}),
         },
         "/health": _get(
-            "Whether the engine is ready", _json(_ref("Health")), public=True,
+            "Whether the engine is ready", "getHealth", _json(_ref("Health")), public=True,
             **{"503": _json(_ref("Health"), "Loading, restarting or failed")},
-        ),  # fmt: skip
-        "/ping": _get("/health's answer, under vLLM's (SageMaker's) name", _json(_ref("Health")),
-                      public=True, **{"503": _json(_ref("Health"), "Not ready")}),
-        "/version": _get("The server's version", _json(_ref("Version")), public=True),
+        ),
+        "/ping": {"get": ping, "post": {**ping, "operationId": "postPing"}},  # as vLLM serves it
+        "/version": _get("The server's version", "getVersion", _json(_ref("Version")),
+                         public=True),
         "/metrics": _get(
-            "Prometheus metrics, under vLLM's names",
+            "Prometheus metrics, under vLLM's names", "getMetrics",
             {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}},
             public=True,
         ),
-        "/openapi.json": _get(
-            "This document", _json({"type": "object"}), public=True
-        ),
+        "/openapi.json": _get("This document", "getOpenapi", _json({"type": "object"}),
+                              public=True),
         **(extra_paths or {}),
-    }
-    return {
+    }  # fmt: skip
+    doc = {
         "openapi": "3.1.0",
         "info": {
             "title": "tinyoss",
@@ -1343,8 +1353,21 @@ def build_openapi(
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
-        "security": [{"bearer": []}],  # when the server has --api-key
+        "security": [{"bearer": []}],
     }
+    return doc if api_key else _keyless(doc)
+
+
+def _keyless(doc: dict) -> dict:
+    """`doc` for a server without an API key: no bearer scheme, requirement or 401 anywhere."""
+    del doc["security"], doc["components"]["securitySchemes"]
+    del doc["components"]["responses"]["Error401"]
+    for item in doc["paths"].values():
+        for op in item.values():
+            if isinstance(op, dict) and "responses" in op:  # (not a path's "parameters")
+                op.pop("security", None)
+                op["responses"].pop("401", None)
+    return doc
 
 
 def _responses_paths() -> dict[str, dict]:
@@ -1366,14 +1389,15 @@ def _responses_paths() -> dict[str, dict]:
     return {
         "/v1/responses": {"post": {
             "summary": "A response (OpenAI's Responses API)",
+            "operationId": "createResponse",
             "requestBody": body,
             "responses": {"200": answer, **errors},
         }},
         "/v1/responses/{id}": {
             "parameters": rid,
-            "get": {"summary": "A stored response",
+            "get": {"summary": "A stored response", "operationId": "getResponse",
                     "responses": {"200": _json(_ref("ResponseObject")), **unknown}},
-            "delete": {"summary": "Forgets a stored response",
+            "delete": {"summary": "Forgets a stored response", "operationId": "deleteResponse",
                        "responses": {"200": _json(_ref("ResponseDeleted")), **unknown}},
         },
         "/v1/responses/{id}/input_items": {
@@ -1387,7 +1411,8 @@ def _responses_paths() -> dict[str, dict]:
                  "schema": {"enum": ["asc", "desc"], "default": "desc"},
                  "description": "desc: newest first."},
             ],
-            "get": {"summary": "The items a stored response was generated from", "responses": {
+            "get": {"summary": "The items a stored response was generated from",
+                    "operationId": "listInputItems", "responses": {
                 "200": _json(_ref("ResponseItemList")),
                 "400": _json(_ref("ErrorResponse"), "A bad limit, order or after"),
                 **unknown,
@@ -1395,7 +1420,8 @@ def _responses_paths() -> dict[str, dict]:
         },
         "/v1/responses/{id}/cancel": {
             "parameters": rid,
-            "post": {"summary": "Cancels a response in progress", "responses": {
+            "post": {"summary": "Cancels a response in progress",
+                     "operationId": "cancelResponse", "responses": {
                 "200": _json(_ref("ResponseObject"), "The response, cancelled"),
                 "400": _json(_ref("ErrorResponse"), "The response is not in progress"),
                 **unknown,
@@ -1405,12 +1431,14 @@ def _responses_paths() -> dict[str, dict]:
 
 
 @functools.cache
-def openapi_json() -> bytes:
-    """GET /openapi.json's body, built once: the core routes and the Responses API's."""
+def openapi_json(api_key: bool) -> bytes:
+    """GET /openapi.json's body, built once for a server with an API key or without: the core
+    routes and the Responses API's."""
     doc = build_openapi(
         _responses_paths(),
         extra_requests=(ResponseCreateRequest,),
         extra_responses=(ResponseObject, ResponseDeleted, ResponseItemList,
                          ResponseStreamEvent),
+        api_key=api_key,
     )
     return json.dumps(doc).encode()
