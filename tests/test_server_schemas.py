@@ -6,6 +6,7 @@ a well-formed OpenAPI 3.1 document of the routes and their fields."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, get_args
 
@@ -915,3 +916,23 @@ def test_post_ping_answers_as_get_does(srv):
     for method in ("GET", "POST"):
         r = httpx.request(method, srv.url + "/ping")  # no key needed, as documented
         assert r.status_code == 200 and r.json() == ok(httpx.get(srv.url + "/health"))
+
+
+def test_chat_answers_and_chunks_carry_one_system_fingerprint(srv):
+    """OpenAI's system_fingerprint on every chat answer and chunk (the usage chunk too), the
+    same all the server's life; a hash of what may change the answers to one seed."""
+    from dataclasses import replace
+
+    from tinyoss.server.app import system_fingerprint
+
+    body = {"messages": user(ANSWER), "max_tokens": 64}
+    answers = [ok(post(srv, CHAT, body)) for _ in range(2)]
+    chunks = events(post(srv, CHAT, {**body, "stream": True,
+                                     "stream_options": {"include_usage": True}}))  # fmt: skip
+    prints = {a["system_fingerprint"] for a in answers + chunks}
+    assert prints == {system_fingerprint(TINY)} and not chunks[-1]["choices"]
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", system_fingerprint(TINY))
+    for change in ({"dtype": "bfloat16"}, {"model": "openai/gpt-oss-20b"},
+                   {"fp8_layers": "qkv"}):  # fmt: skip
+        assert system_fingerprint(replace(TINY, **change)) != system_fingerprint(TINY), change
+    assert system_fingerprint(replace(TINY, max_num_seqs=3)) == system_fingerprint(TINY)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -69,6 +70,15 @@ _API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what tinyoss_http_responses
 Choice = ChatChoice | TextChoice | Output
 
 
+def system_fingerprint(config: EngineConfig) -> str:
+    """Chat answers' `system_fingerprint`, as OpenAI's: it changes with what may change the
+    answers to one `seed` (tinyoss's version, the checkpoint, the dtype and the layers'
+    quantization), so a client can tell a changed backend from chance."""
+    what = [__version__, config.model, config.revision, config.dtype, config.mxfp4_layers,
+            config.fp8_layers, config.attention_sinks]  # fmt: skip
+    return "fp_" + hashlib.sha256(json.dumps(what).encode()).hexdigest()[:10]
+
+
 class ServerState:
     def __init__(
         self,
@@ -80,6 +90,7 @@ class ServerState:
         aliases: tuple[str, ...] = (),
     ) -> None:
         self.config, self.model_name, self.api_key = config, model_name, api_key
+        self.fingerprint = system_fingerprint(config)  # once: the same on every answer
         # every name clients may send, model_name first
         self.names = (model_name, *(a for a in dict.fromkeys(aliases) if a != model_name))
         self.limits = limits
@@ -210,6 +221,8 @@ class Run:
         self.rid = prefix + uuid.uuid4().hex  # a response's is its id
         self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
+        if kind == "chat.completion":
+            self.head["system_fingerprint"] = state.fingerprint
         # each prompt's tokens found in the prefix cache, known from its first engine output
         self.cached: list[int | None] = [None] * len(prep.prompts)
         self.start = time.monotonic()

@@ -914,11 +914,17 @@ class PromptLogprob(_Out):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+_FINGERPRINT = Field(description="OpenAI's: fp_ and a hash of what may change the answers to "
+                   "one seed (tinyoss's version, the checkpoint, dtype and quantized layers); "
+                   "the same on every answer and chunk of a server.")
+
+
 class ChatCompletion(_Out):
     id: str
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str = _FINGERPRINT
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
@@ -967,6 +973,7 @@ class ChatCompletionChunk(_Out):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
+    system_fingerprint: str = _FINGERPRINT
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(
         None, description="On the last chunk, with include_usage; on every chunk (so far), "
