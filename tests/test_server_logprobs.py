@@ -108,7 +108,7 @@ def test_a_character_split_across_tokens(tok):
     [
         ("ere, P", "Hello th", ["Hello", " there"]),  # cut inside " there": it stays
         (", Par", "Hello there", ["Hello", " there"]),  # cut between tokens
-        ("Hello", None, None),  # nothing left
+        ("Hello", "", []),  # nothing left: "", as streamed (null is for tool calls alone)
     ],
 )
 def test_stop_strings_keep_the_tokens_partly_shown(tok, stop, content, tokens):
@@ -282,3 +282,17 @@ def test_echo_with_max_tokens_0_waits_for_the_whole_prompt(tok):
     done = choice.update(CompletionOutput(0, token_ids=[5], pieces=["x"]))
     assert done["text"] == "abc" and done["finish_reason"] == "length"
     assert choice.final()["text"] == "abc" and choice.num_tokens == 0
+
+
+@pytest.mark.parametrize("ids, finish", [
+    ((*THINK, *FINAL, RETURN), "stop"),  # an empty answer (a constraint may allow only that)
+    ((CHANNEL, "analysis", MESSAGE, "Let me"), "length"),  # cut off while reasoning
+])  # fmt: skip
+def test_an_empty_answer_is_an_empty_string_as_streamed(tok, ids, finish):
+    """OpenAI's content is null only in a message of tool calls alone: an answer with no text
+    is "", as the stream's opening delta gives it (the whole answer had said null)."""
+    chunks, final = run(tok, harmony_ids(tok, *ids), finish=finish)
+    streamed = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert chunks[0]["delta"]["content"] == "" == streamed
+    assert final["message"]["content"] == "" and final["finish_reason"] == finish
+    assert final["logprobs"] == {"content": [], "refusal": None}

@@ -121,6 +121,25 @@ def test_streamed_answer_equals_the_whole_one(client):
     jsonschema.validate(json.loads(whole), SCHEMAS["mixed"])
 
 
+def test_an_empty_constrained_answer_is_an_empty_string(srv):
+    """A constraint that allows only "" as the answer: the whole answer's content is "" as the
+    stream's is (it was null, which OpenAI keeps for tool calls alone), with the reasoning
+    before it free."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 64, "seed": 1,
+            "structured_outputs": {"regex": "(?:)"}, **BUDGET}  # fmt: skip
+    r = post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["reasoning"]
+    assert choice["message"]["content"] == ""
+    r = post(srv, "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "" == deltas[0]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_json_object_mode(client):
     reply = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "JSON"}], max_tokens=250, seed=1,

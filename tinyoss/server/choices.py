@@ -173,8 +173,10 @@ class ChatChoice:
         return choice if self.ids is None else {**choice, "token_ids": self.ids.new()}
 
     def final(self) -> dict:
-        content, reasoning = ("".join(self.parts[k]) or None for k in ("content", "reasoning"))
-        reasoning = reasoning if self.reasoning else None
+        # as OpenAI's: content is null only in a message of tool calls alone; an empty answer
+        # (a constraint that allows it, a reply cut off while reasoning) is "", as streamed
+        content = "".join(self.parts["content"]) or (None if self.calls else "")
+        reasoning = ("".join(self.parts["reasoning"]) or None) if self.reasoning else None
         message = {  # refusal and annotations as OpenAI's (apps iterate annotations)
             "role": "assistant",
             "content": content,
