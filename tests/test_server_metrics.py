@@ -246,3 +246,20 @@ def test_tool_call_counts_as_stop_and_a_client_gone_as_abort(srv, caplog):
     generated = delta("vllm:generation_tokens", "vllm:generation_tokens_total")
     # the aborted stream's tokens count as generated, as in vLLM: more than the tool call's
     assert generated > answer["usage"]["completion_tokens"]
+
+
+def test_running_counts_each_of_n_choices(srv):
+    """vLLM v1 runs a request of n choices as n child requests, and its gauges count each;
+    tinyoss's count each sequence too (they had counted the request once)."""
+    body = {"model": NAME, "prompt": SLOW, "max_tokens": 400, "n": 3, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=HEADERS) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+        deadline = time.monotonic() + 10
+        while srv.client.stats.num_requests_running != 3:
+            assert time.monotonic() < deadline, f"never 3 running: {srv.client.stats}"
+            time.sleep(0.01)
+        families, _ = scrape(srv)
+    assert value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 3
+    assert value(families, "vllm:num_requests_waiting", "vllm:num_requests_waiting") == 0
+    wait_idle(srv)

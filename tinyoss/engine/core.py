@@ -254,10 +254,11 @@ class EngineCore:
         return bool(self.requests) or self._in_flight is not None
 
     def current_stats(self) -> CoreStats:
-        running = {s.request_id for s in self.scheduler.running}
-        s = self.stats
-        s.num_requests_running = len(running)
-        s.num_requests_waiting = max(0, len(self.requests) - len(running))
+        """Running and waiting count sequences, as vLLM v1 counts the n child requests it makes
+        of a request with n > 1 (a request with its grammar still being built waits)."""
+        s, running = self.stats, len(self.scheduler.running)
+        s.num_requests_running = running
+        s.num_requests_waiting = len(self._seqs) - running
         s.kv_cache_usage = self.scheduler.kv.usage()
         s.num_preemptions = self.scheduler.num_preemptions
         return s

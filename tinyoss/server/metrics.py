@@ -49,9 +49,11 @@ class _EngineCollector(Collector):
         s = self.stats() or CoreStats()  # no engine yet: nothing ran
         for kind, name, doc, value in (
             (GaugeMetricFamily, "vllm:num_requests_running",
-             "Requests in the running batch.", s.num_requests_running),
+             "Sequences in the running batch (each of a request's n choices counts, as "
+             "vLLM v1's child requests do).", s.num_requests_running),
             (GaugeMetricFamily, "vllm:num_requests_waiting",
-             "Requests waiting for a place in the batch.", s.num_requests_waiting),
+             "Sequences waiting for a place in the batch (each of a request's n choices).",
+             s.num_requests_waiting),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc",
              "KV cache usage: the fraction of blocks held by requests (1 = full).",
              s.kv_cache_usage),
