@@ -246,6 +246,8 @@ def test_tool_call_counts_as_stop_and_a_client_gone_as_abort(srv, caplog):
     generated = delta("vllm:generation_tokens", "vllm:generation_tokens_total")
     # the aborted stream's tokens count as generated, as in vLLM: more than the tool call's
     assert generated > answer["usage"]["completion_tokens"]
+    # those its answer took, as the histogram counts them, not those made after it was gone
+    assert generated == delta(h, h + "_sum")
 
 
 def test_running_counts_each_of_n_choices(srv):
@@ -263,3 +265,24 @@ def test_running_counts_each_of_n_choices(srv):
     assert value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 3
     assert value(families, "vllm:num_requests_waiting", "vllm:num_requests_waiting") == 0
     wait_idle(srv)
+
+
+def test_generated_tokens_counter_counts_what_the_answers_took(srv):
+    """vllm:generation_tokens_total and vllm:request_generation_tokens count the same tokens:
+    those the answers took in. Echo with max_tokens 0 makes the engine sample one token that
+    the answer leaves out (its usage says 0): the counter had counted it."""
+    before, _ = scrape(srv)
+    scored = post(srv, "/v1/completions", {"prompt": "score me", "echo": True, "max_tokens": 0})
+    assert scored["usage"]["completion_tokens"] == 0
+    answer = post(srv, "/v1/completions", {"prompt": "count me", "max_tokens": 3,
+                                           "ignore_eos": True})  # fmt: skip
+    wait_idle(srv)
+    after, _ = scrape(srv)
+
+    def delta(family: str, sample: str) -> float:
+        return value(after, family, sample) - value(before, family, sample)
+
+    h = "vllm:request_generation_tokens"
+    assert delta(h, h + "_count") == 2
+    assert delta(h, h + "_sum") == answer["usage"]["completion_tokens"] == 3
+    assert delta("vllm:generation_tokens", "vllm:generation_tokens_total") == 3

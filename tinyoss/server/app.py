@@ -315,7 +315,10 @@ class Run:
                     if out.prompt_logprobs is not None:  # prompt_logprobs, or echo's
                         for c in choices:
                             c.prompt_logprobs = out.prompt_logprobs
+                    taken = sum(c.num_tokens for c in choices)
                     changed = [ch for c, o in zip(choices, out.outputs) if (ch := c.update(o))]
+                    # as the choices count them, so that this counter and the histogram agree
+                    metrics.generated.inc(sum(c.num_tokens for c in choices) - taken)
                     for c in out.outputs:
                         if self.choices[i * n + c.index].finish_reason is not None:
                             ended.setdefault(i * n + c.index, now)

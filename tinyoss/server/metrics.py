@@ -7,11 +7,13 @@ formats values, spells counters' `_total` and histograms' `_bucket`/`_sum`/`_cou
 scrapers expect, and speaks whichever exposition format the scraper asks for (Prometheus text
 0.0.4 or 1.0.0, OpenMetrics). docs/serve.md lists the mapping.
 
-Engine numbers (queue, tokens, KV usage, preemptions, prefix-cache hits) are the engine core's
-totals as of its last step (CoreStats, sent with each step's deltas); a collector turns them
-into samples at scrape time. Latencies, token histograms and request outcomes are recorded by
-the server as outputs reach it. Each app has a registry of its own (never the global one), so
-several apps in one process do not clash.
+Engine numbers (queue, prompt tokens, KV usage, preemptions, prefix-cache hits) are the engine
+core's totals as of its last step (CoreStats, sent with each step's deltas); a collector turns
+them into samples at scrape time. Latencies, generated tokens, token histograms and request
+outcomes are recorded by the server as its requests take the outputs in, so that the counter of
+generated tokens and the histogram of them count the same tokens: those the answers took (not
+those the engine made for a request whose client had left, or past a stop string). Each app has
+a registry of its own (never the global one), so several apps in one process do not clash.
 """
 
 from __future__ import annotations
@@ -61,8 +63,6 @@ class _EngineCollector(Collector):
              "Sequences preempted for lack of KV blocks.", s.num_preemptions),
             (CounterMetricFamily, "vllm:prompt_tokens",
              "Prompt tokens submitted to the engine.", s.prompt_tokens),
-            (CounterMetricFamily, "vllm:generation_tokens",
-             "Tokens generated.", s.generation_tokens),
             (CounterMetricFamily, "vllm:prefix_cache_queries",
              "Prompt tokens looked up in the prefix cache (every prompt token submitted).",
              s.prompt_tokens),
@@ -148,6 +148,11 @@ class Metrics:
             "vllm:request_prompt_tokens",
             "Prompt tokens of each request (one sample per request, whatever n).",
             _TOKEN_BUCKETS,
+        )
+        self.generated = counter(
+            "vllm:generation_tokens",
+            "Tokens generated that answers took in (what vllm:request_generation_tokens sums "
+            "up, counted as they come).",
         )
         self.generation_tokens = hist(
             "vllm:request_generation_tokens",
