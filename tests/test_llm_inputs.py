@@ -172,7 +172,8 @@ def test_vllm_names_a_port_reads(tiny_llm):
     assert copy == params and copy.stop is not params.stop
     assert tiny_llm.get_default_sampling_params() == SamplingParams()
     out = tiny_llm.generate("a", SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0]
-    assert out.metrics is None
+    times = out.metrics  # vLLM's RequestStateStats: the engine's queue, schedule, token times
+    assert times.queued_ts <= times.scheduled_ts <= times.first_token_ts < times.last_token_ts
     back = pickle.loads(pickle.dumps(out))
     lp, again = out.outputs[0].logprobs[0], back.outputs[0].logprobs[0]
     assert [e.decoded_token for e in again.values()] == [e.decoded_token for e in lp.values()]

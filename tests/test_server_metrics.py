@@ -29,12 +29,25 @@ VLLM_COUNTERS = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
 )
+PHASES = (
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+)
+PARAMS = (
+    "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
+    "vllm:request_max_num_generation_tokens",
+)
 VLLM_HISTOGRAMS = (
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    *PHASES,
+    *PARAMS,
 )
 
 
@@ -286,3 +299,34 @@ def test_generated_tokens_counter_counts_what_the_answers_took(srv):
     assert delta(h, h + "_count") == 2
     assert delta(h, h + "_sum") == answer["usage"]["completion_tokens"] == 3
     assert delta("vllm:generation_tokens", "vllm:generation_tokens_total") == 3
+
+
+def test_request_phases_and_parameters(srv):
+    """vLLM's request-phase histograms, from the engine core's own timestamps: a SLOW request
+    (each step 20 ms) of 6 tokens decodes through 5 steps; inference is prefill plus decode;
+    queue plus inference fit in the server's end-to-end time. One sample per request, whatever
+    n: request_params_n and request_params_max_tokens as asked, and
+    request_max_num_generation_tokens the longest choice's tokens (not all choices')."""
+    before, _ = scrape(srv)
+    post(srv, "/v1/completions", {"prompt": SLOW, "max_tokens": 6, "ignore_eos": True})
+    post(srv, "/v1/completions", {"prompt": "two of them", "max_tokens": 3, "n": 2,
+                                  "ignore_eos": True})  # fmt: skip
+    wait_idle(srv)
+    after, _ = scrape(srv)
+
+    def delta(h: str, sample: str, **labels: str) -> float:
+        return value(after, h, h + sample, **labels) - value(before, h, h + sample, **labels)
+
+    for h in PHASES + PARAMS:
+        assert after[h].type == "histogram", h
+        assert delta(h, "_count") == 2, h
+    queue, prefill, decode, inference = (delta(h, "_sum") for h in PHASES)
+    assert min(queue, prefill) >= 0
+    assert decode >= 5 * 0.02  # the SLOW request's: its 6 tokens are 5 steps apart
+    assert inference == pytest.approx(prefill + decode)
+    assert queue + inference <= delta("vllm:e2e_request_latency_seconds", "_sum")
+    n, max_tokens, longest = PARAMS
+    assert (delta(n, "_bucket", le="1.0"), delta(n, "_bucket", le="2.0")) == (1, 2)
+    assert delta(n, "_sum") == 1 + 2
+    assert delta(max_tokens, "_sum") == 6 + 3
+    assert delta(longest, "_sum") == 6 + 3  # the n=2 request's longest choice: 3

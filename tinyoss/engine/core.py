@@ -69,6 +69,8 @@ class SeqDelta:
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     error: RequestError | None = None  # why the request failed (finish_reason "error")
+    # (queued, first scheduled) on the core's clock, on the sequence's first delta only
+    times: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,7 @@ class EngineCore:
                         seq.finish_reason,
                         seq.stop_reason,
                         seq.num_cached_prompt,
+                        times=seq.first_times(),
                     )
                 )
             if item.num_sampled > 1 and tokens:  # drafts verified
@@ -393,7 +396,7 @@ class EngineCore:
                 seq.finish("error")
                 self._drop(seq)
                 deltas.append(SeqDelta(request_id, seq.index, [], finish_reason="error",
-                                       error=error))  # fmt: skip
+                                       error=error, times=seq.first_times()))  # fmt: skip
         self._retire(request_id)
         return deltas
 

@@ -269,7 +269,7 @@ class CoreClient:
                 self._heard = time.monotonic()
                 if msg[0] == "step":
                     self.stats = msg[2]
-                    self._deliver(msg[1])
+                    self._deliver(msg[1], msg[3])
                 elif msg[0] == "reject":
                     self._put(msg[1], ValueError(msg[2]))
                 elif msg[0] == "dead":
@@ -326,8 +326,8 @@ class CoreClient:
         self.processor = OutputProcessor(self.tokenizer, windowed=True)
         self.stats = CoreStats()
 
-    def _deliver(self, deltas: list) -> None:
-        outputs, stopped = self.processor.process(deltas)
+    def _deliver(self, deltas: list, step_time: float) -> None:
+        outputs, stopped = self.processor.process(deltas, step_time)
         for request_id, index in stopped:
             self._send("abort", request_id, index)
         for out in outputs:

@@ -6,8 +6,9 @@ pickled tuples over ZeroMQ sockets (`core_client.py` holds the other ends):
 
 - in:  ("add", CoreRequest) | ("abort", request_id, index or None) | ("shutdown",)
 - out: ("ready", EngineInfo) | ("failed", message) | ("reject", request_id, message) |
-       ("step", [SeqDelta], CoreStats) (after a step with outputs, or once a second while
-       stepping) | ("dead", message)
+       ("step", [SeqDelta], CoreStats, time) (after a step with outputs, or once a second while
+       stepping; `time`: when its results were in, on the core's time.monotonic clock, which
+       the deltas' queue and schedule times are on too) | ("dead", message)
 
 ZeroMQ gives message framing, queueing while the other side is busy, and non-blocking sends
 for free; pickle carries the plain dataclasses without a schema layer, and a step's message is
@@ -118,11 +119,12 @@ def _loop(core: EngineCore, pull: zmq.Socket, send, parent: int) -> None:
             return
         if not core.has_work():
             if busy:  # gone idle: the front end's stats should say so
-                send("step", [], core.current_stats())
+                send("step", [], core.current_stats(), time.monotonic())
                 busy = False
             continue
         busy = True
         deltas = core.step()
-        if deltas or time.monotonic() - said > _ALIVE_S:  # a long prefill says it is alive
-            send("step", deltas, core.current_stats())
-            said = time.monotonic()
+        now = time.monotonic()
+        if deltas or now - said > _ALIVE_S:  # a long prefill says it is alive
+            send("step", deltas, core.current_stats(), now)
+            said = now

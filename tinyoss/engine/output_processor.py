@@ -115,6 +115,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """vLLM's RequestStateStats, its engine-core timestamps: when the core took the request,
+    when it first scheduled it (the earliest of its n sequences; preemptions do not move it),
+    and when its first and its latest tokens were made, on the core's time.monotonic clock
+    (None until then). The differences are vLLM's request phases (queue, prefill, decode)."""
+
+    queued_ts: float | None = None
+    scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    last_token_ts: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -126,7 +139,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     error: RequestError | None = None  # why it failed (its outputs' finish_reason: "error")
-    metrics: None = None  # vLLM's RequestStateStats: not kept (arrival and first-token times are)
+    metrics: RequestStateStats | None = None  # as of the latest output (it is shared, as vLLM's)
 
 
 class StopStrings:
@@ -267,6 +280,7 @@ class _Request:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.error: RequestError | None = None
+        self.metrics = RequestStateStats()
 
     @property
     def finished(self) -> bool:
@@ -277,7 +291,7 @@ class _Request:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
             self.prompt_logprobs, min(s.num_cached for s in self.seqs), self.arrival_time,
-            self.first_token_time, self.error,
+            self.first_token_time, self.error, self.metrics,
         )
 
 
@@ -328,13 +342,15 @@ class OutputProcessor:
         return request.output({})
 
     def process(
-        self, deltas: list[SeqDelta]
+        self, deltas: list[SeqDelta], step_time: float | None = None
     ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """(the outputs of the requests that changed, the sequences a stop string ended: the
-        core must drop them)."""
+        core must drop them). `step_time`: when the core had the step's results, on its clock
+        (default: now, for a core in this process)."""
         changed: dict[str, dict[int, CompletionOutput]] = {}
         stopped: list[tuple[str, int]] = []
         now = time.monotonic()
+        step_time = now if step_time is None else step_time
         for d in deltas:
             request = self.requests.get(d.request_id)
             if request is None:
@@ -343,6 +359,10 @@ class OutputProcessor:
             if seq.finish_reason is not None:  # ended by a stop string: later tokens are dropped
                 continue
             request.error = request.error or d.error
+            if d.times is not None:
+                stats, (queued, scheduled) = request.metrics, d.times
+                stats.queued_ts = queued
+                stats.scheduled_ts = min(scheduled, stats.scheduled_ts or scheduled)
             if not self.windowed:  # the LLM's outputs: vLLM's Logprob.decoded_token
                 for lp in (*(d.logprobs or ()), *(d.prompt_logprobs or ())):
                     if lp is not None:
@@ -350,8 +370,11 @@ class OutputProcessor:
             if d.prompt_logprobs and request.prompt_logprobs is not None and d.index == 0:
                 request.prompt_logprobs += d.prompt_logprobs
             text, by_stop = seq.apply(d)
-            if d.token_ids and request.first_token_time is None:
-                request.first_token_time = now
+            if d.token_ids:
+                request.metrics.last_token_ts = step_time
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                    request.metrics.first_token_ts = step_time
             if by_stop and d.finish_reason is None:
                 stopped.append((d.request_id, d.index))
             changed.setdefault(d.request_id, {})[d.index] = seq.output(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -159,6 +160,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.scheduled_time is None:  # the first time: a preempted one keeps it (vLLM's)
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n

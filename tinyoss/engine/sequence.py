@@ -8,6 +8,7 @@ only what needs no text: stop token ids, max_tokens and the context limit.
 from __future__ import annotations
 
 import enum
+import time
 
 from tinyoss.engine.kv_cache import SeqBlocks
 from tinyoss.sampling_params import SamplingParams
@@ -52,6 +53,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.draft: list[int] = []  # tokens proposed to follow, verified by the next step
+        # vLLM's QUEUED and first SCHEDULED times (time.monotonic, the core's clock), sent to
+        # the front end once, with the sequence's first delta
+        self.queued_time = time.monotonic()
+        self.scheduled_time: float | None = None
+        self.times_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +75,14 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+    def first_times(self) -> tuple[float, float] | None:
+        """(queued, first scheduled) for the sequence's first delta once it has been
+        scheduled; None after that (or before: nothing to tell yet)."""
+        if self.times_sent or self.scheduled_time is None:
+            return None
+        self.times_sent = True
+        return self.queued_time, self.scheduled_time
 
     def append(self, token_id: int, max_model_len: int) -> None:
         """Add a sampled token, then decide whether the sequence is done."""

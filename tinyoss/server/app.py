@@ -43,7 +43,7 @@ from tinyoss.engine.core_client import (
     OutputStream,
     RequestFailed,
 )
-from tinyoss.engine.output_processor import LogprobWindow, RequestOutput
+from tinyoss.engine.output_processor import LogprobWindow, RequestOutput, RequestStateStats
 from tinyoss.server.limits import (
     STREAM_WINDOW_TOKENS,
     LogprobBudget,
@@ -225,8 +225,10 @@ class Run:
             self.head["system_fingerprint"] = state.fingerprint
         # each prompt's tokens found in the prefix cache, known from its first engine output
         self.cached: list[int | None] = [None] * len(prep.prompts)
+        self.times: list[RequestStateStats | None] = [None] * len(prep.prompts)  # the engine's
         self.start = time.monotonic()
         client = state.ready()
+        self.max_model_len = client.info.max_model_len
         capacity = state.config.max_num_seqs + state.limits.max_queued_requests
         if len(prep.prompts) > capacity:  # no retry can help: a 400, not a 429
             raise APIError(
@@ -310,7 +312,7 @@ class Run:
                     now = time.monotonic()
                     hist = metrics.itl if i in last else metrics.ttft
                     hist.observe(now - last.get(i, start))
-                    last[i], self.cached[i] = now, out.num_cached_tokens
+                    last[i], self.cached[i], self.times[i] = now, out.num_cached_tokens, out.metrics
                     choices = [self.choices[i * n + c.index] for c in out.outputs]
                     if out.prompt_logprobs is not None:  # prompt_logprobs, or echo's
                         for c in choices:
@@ -340,12 +342,14 @@ class Run:
             cut, why = "error", "the engine failed it"
             raise
         finally:
-            now = time.monotonic()
+            now, most = time.monotonic(), self.prep.params.max_tokens
             for i, prompt in enumerate(self.prep.prompts):  # a request ends with its last choice
                 mine = range(i * n, (i + 1) * n)
+                room = self.max_model_len - len(prompt)
                 metrics.request_ended([self.choices[j].finish_reason or cut for j in mine],
+                                      [self.choices[j].num_tokens for j in mine],
                                       max(ended.get(j, now) for j in mine) - start, len(prompt),
-                                      sum(self.choices[j].num_tokens for j in mine))
+                                      room if most is None else min(most, room), self.times[i])
             (metrics.finished if self.done else metrics.aborted).inc()
             if not self.done:  # one line, as vLLM's "Aborted request": to match a balancer's
                 log.info("aborted request %s: %s", self.rid, why)

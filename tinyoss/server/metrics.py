@@ -12,8 +12,10 @@ core's totals as of its last step (CoreStats, sent with each step's deltas); a c
 them into samples at scrape time. Latencies, generated tokens, token histograms and request
 outcomes are recorded by the server as its requests take the outputs in, so that the counter of
 generated tokens and the histogram of them count the same tokens: those the answers took (not
-those the engine made for a request whose client had left, or past a stop string). Each app has
-a registry of its own (never the global one), so several apps in one process do not clash.
+those the engine made for a request whose client had left, or past a stop string). The request
+phases (queue, prefill, decode) come from the engine core's timestamps, which it sends with a
+sequence's deltas. Each app has a registry of its own (never the global one), so several apps
+in one process do not clash.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from tinyoss.engine.core import CoreStats
+from tinyoss.engine.output_processor import RequestStateStats
 
 # vLLM's buckets, so heatmaps line up; inter-token latency gains a few finer ones at the bottom
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -38,6 +41,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 # vLLM's 1-2-5 series (it stops at max_model_len; gpt-oss's is 131072)
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10**e <= 200_000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _EngineCollector(Collector):
@@ -160,6 +164,35 @@ class Metrics:
             "request, whatever n).",
             _TOKEN_BUCKETS,
         )
+        # vLLM's request phases, from the engine core's timestamps (RequestStateStats): queue
+        # + prefill is about the TTFT, queue + inference about the end-to-end latency
+        self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
+            hist(f"vllm:request_{name}_time_seconds", doc, _E2E_BUCKETS) for name, doc in (
+                ("queue", "Time a request waited in the engine's queue: from the engine "
+                 "taking it to its first scheduling (one sample per request that was "
+                 "scheduled, whatever n)."),
+                ("prefill", "Time a request spent in prefill: from its first scheduling to "
+                 "its first token (one sample per request that got one, whatever n)."),
+                ("decode", "Time a request spent in decode: from its first token to its last "
+                 "(one sample per request that got a token, whatever n)."),
+                ("inference", "Time a request spent running: from its first scheduling to its "
+                 "last token, prefill and decode (one sample per request that got a token, "
+                 "whatever n)."),
+            )
+        )  # fmt: skip
+        self.params_n = hist("vllm:request_params_n", "The n request parameter (one sample "
+                             "per request).", _N_BUCKETS)
+        self.params_max_tokens = hist(
+            "vllm:request_params_max_tokens",
+            "The max_tokens request parameter, or the context the prompt leaves where that is "
+            "less or none was given (one sample per request).",
+            _TOKEN_BUCKETS,
+        )
+        self.max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "The most tokens one of a request's n choices generated (one sample per request).",
+            _TOKEN_BUCKETS,
+        )
         self._success = Counter(
             "vllm:request_success",
             "Requests ended (one per choice), by finish reason.",
@@ -184,18 +217,31 @@ class Metrics:
     def responded(self, status: int) -> None:
         self._responses.labels(self.model_name, str(status)).inc()
 
-    def request_ended(self, finish_reasons: Sequence[str | None], seconds: float,
-                      prompt_tokens: int, generation_tokens: int) -> None:
+    def request_ended(self, finish_reasons: Sequence[str | None], choice_tokens: Sequence[int],
+                      seconds: float, prompt_tokens: int, max_tokens: int,
+                      times: RequestStateStats | None) -> None:
         """One request's (one prompt's) end, its `n` choices together: each histogram counts
         requests, as the TTFT does, so their counts agree; `finish_reasons` as the API gave
-        them (None: cut short) count one per choice, as vLLM's request_success does."""
+        them (None: cut short) count one per choice, as vLLM's request_success does.
+        `choice_tokens`: the tokens each choice took; `max_tokens`: the most it could take;
+        `times`: the engine's timestamps of it (None: it never reached the engine)."""
         for finish_reason in finish_reasons:
             # vLLM's engine-level reasons: a tool call is a stop; an unfinished choice an abort
             reason = {None: "abort", "tool_calls": "stop"}.get(finish_reason, finish_reason)
             self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(seconds)
         self.prompt_tokens.observe(prompt_tokens)
-        self.generation_tokens.observe(generation_tokens)
+        self.generation_tokens.observe(sum(choice_tokens))
+        self.max_generation_tokens.observe(max(choice_tokens))
+        self.params_n.observe(len(choice_tokens))
+        self.params_max_tokens.observe(max_tokens)
+        if times is None or times.scheduled_ts is None:  # never scheduled: no phase began
+            return
+        self.queue_time.observe(times.scheduled_ts - times.queued_ts)
+        if times.first_token_ts is not None:  # as vLLM: no token, no prefill (or later) time
+            self.prefill_time.observe(times.first_token_ts - times.scheduled_ts)
+            self.decode_time.observe(times.last_token_ts - times.first_token_ts)
+            self.inference_time.observe(times.last_token_ts - times.scheduled_ts)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition in the format `accept` (the scraper's Accept header) asks for, and its
