@@ -330,3 +330,24 @@ def test_request_phases_and_parameters(srv):
     assert delta(n, "_sum") == 1 + 2
     assert delta(max_tokens, "_sum") == 6 + 3
     assert delta(longest, "_sum") == 6 + 3  # the n=2 request's longest choice: 3
+
+
+def test_iteration_tokens_count_each_engine_step(srv):
+    """vllm:iteration_tokens_total: one sample per engine step, of the tokens it ran through
+    the model. A request alone in the engine of P prompt tokens and 5 generated ones is a
+    prefill step of P tokens, then 4 steps that decode one token each."""
+    before, _ = scrape(srv)
+    answer = post(srv, "/v1/completions", {"prompt": "steps of a request alone", "max_tokens": 5,
+                                           "ignore_eos": True})  # fmt: skip
+    wait_idle(srv)
+    after, _ = scrape(srv)
+    h = "vllm:iteration_tokens_total"
+    assert after[h].type == "histogram"
+
+    def delta(sample: str, **labels: str) -> float:
+        return value(after, h, h + sample, **labels) - value(before, h, h + sample, **labels)
+
+    prompt = answer["usage"]["prompt_tokens"]
+    assert 1 < prompt <= 16  # the prefill step falls in the bucket of 16
+    assert delta("_sum") == prompt + 4
+    assert (delta("_bucket", le="1.0"), delta("_bucket", le="16.0"), delta("_count")) == (4, 5, 5)

@@ -18,10 +18,11 @@ propagates (the server then restarts the core).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,6 +91,10 @@ def is_out_of_memory(e: BaseException) -> bool:
     )
 
 
+# vLLM's buckets of vllm:iteration_tokens_total, the tokens of each engine step
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class CoreStats:
     num_requests_running: int = 0
@@ -103,6 +108,11 @@ class CoreStats:
     spec_drafts: int = 0  # speculative decoding: sequence-steps that verified drafts,
     spec_draft_tokens: int = 0  # the tokens drafted in them,
     spec_accepted_tokens: int = 0  # and those the target accepted
+    # steps by the tokens they ran through the model (prefill chunks and decoded positions),
+    # one count per STEP_TOKEN_BUCKETS bucket (the first whose bound holds it; the last: more),
+    # and all those tokens: a histogram kept here, one increment a step
+    step_tokens: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+    step_tokens_sum: int = 0
 
 
 def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams,
@@ -321,6 +331,9 @@ class EngineCore:
 
     def _finish(self, plan: StepPlan, launched: LaunchedStep) -> list[SeqDelta]:
         result = self.executor.result(launched)
+        ran = plan.num_tokens
+        self.stats.step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, ran)] += 1
+        self.stats.step_tokens_sum += ran
         self.drafted.update(result.drafts)
         max_len = self.info.max_model_len
         deltas = []

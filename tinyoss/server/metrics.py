@@ -20,16 +20,20 @@ in one process do not clash.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from tinyoss.engine.core import CoreStats
+from tinyoss.engine.core import STEP_TOKEN_BUCKETS, CoreStats
 from tinyoss.engine.output_processor import RequestStateStats
 
 # vLLM's buckets, so heatmaps line up; inter-token latency gains a few finer ones at the bottom
@@ -83,6 +87,13 @@ class _EngineCollector(Collector):
             family = kind(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens per engine step: the prompt chunks and "
+            "decoded positions it ran through the model.", labels=["model_name"])
+        counts = itertools.accumulate(s.step_tokens)
+        family.add_metric([self.model_name], sum_value=s.step_tokens_sum, buckets=[
+            (floatToGoString(le), n) for le, n in zip((*STEP_TOKEN_BUCKETS, math.inf), counts)])
+        yield family
         # the vllm: counters above start again from 0 in a new core; this says when that was
         family = CounterMetricFamily("tinyoss_engine_restarts", "Engine cores started again "
                                      "after one stopped (the engine's counters start again at 0).",
