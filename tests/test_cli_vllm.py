@@ -48,8 +48,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
         ["--runner", "auto"],
         ["--stream-interval", "20"],
         ["--max-cudagraph-capture-size", "2048"],
-        ["--enable-log-requests"],
-        ["--max-log-len", "100"],
+        ["--enable-log-outputs"],
     ],
 )
 def test_harmless_vllm_flags_are_accepted_and_noted(argv):
@@ -186,3 +185,14 @@ def test_table_is_consistent():
     own = {s for a in serve._actions if a.dest and not a.dest.startswith("vllm_")
            for s in a.option_strings}  # fmt: skip
     assert not own & set(names)
+
+
+def test_request_log_flags_are_tinyoss_own(monkeypatch):
+    """--enable-log-requests and --max-log-len do something now (tests/test_server_request_log.py):
+    no "changes nothing" note; a negative length stops serve, naming the flag."""
+    args = _parse(["--enable-log-requests", "--max-log-len", "100"])
+    assert (args.enable_log_requests, args.max_log_len, args.vllm_notes) == (True, 100, [])
+    assert (_parse([]).enable_log_requests, _parse([]).max_log_len) == (False, None)
+    with pytest.raises(cli.CliError, match=r"--max-log-len -1 is invalid: give a number of "
+                                           r"characters >= 0"):
+        server_cli.serve(_parse(["--port", "0", "--max-log-len", "-1"]))

@@ -51,6 +51,7 @@ from tinyoss.server.limits import (
     logprob_bytes,
 )
 from tinyoss.server.metrics import Metrics
+from tinyoss.server.request_log import RequestLog
 from tinyoss.server.protocol import (
     APIError,
     Prepared,
@@ -88,9 +89,11 @@ class ServerState:
         on_fatal: Callable[[str], None] | None,
         limits: ServerLimits,
         aliases: tuple[str, ...] = (),
+        request_log: RequestLog | None = None,
     ) -> None:
         self.config, self.model_name, self.api_key = config, model_name, api_key
         self.fingerprint = system_fingerprint(config)  # once: the same on every answer
+        self.request_log = request_log  # None: no line a request (--enable-log-requests)
         # every name clients may send, model_name first
         self.names = (model_name, *(a for a in dict.fromkeys(aliases) if a != model_name))
         self.limits = limits
@@ -156,6 +159,7 @@ class RequestIdHeader:
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
         rid = (given if _REQUEST_ID.fullmatch(given.decode("latin-1")) else
                f"req_{uuid.uuid4().hex}".encode())
+        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # for the log line
 
         async def tagged(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -183,6 +187,20 @@ class EventStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             self.on_close()
+
+
+class _Logged:
+    """A response that calls `done` once it has been sent, or could not be (the request's log
+    line: a stream's status is known at its start, its finish reasons at its end)."""
+
+    def __init__(self, response: Response, done: Callable[[], None]) -> None:
+        self.response, self.done = response, done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.done()
 
 
 class Answer(JSONResponse):
@@ -227,6 +245,8 @@ class Run:
         self.cached: list[int | None] = [None] * len(prep.prompts)
         self.times: list[RequestStateStats | None] = [None] * len(prep.prompts)  # the engine's
         self.start = time.monotonic()
+        self.first_output: float | None = None  # when the first engine output came
+        self.cut: str | None = None  # how unfinished choices ended: "error", else "abort"
         client = state.ready()
         self.max_model_len = client.info.max_model_len
         capacity = state.config.max_num_seqs + state.limits.max_queued_requests
@@ -310,6 +330,7 @@ class Run:
             async with contextlib.aclosing(_merge(self.streams)) as outputs:
                 async for i, out in outputs:
                     now = time.monotonic()
+                    self.first_output = self.first_output or now
                     hist = metrics.itl if i in last else metrics.ttft
                     hist.observe(now - last.get(i, start))
                     last[i], self.cached[i], self.times[i] = now, out.num_cached_tokens, out.metrics
@@ -342,6 +363,7 @@ class Run:
             cut, why = "error", "the engine failed it"
             raise
         finally:
+            self.cut = cut
             now, most = time.monotonic(), self.prep.params.max_tokens
             for i, prompt in enumerate(self.prep.prompts):  # a request ends with its last choice
                 mine = range(i * n, (i + 1) * n)
@@ -831,14 +853,16 @@ def create_app(
     limits: ServerLimits | None = None,
     cors: Cors | None = None,
     max_stored_responses: int = 1000,
+    request_log: RequestLog | None = None,
 ) -> Starlette:
     """The server app; its engine core starts in a process of its own once the app starts.
     `on_fatal` is called when no core can run (a failed load, a failed restart). `cors`: None,
     no CORS headers at all. `max_stored_responses`: how many /v1/responses answers are kept
     (LRU) for GET and previous_response_id; 0 keeps none. `aliases`: more names clients may send
-    for the model (vLLM's several --served-model-name); answers name `model_name`."""
+    for the model (vLLM's several --served-model-name); answers name `model_name`.
+    `request_log`: a line for each generation request once it has ended (None: none)."""
     limits = limits or ServerLimits()
-    state = ServerState(config, model_name, api_key, on_fatal, limits, aliases)
+    state = ServerState(config, model_name, api_key, on_fatal, limits, aliases, request_log)
     store = ResponseStore(max_stored_responses)
 
     def authorized(request: Request) -> bool:
@@ -847,8 +871,11 @@ def create_app(
             given.strip().encode(errors="replace"), state.api_key.encode()
         )
 
-    def endpoint(handler: Callable, *, auth: bool = True) -> Callable:
-        async def wrapped(request: Request) -> Response:
+    def endpoint(handler: Callable, *, auth: bool = True, logged: bool = False) -> Callable:
+        """`logged`: a generation endpoint, whose requests --enable-log-requests logs."""
+
+        async def wrapped(request: Request) -> Response | _Logged:
+            arrived = time.monotonic()
             try:
                 if auth and state.api_key and not authorized(request):
                     raise _unauthorized()
@@ -860,9 +887,27 @@ def create_app(
                 response = _error_response(_error(e))
             if request.url.path.startswith(_API_PATHS):  # not probes and scrapes
                 state.metrics.responded(response.status_code)
+            if logged and state.request_log is not None:
+                return _Logged(response, lambda: log_request(request, response, arrived))
             return response
 
         return wrapped
+
+    def log_request(request: Request, response: Response, arrived: float) -> None:
+        """The request's line, once its answer has been sent (a stream: to its end)."""
+        run: Run | None = getattr(request.state, "run", None)
+        peer = request.client
+        kwargs: dict[str, Any] = {}
+        if run is not None:
+            head = state.request_log.prompt_head(state.client.tokenizer, run.prep.prompts[0])
+            kwargs = {"usage": run.usage(), "prompt": head,
+                      "finish_reasons": [c.finish_reason or run.cut or "abort"
+                                         for c in run.choices],
+                      "ttft": run.first_output and run.first_output - arrived}
+        state.request_log.ended(
+            request.state.request_id, f"{request.method} {request.url.path}",
+            response.status_code, f"{peer.host}:{peer.port}" if peer else "-",
+            time.monotonic() - arrived, **kwargs)
 
     async def read_body(request: Request) -> bytes:
         """The body, within --max-request-bytes and --body-timeout, not compressed."""
@@ -931,6 +976,7 @@ def create_app(
         return client, prep
 
     async def respond(request: Request, run: Run) -> Response:
+        request.state.run = run  # for the request's log line
         if run.prep.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return EventStream(run.events(), run.close, headers=headers)
@@ -1001,7 +1047,7 @@ def create_app(
         except APIError as e:
             raise req.renamed(e) from None
         output = Output(client.tokenizer, prep.params.logprobs is not None)
-        run = Run(state, prep, "response", [output])
+        run = request.state.run = Run(state, prep, "response", [output])
         try:
             resp = ResponseRun(req, state.model_name, run, output, _error)
             if req.store:
@@ -1136,9 +1182,9 @@ def create_app(
             await state.client.shutdown()
 
     routes = [
-        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
-        Route("/v1/completions", endpoint(completions), methods=["POST"]),
-        Route("/v1/responses", endpoint(responses), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(chat, logged=True), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions, logged=True), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses, logged=True), methods=["POST"]),
         Route("/v1/responses/{id}", endpoint(response_get), methods=["GET"]),
         Route("/v1/responses/{id}", endpoint(response_delete), methods=["DELETE"]),
         Route("/v1/responses/{id}/cancel", endpoint(response_cancel), methods=["POST"]),

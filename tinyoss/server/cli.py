@@ -92,6 +92,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="no line a request (health probes included), as vLLM's flag (default: off)",
     )
     p.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="log one line a generation request once it has ended: its x-request-id, "
+        "endpoint, status and finish reasons, prompt, completion and cached tokens, time to "
+        "first token, total time and client address; never its text (vLLM's flag; vLLM's "
+        "lines carry the prompt)",
+    )
+    p.add_argument(
+        "--max-log-len", type=int, default=None, metavar="CHARS",
+        help="with --enable-log-requests: each line shows the first CHARS characters of the "
+        "prompt too, as vLLM's flag cuts its logged prompts (default: no prompt text)",
+    )
+    p.add_argument(
         "--max-stored-responses",
         type=int,
         default=1000,
@@ -258,6 +270,12 @@ def serve(args: argparse.Namespace) -> None:
     # what can be checked without loading anything, before the model (or uvicorn) loads
     check_port(args.host, args.port)
     check_device(args.device)
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise CliError(f"--max-log-len {args.max_log_len} is invalid: give a number of "
+                       "characters >= 0 (0: none of the prompt)")
+    if args.max_log_len is not None and not args.enable_log_requests:
+        log.info("--max-log-len changes nothing without --enable-log-requests: no request is "
+                 "logged")
     if args.max_stored_responses < 0:
         raise CliError(
             f"--max-stored-responses {args.max_stored_responses} is invalid: give a count >= 0 "
@@ -281,6 +299,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tinyoss.server.app import create_app
+    from tinyoss.server.request_log import RequestLog
 
     cors_options = cors(args)
 
@@ -301,6 +320,7 @@ def serve(args: argparse.Namespace) -> None:
         limits=limits,
         cors=cors_options,
         max_stored_responses=args.max_stored_responses,
+        request_log=RequestLog(args.max_log_len) if args.enable_log_requests else None,
     )
     log.info(
         "serving %r on %s (API key: %s); the model loads in the background, "
