@@ -282,6 +282,12 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
                  group.use_fast_all_reduce(dtype, model_config.hidden_size))
         kernels.all_reduce, kernels.all_gather = group.all_reduce, group.all_gather
         kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
+    prebuild = None
+    if backends.attention == "flashinfer":  # its JIT builds overlap the loading below
+        from tinyoss.kernels.attention_flashinfer import Prebuild
+
+        prebuild = Prebuild(device, dtype, model_config.head_dim,
+                            CacheLayout.for_model(model_config).windows)
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
     note = empty_cache_note() if device.type == "cuda" and shard.rank == 0 else None
     if note:
@@ -334,6 +340,8 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
     tokens = []  # the verify graphs' query-token counts
     if use_graphs and speculative is not None:
         tokens = verify_sizes(config.max_num_seqs, speculative.num_speculative_tokens)
+    if prebuild is not None:
+        prebuild.wait()
     attention = _attention(  # its decode rows: sequences, or a verify step's tokens
         config, local, backends, layout, kv_tensors, num_blocks, sizes + tokens, max_model_len
     )

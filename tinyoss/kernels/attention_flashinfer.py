@@ -14,6 +14,9 @@ own key range, after a rope and a K/V-store launch.
 
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
+
 import torch
 
 from tinyoss.kernels.attention import AttentionMetadata
@@ -65,13 +68,56 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
+def _sink_wrapper(workspace: torch.Tensor, dtype: torch.dtype, head_dim: int, window: int,
+                  backend: str) -> object:
+    """FlashInfer's sink-attention wrapper for one window (0: none). Its constructor builds
+    (first time on a machine) and loads the variant's JIT module."""
+    import flashinfer
+
+    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        workspace, kv_layout="NHD", backend=backend, q_data_type=dtype, kv_data_type=dtype,
+        head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window - 1 if window else -1)
+
+
+class Prebuild:
+    """FlashInfer's JIT builds of the sink-attention variants (one a window), started at once in
+    the background. On a machine that has not built them, each is a build of ~25 s (H100 host)
+    that the wrappers would otherwise run one after the other once the KV cache exists, after
+    the weights load and the MoE warms up; started early and side by side, they overlap that
+    and each other. Daemon threads: a start that fails elsewhere does not wait for them."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 windows: list[int], backend: str = "fa2") -> None:
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._build, daemon=True, name=f"flashinfer-{w}",
+                                         args=(device, dtype, head_dim, w, backend))
+                        for w in dict.fromkeys(windows)]
+        for t in self.threads:
+            t.start()
+
+    def _build(self, device: torch.device, dtype: torch.dtype, head_dim: int, window: int,
+               backend: str) -> None:
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                _sink_wrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device), dtype,
+                              head_dim, window, backend)
+        except BaseException as e:  # noqa: BLE001 - raised again by wait(), where it was
+            self.errors.append(e)
+
+    def wait(self) -> None:
+        """Returns once every build is done; raises the first build's error, as constructing
+        the wrapper would have."""
+        for t in self.threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+
+
 class FlashInferAttention:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int],
                  group_windows: list[int], num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dummy_block: int, max_num_tokens: int, max_num_seqs: int,
                  max_model_len: int, backend: str = "fa2") -> None:
-        import flashinfer
-
         self.kv_caches = kv_caches
         self.layer_groups = layer_groups
         self.group_windows = group_windows
@@ -82,13 +128,8 @@ class FlashInferAttention:
         k0 = kv_caches[0][0]
         self.device, self.dtype = k0.device, k0.dtype
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill = [
-            PlanRing(flashinfer.BatchAttentionWithAttentionSinkWrapper(
-                workspace, kv_layout="NHD", backend=backend, q_data_type=self.dtype,
-                kv_data_type=self.dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
-                window_left=w - 1 if w else -1))
-            for w in group_windows
-        ]
+        self.prefill = [PlanRing(_sink_wrapper(workspace, self.dtype, head_dim, w, backend))
+                        for w in group_windows]
         # each group's slots, block tables and key ranges: views of one tensor a kind, so a
         # decode step's plan is one copy and one launch for every group (stage_decode_plan)
         groups = len(group_windows)
