@@ -35,7 +35,7 @@ from tinyoss.engine.kv_cache import (
 )
 from tinyoss.engine.scheduler import PrefillCost, Scheduler
 from tinyoss.kernels.attention import TorchAttention
-from tinyoss.kernels.backends import BackendChoice, select_backends
+from tinyoss.kernels.backends import BackendChoice, choose_attention, select_backends
 from tinyoss.kernels.compile_cache import empty_cache_note
 from tinyoss.model.eagle3 import Eagle3Config, load_draft
 from tinyoss.model.gpt_oss import GptOssForCausalLM
@@ -272,9 +272,15 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
     )
     model_config = load_model_config(folder, config)
     max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    attention = choose_attention(device, config.attention_backend, dtype)
+    prebuild = None
+    if attention == "flashinfer":  # its JIT builds overlap the MoE kernel's and the loading
+        from tinyoss.kernels.attention_flashinfer import Prebuild
+
+        prebuild = Prebuild(device, dtype, model_config.head_dim,
+                            CacheLayout.for_model(model_config).windows)
     backends = select_backends(
-        device, config.attention_backend, config.mxfp4_backend, dtype=dtype,
-        max_num_tokens=max_step_tokens,
+        device, attention, config.mxfp4_backend, dtype=dtype, max_num_tokens=max_step_tokens,
     )
     if group is not None:
         kernels = backends.kernels
@@ -282,12 +288,6 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
                  group.use_fast_all_reduce(dtype, model_config.hidden_size))
         kernels.all_reduce, kernels.all_gather = group.all_reduce, group.all_gather
         kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
-    prebuild = None
-    if backends.attention == "flashinfer":  # its JIT builds overlap the loading below
-        from tinyoss.kernels.attention_flashinfer import Prebuild
-
-        prebuild = Prebuild(device, dtype, model_config.head_dim,
-                            CacheLayout.for_model(model_config).windows)
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
     note = empty_cache_note() if device.type == "cuda" and shard.rank == 0 else None
     if note:

@@ -48,16 +48,11 @@ def select_backends(
 ) -> BackendChoice:
     """`mxfp4` None: env TINYOSS_MXFP4_BACKEND, else auto; `max_num_tokens`: the most tokens one
     forward pass can hold (MoE autotuners must cover it); `platform`: detected when None."""
-    if attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {attention!r} is not one of {ATTENTION_BACKENDS}")
     platform = platform or Platform.detect(device, dtype)
     moe = choose(mxfp4, platform)
     (log.warning if moe.degraded else log.info)("MXFP4 MoE backend: %s", moe.reason)
     on_gpu = device.type == "cuda"
-    if not on_gpu and attention == "flashinfer":
-        raise ValueError(
-            f"attention backend 'flashinfer' needs a CUDA GPU; this engine runs on {device}"
-        )
+    attention = choose_attention(device, attention, dtype)  # its errors before any build
     kernels = Kernels()
     if on_gpu:
         from tinyoss.kernels.layer_ops_triton import (
@@ -77,10 +72,27 @@ def select_backends(
                              mxfp4_linear="triton", fp8_linear="triton")
     _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
+    choice = BackendChoice(kernels, attention)
+    log.info("backends on %s: %s", _device_name(device), choice.describe())
+    return choice
+
+
+def choose_attention(device: torch.device, attention: str = "auto",
+                     dtype: torch.dtype = torch.bfloat16) -> str:
+    """"flashinfer" or "torch" for `attention` ("auto" or either) on this device and dtype;
+    ValueError when the one asked for cannot run. Known before any kernel is built, so that
+    FlashInfer's JIT builds can start early (`attention_flashinfer.Prebuild`)."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {attention!r} is not one of {ATTENTION_BACKENDS}")
+    on_gpu = device.type == "cuda"
+    if not on_gpu and attention == "flashinfer":
+        raise ValueError(
+            f"attention backend 'flashinfer' needs a CUDA GPU; this engine runs on {device}"
+        )
     if attention == "auto" and on_gpu and dtype != torch.bfloat16:
-        attention = "torch"
         log.warning("attention runs on the slow torch path (no CUDA graphs): FlashInfer's sink "
                     "attention takes bfloat16, not %s", str(dtype).removeprefix("torch."))
+        attention = "torch"
     elif attention == "auto":
         attention = "flashinfer" if on_gpu and _has_flashinfer() else "torch"
         if on_gpu and attention == "torch":
@@ -97,9 +109,7 @@ def select_backends(
             "attention backend 'flashinfer' was asked for, but the flashinfer "
             "package is not installed (pip install 'tinyoss[cuda]')"
         )
-    choice = BackendChoice(kernels, attention)
-    log.info("backends on %s: %s", _device_name(device), choice.describe())
-    return choice
+    return attention
 
 
 def _dense(kernels: Kernels, on_gpu: bool) -> None:
