@@ -219,7 +219,7 @@ def test_streaming_deltas_add_up(tiny_llm):
         text += c.delta_text
         ids += c.delta_token_ids
         lps += c.delta_logprobs
-    assert c.finished and text == c.text and ids == c.token_ids and len(lps) == 12
+    assert c.finished() and text == c.text and ids == c.token_ids and len(lps) == 12
     assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] for lp in lps)
     assert all(lp.token_id == lp.top[0][0] for lp in lps)  # greedy picks the most likely token
 

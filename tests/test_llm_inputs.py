@@ -306,6 +306,14 @@ def test_cumulative_logprob_is_vllms(tiny_llm):
     assert plain.outputs[0].cumulative_logprob is None
 
 
+def test_completion_finished_is_a_method_as_vllms(tiny_llm):
+    """vLLM scripts call `c.finished()` on a CompletionOutput (a method there; the request's
+    `finished` is a field): as a property it raised "'bool' object is not callable"."""
+    outs = list(tiny_llm.stream("Hello", SamplingParams(max_tokens=2)))
+    assert [o.outputs[0].finished() for o in outs] == [False, True]
+    assert outs[-1].finished is True
+
+
 def test_chat_takes_every_choice_apart(tiny_llm):
     """With n > 1 each choice is parsed (only the first was), the first also as the reply's
     own fields."""

@@ -109,8 +109,9 @@ class CompletionOutput:
                 f"token_ids={self.token_ids!r}, finish_reason={self.finish_reason!r}, "
                 f"stop_reason={self.stop_reason!r})")
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's (`c.finished()`); the request's `RequestOutput.finished` is a
+        field."""
         return self.finish_reason is not None
 
 

@@ -142,7 +142,7 @@ class ChatChoice:
                 break
         if self.finish_reason is None and self.num_tokens == end < len(out.token_ids):
             self.num_tokens += 1  # the stop token: in token_ids and logprobs, not the text
-        if out.finished and self.finish_reason is None:
+        if out.finished() and self.finish_reason is None:
             deltas += self._keep(self.parser.finish())
             if self.stop is not None and self.finish_reason is None:
                 deltas += self._keep([harmony.Delta("content", self.stop.flush())], final=True)
@@ -322,7 +322,7 @@ class TextChoice:
     def update(self, out: CompletionOutput) -> dict | None:
         if self.finish_reason is not None:
             return None
-        if (self.prompt is not None or self.prompt_only) and not (out.token_ids or out.finished):
+        if (self.prompt is not None or self.prompt_only) and not (out.token_ids or out.finished()):
             return None  # the prompt's logprobs are not all in yet
         if self.prompt_only:
             return self._prompt_alone(out)
@@ -345,7 +345,7 @@ class TextChoice:
                 self.held.append((token, _lp(e.logprob), top, self.offset))
                 self.offset += len(self.detok.add((e.token_id,)))
             # at the end, the rest: those a stop string cut point at the end of the text
-            while self.held and (out.finished or self.held[0][3] <= self.sent):
+            while self.held and (out.finished() or self.held[0][3] <= self.sent):
                 token, lp, top, at = self.held.popleft()
                 for key, value in zip(lps, (token, lp, top, min(at, self.sent))):
                     lps[key].append(value)

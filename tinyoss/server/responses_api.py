@@ -450,13 +450,13 @@ class Output:
             self.num_tokens += 1
             for d in self.parser.add(token):
                 events += self._add(d)
-        if out.finished:
+        if out.finished():
             for d in self.parser.finish():
                 events += self._add(d)
             events += self.close("incomplete" if out.finish_reason == "length" else "completed")
             self.finish_reason = out.finish_reason
         # the engine's entries are in the items now, but for those the parser still holds
-        release(self._lps, len(out.token_ids) if out.finished else self.parser.holding)
+        release(self._lps, len(out.token_ids) if out.finished() else self.parser.holding)
         return events
 
     def close(self, status: str) -> list[dict]:
