@@ -314,6 +314,15 @@ def test_completion_finished_is_a_method_as_vllms(tiny_llm):
     assert outs[-1].finished is True
 
 
+def test_seed_minus_one_is_no_seed_as_vllms(tiny_llm):
+    """vLLM reads seed=-1 as no seed (scripts pass it for "random"): it seeded every call with
+    -1, so each repeated the last one's tokens."""
+    assert SamplingParams(seed=-1).seed is None
+    params = SamplingParams(seed=-1, max_tokens=6, ignore_eos=True)
+    runs = [tokens(tiny_llm.generate("Hello", params, use_tqdm=False)) for _ in range(2)]
+    assert runs[0] != runs[1]
+
+
 def test_chat_takes_every_choice_apart(tiny_llm):
     """With n > 1 each choice is parsed (only the first was), the first also as the reply's
     own fields."""

@@ -92,7 +92,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # -1: None, as vLLM's (the usual "no seed", which had seeded -1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -132,6 +132,8 @@ class SamplingParams:
         _check("top_p", v.top_p, _is_real(v.top_p) and 0 <= v.top_p <= 1, "a number in [0, 1]")
         _check("top_k", v.top_k, _is_int(v.top_k) and v.top_k >= -1, "an int >= -1 (0 or -1 = off)")
         _check("min_p", v.min_p, _is_real(v.min_p) and 0 <= v.min_p <= 1, "a number in [0, 1]")
+        if v.seed == -1 and _is_int(v.seed):
+            self.seed = None
         seed_ok = v.seed is None or _is_int(v.seed) and _SEED_MIN <= v.seed <= _SEED_MAX
         _check("seed", v.seed, seed_ok, f"an int in [{_SEED_MIN}, {_SEED_MAX}]", optional=True)
         for name in ("presence_penalty", "frequency_penalty"):
