@@ -215,6 +215,22 @@ def test_regex_and_choice_on_raw_prompts(llm):
     assert b.outputs[0].text in ("yes", "no", "maybe")
 
 
+def test_gbnf_grammars_as_in_vllms_examples(llm):
+    """vLLM's structured-output examples write grammars in GBNF (`root ::= ...`), which its
+    backends take: llguidance's Lark parser had refused them ("Expected token '_', found
+    '='"). GBNF is converted; Lark, with its `start:` rule, is kept; bad GBNF says so."""
+    sql = "\n".join(['root ::= "SELECT " column " FROM " table', 'column ::= "a" | "b"',
+                     'table ::= "t" [0-9]'])
+    gbnf, lark = (SamplingParams(max_tokens=20, seed=1, structured_outputs=StructuredOutputs(
+        grammar=g)) for g in (sql, 'start: "x" | "y"'))
+    a, b = llm.generate(["Query:", "Letter:"], [gbnf, lark], use_tqdm=False)
+    text = a.outputs[0].text
+    assert text[:7] == "SELECT " and text[7] in "ab" and text[8:15] == " FROM t"
+    assert text[15:].isdigit() and len(text) == 16 and b.outputs[0].text in ("x", "y")
+    with pytest.raises(ValueError, match="reads as GBNF .* does not parse: Expected '\\)'"):
+        check(StructuredOutputs(grammar='root ::= ( "a"'))
+
+
 def test_special_token_names_in_a_grammar_are_written_as_text(llm):
     """A schema or choice whose text spells a special token ('<|end|>') is written as plain
     text, in chat too: llguidance wrote a grammar's forced text with a tokenizer that read such

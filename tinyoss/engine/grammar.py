@@ -61,7 +61,21 @@ def to_grammar(spec: StructuredOutputs) -> str:
         return ll.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return ll.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-    return ll.grammar_from_lark(spec.grammar)
+    return ll.grammar_from_lark(_lark(spec.grammar))
+
+
+def _lark(grammar: str) -> str:
+    """`grammar` in Lark: GBNF (`root ::= ...`, the dialect of vLLM's examples, which its
+    backends take too) is converted by llguidance; Lark, told by its `start:` rule, is kept."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if "::=" not in grammar or is_lark_syntax(grammar):
+        return grammar
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as e:  # llguidance's GbnfToLarkError, which names the place
+        raise ValueError(f"it reads as GBNF (rules `name ::= ...`, no Lark `start:` rule) but "
+                         f"does not parse: {e}") from None
 
 
 # llguidance's parser holds at most 2,000 items in a row: a choice of more strings fails at its
