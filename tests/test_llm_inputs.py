@@ -323,6 +323,33 @@ def test_seed_minus_one_is_no_seed_as_vllms(tiny_llm):
     assert runs[0] != runs[1]
 
 
+def test_vllms_inert_arguments_are_taken_and_the_others_refused(tiny_llm):
+    """vLLM scripts pass lora_request=None, chat_template=None and the like, and a factory of
+    the progress bar as use_tqdm: each was a TypeError. A value that would ask for something
+    tinyoss does not do is refused by name, and the LLM serves on."""
+    made = []
+
+    def bar(**kw):
+        made.append(kw["total"])
+        return __import__("tqdm").tqdm(**kw, disable=True)
+
+    outs = tiny_llm.generate(["a", "b"], GREEDY, bar, lora_request=None, priority=None,
+                             tokenization_kwargs={})
+    assert len(outs) == 2 and made == [2]
+    assert tiny_llm.chat(HI, GREEDY, False, lora_request=None, chat_template=None,
+                         chat_template_content_format="openai", mm_processor_kwargs=None)
+    for call, kw, words in [
+        (tiny_llm.generate, {"lora_request": object()}, "lora_request=.* no LoRA"),
+        (tiny_llm.generate, {"priority": [1]}, "priority=.* first come, first served"),
+        (tiny_llm.chat, {"chat_template": "{{ x }}"}, "chat_template=.* rendered in harmony"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            call(HI if call == tiny_llm.chat else "a", GREEDY, False, **kw)
+    with pytest.raises(TypeError, match="generate.* unexpected keyword argument 'chat_template'"):
+        tiny_llm.generate("a", GREEDY, chat_template=None)
+    assert tiny_llm.generate("a", GREEDY, use_tqdm=False)[0].finished
+
+
 def test_chat_takes_every_choice_apart(tiny_llm):
     """With n > 1 each choice is parsed (only the first was), the first also as the reply's
     own fields."""

@@ -8,7 +8,7 @@ import itertools
 import logging
 import reprlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -46,6 +46,25 @@ CHAT_SHAPE = (
     "or a list of such lists"
 )
 EFFORTS = ("low", "medium", "high")
+# vLLM's arguments of generate and chat that tinyoss has no use for: the values that ask for
+# nothing (scripts pass lora_request=None and the like) are taken, any other is refused, saying why
+VLLM_INERT: dict[str, tuple[tuple[object, ...], str]] = {
+    "lora_request": ((None,), "tinyoss serves no LoRA adapters"),
+    "priority": ((None,), "tinyoss schedules first come, first served (as vLLM without its "
+                 "priority policy)"),
+    "tokenization_kwargs": ((None, {}), "give the prompt's token ids instead"),
+    "chat_template": ((None,), "gpt-oss prompts are rendered in harmony, not by a template: "
+                      "render your own prompt and give it to generate"),
+    "chat_template_content_format": (("auto", "string", "openai"), "it must be auto, string or "
+                                     "openai (content is read in either form)"),
+    "mm_processor_kwargs": ((None, {}), "gpt-oss reads text only"),
+}
+VLLM_ARGS = {
+    "generate": ("lora_request", "priority", "tokenization_kwargs"),
+    "chat": ("lora_request", "chat_template", "chat_template_content_format",
+             "tokenization_kwargs", "mm_processor_kwargs"),
+}
+ProgressBar = bool | Callable[..., Any]  # vLLM's use_tqdm: on, off, or the bar's factory
 
 
 @dataclass
@@ -226,15 +245,18 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressBar = True,
+        **vllm_args: Any,
     ) -> list[RequestOutput]:
         """Runs all prompts as one continuous batch; outputs come back in prompt order
-        (`use_tqdm` third, as in vLLM's)."""
+        (`use_tqdm` third, as in vLLM's, or a tqdm-like factory of the bar). `vllm_args`: vLLM's
+        lora_request, priority, tokenization_kwargs, at values that ask for nothing."""
+        _check_vllm_args("generate", vllm_args)
         batch = _as_batch(prompts)
         return self._generate(batch, _per_prompt(sampling_params, len(batch)), use_tqdm)
 
     def _generate(self, batch: list[tuple[str, str | list[int]]], params: list[SamplingParams],
-                  use_tqdm: bool,
+                  use_tqdm: ProgressBar,
                   answer_stops: list[list[str]] | None = None) -> list[RequestOutput]:
         """`answer_stops`: each prompt's stop strings on its harmony answer (chat), which end
         its sequences in the engine."""
@@ -289,7 +311,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressBar = True,
         *,
         reasoning_effort: str | None = None,
         tools: list[dict] | None = None,
@@ -299,6 +321,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        **vllm_args: Any,
     ) -> list[ChatOutput]:
         """Chat through the harmony format: one conversation or a list of them.
 
@@ -310,7 +333,10 @@ class LLM:
         stop_reason the string; its raw text is not cut).
         `reasoning_effort` (default medium) may come as vLLM users give it, in
         `chat_template_kwargs`, which also takes `model_identity`; `use_tqdm` is the third
-        argument, as in vLLM."""
+        argument, as in vLLM. `vllm_args`: vLLM's lora_request, chat_template,
+        chat_template_content_format, tokenization_kwargs, mm_processor_kwargs, at values that
+        ask for nothing."""
+        _check_vllm_args("chat", vllm_args)
         if continue_final_message is not False:
             raise ValueError("continue_final_message=True is not supported: harmony closes every "
                              "message it renders; to continue a reply, render the prompt up to "
@@ -366,13 +392,13 @@ class LLM:
                                       first.finish_reason, first.logprobs, out, choices))
         return replies
 
-    def _run(self, request_ids: list[str], use_tqdm: bool,
+    def _run(self, request_ids: list[str], use_tqdm: ProgressBar,
              watch: dict[str, list[_AnswerStop]] | None = None) -> list[RequestOutput]:
         """Steps until every request has finished; `watch`: each sequence's answer stop, which
         ends it in the engine once its answer reaches a stop string."""
         pending = list(request_ids)
         done: dict[str, RequestOutput] = {}
-        bar = _progress(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
+        bar = _progress(len(request_ids), use_tqdm) if use_tqdm and len(request_ids) > 1 else None
         prefill = _PrefillBar(self.engine, request_ids[0]) if use_tqdm else None
         try:
             while pending:
@@ -686,7 +712,19 @@ class _PrefillBar:
             self.bar = None
 
 
-def _progress(total: int):
+def _progress(total: int, use_tqdm: ProgressBar):
+    """The bar of requests done: tqdm's, or from the factory given as `use_tqdm` (vLLM's)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generating", unit="req")
+    return (use_tqdm if callable(use_tqdm) else tqdm)(total=total, desc="generating",
+                                                       unit="req")
+
+
+def _check_vllm_args(method: str, given: dict[str, Any]) -> None:
+    """`given` are vLLM's arguments of `method`, at values that ask for nothing (VLLM_INERT)."""
+    for name, value in given.items():
+        if name not in VLLM_ARGS[method]:
+            raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
+        inert, why = VLLM_INERT[name]
+        if not any(value is x or type(value) is type(x) and value == x for x in inert):
+            raise ValueError(f"{name}={_given(value)} is not supported: {why}")
