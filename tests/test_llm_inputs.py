@@ -350,6 +350,16 @@ def test_vllms_inert_arguments_are_taken_and_the_others_refused(tiny_llm):
     assert tiny_llm.generate("a", GREEDY, use_tqdm=False)[0].finished
 
 
+def test_metrics_count_tokens_and_time_the_first_as_vllms(tiny_llm):
+    """vLLM's RequestStateStats also carries num_generation_tokens (all n sequences) and
+    first_token_latency (arrival to first token): scripts reading them got AttributeError."""
+    out = tiny_llm.generate("a", SamplingParams(n=2, max_tokens=3, seed=1, ignore_eos=True),
+                            use_tqdm=False)[0]
+    assert out.metrics.num_generation_tokens == 6
+    assert out.metrics.first_token_latency == pytest.approx(
+        out.first_token_time - out.arrival_time) and out.metrics.first_token_latency > 0
+
+
 def test_chat_takes_every_choice_apart(tiny_llm):
     """With n > 1 each choice is parsed (only the first was), the first also as the reply's
     own fields."""

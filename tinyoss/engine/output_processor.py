@@ -120,12 +120,16 @@ class RequestStateStats:
     """vLLM's RequestStateStats, its engine-core timestamps: when the core took the request,
     when it first scheduled it (the earliest of its n sequences; preemptions do not move it),
     and when its first and its latest tokens were made, on the core's time.monotonic clock
-    (None until then). The differences are vLLM's request phases (queue, prefill, decode)."""
+    (None until then). The differences are vLLM's request phases (queue, prefill, decode).
+    Also vLLM's front-end fields scripts read: the tokens generated so far (all n sequences)
+    and the seconds from the request's arrival to its first token (0.0 until then)."""
 
     queued_ts: float | None = None
     scheduled_ts: float | None = None
     first_token_ts: float | None = None
     last_token_ts: float | None = None
+    num_generation_tokens: int = 0
+    first_token_latency: float = 0.0
 
 
 @dataclass
@@ -370,12 +374,15 @@ class OutputProcessor:
                         lp.decode = self._token_text
             if d.prompt_logprobs and request.prompt_logprobs is not None and d.index == 0:
                 request.prompt_logprobs += d.prompt_logprobs
+            had = len(seq.token_ids)
             text, by_stop = seq.apply(d)
+            request.metrics.num_generation_tokens += len(seq.token_ids) - had
             if d.token_ids:
                 request.metrics.last_token_ts = step_time
                 if request.first_token_time is None:
                     request.first_token_time = now
                     request.metrics.first_token_ts = step_time
+                    request.metrics.first_token_latency = now - request.arrival_time
             if by_stop and d.finish_reason is None:
                 stopped.append((d.request_id, d.index))
             changed.setdefault(d.request_id, {})[d.index] = seq.output(
