@@ -81,10 +81,10 @@ def _sink_wrapper(workspace: torch.Tensor, dtype: torch.dtype, head_dim: int, wi
 
 class Prebuild:
     """FlashInfer's JIT builds of the sink-attention variants (one a window), started at once in
-    the background. On a machine that has not built them, each is a build of ~25 s (H100 host)
-    that the wrappers would otherwise run one after the other once the KV cache exists, after
-    the weights load and the MoE warms up; started early and side by side, they overlap that
-    and each other. Daemon threads: a start that fails elsewhere does not wait for them."""
+    the background. On a machine that has not built them, each takes tens of seconds, and the
+    wrappers would otherwise build them one after the other once the KV cache exists, after the
+    weights load and the MoE warms up; started early and side by side, they overlap that and
+    each other. Daemon threads: a start that fails elsewhere does not wait for them."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int,
                  windows: list[int], backend: str = "fa2") -> None:

@@ -2,11 +2,10 @@
 
 Triton compiles each kernel specialization on its first launch and keeps it in its own cache
 (TRITON_CACHE_DIR, default ~/.triton/cache); tinyoss keeps its nvcc build and tokenizer files in
-TINYOSS_CACHE (~/.cache/tinyoss). A start with an empty Triton cache compiles every kernel of
-the decode graphs one at a time: on an H100 host, gpt-oss-20b was healthy after 136 s on an
-empty cache and 35 s on the cache the first start left (bench/results/2026-11-27_session30.md).
-Containers that start from a fresh image pay the first figure every time unless the caches live
-on a volume, so the log says so when it happens.
+TINYOSS_CACHE (~/.cache/tinyoss). A start with an empty Triton cache compiles every kernel
+of the decode graphs one at a time (docs/serve.md, "Start-up time", has the measured cost).
+Containers that start from a fresh image pay it every time unless the caches live on a
+volume, so the log says so when it happens.
 """
 
 from __future__ import annotations
