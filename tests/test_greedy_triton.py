@@ -84,3 +84,16 @@ def test_the_tickets_reset_so_calls_repeat():
 def test_rows_must_be_contiguous():
     with pytest.raises(ValueError, match="contiguous rows"):
         greedy_pick_triton(torch.randn(8, 4, device=DEVICE).t())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton compiles kernels only on a GPU")
+def test_every_batch_size_reuses_two_compiled_kernels():
+    """Batch sizes change the chunk and split counts from step to step: none may make Triton
+    compile again (each compile stalled the step that met it on an empty cache)."""
+    compiled = gt._pick_kernel.device_caches[torch.cuda.current_device()][0]
+    for rows in (1, 300):  # the two variants: several splits a row, one
+        _check(torch.randn(rows, 201088, device=DEVICE))
+    before = len(compiled)
+    for rows in (2, 3, 5, 6, 8, 13, 37, 64, 100, 257):
+        _check(torch.randn(rows, 201088, device=DEVICE))
+    assert len(compiled) == before, list(compiled)

@@ -45,6 +45,7 @@ TARGET_PROGRAMS = 512  # (sequence, KV head, split) programs a launch the splits
 # length measured, bench/results/2026-11-26_h100_decode_attention_splits.md).
 BLOCK_KV = 128
 MERGE_CHUNK = 8  # splits whose partials the merging program loads in one round
+STAGE_BLOCK_W = 1024  # block-table entries `_stage_kernel` copies a round
 
 
 @triton.jit
@@ -170,7 +171,10 @@ def _merge(m_ptr, l_ptr, acc_ptr, base, n, rows, d, sink, dst, valid, GROUP_PAD:
     tl.store(dst, (num / denom[:, None]).to(dst.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit
+# One variant whatever the batch and table widths: these ints change from step to step (each new
+# one a compile on an empty Triton cache, on the step that met it), and the tables are copied in
+# rounds of a fixed STAGE_BLOCK_W.
+@triton.jit(do_not_specialize=["n_slots", "pad_slot", "n_ids"])
 def _stage_kernel(packed_ptr, slot_src_ptr, slot_src_stride, n_slots, pad_slot, slots_ptr,
                   slots_stride, tables_ptr, tables_stride_g, tables_stride_r, ranges_ptr,
                   ranges_stride_g, ids_src_ptr, pos_src_ptr, ids_dst_ptr, pos_dst_ptr, n_ids,
@@ -231,7 +235,7 @@ def stage_decode_plan(ranges: list[list[tuple[int, int]]], tables: list[list[lis
         packed, slot_src, slot_src_stride, n_slots, pad_slot, slots, slots.stride(0), tables_out,
         tables_out.stride(0), tables_out.stride(1), ranges_out, ranges_out.stride(0), ids_src,
         pos_src, ids_dst, pos_dst, 0 if inputs is None else ids_src.shape[0], G=g_count,
-        BLOCK_W=min(1024, triton.next_power_of_2(max(widths))))
+        BLOCK_W=STAGE_BLOCK_W)
 
 
 class DecodeAttention:

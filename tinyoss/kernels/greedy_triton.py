@@ -21,9 +21,12 @@ BLOCK = 1024  # logits a program loads a round
 TARGET_PROGRAMS = 256  # (row, split) programs a launch the splits aim at: ~2 an H100 SM
 
 
-@triton.jit
+# The row count, chunk and split count change with every batch size: as constexprs or
+# specialized ints each new one was a compile (~0.3-1.5 s on an empty Triton cache, on the step
+# that met it); as plain runtime ints the kernel has two variants (one split or several).
+@triton.jit(do_not_specialize=["B", "CHUNK", "SPLITS"])
 def _pick_kernel(x_ptr, out_ptr, part_max_ptr, part_idx_ptr, part_bad_ptr, tickets_ptr, B, V,
-                 stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 stride, CHUNK, SPLITS, ONE: tl.constexpr, SPLITS_PAD: tl.constexpr,
                  BLOCK: tl.constexpr):
     b = tl.program_id(0)
     s = tl.program_id(1)
@@ -46,7 +49,7 @@ def _pick_kernel(x_ptr, out_ptr, part_max_ptr, part_idx_ptr, part_bad_ptr, ticke
     m = tl.max(best, 0)
     i = tl.min(tl.where(best == m, best_i, V), 0)
     worst = tl.max(bad, 0)
-    if SPLITS == 1:
+    if ONE:
         tl.store(out_ptr + b, i.to(tl.int64))
         tl.store(out_ptr + B + b, (1 - worst).to(tl.int64))
     else:
@@ -102,7 +105,8 @@ def greedy_pick_triton(logits: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty(b * splits, dtype=dt, device=logits.device)
              for dt in (torch.float32, torch.int32, torch.int32)] if splits > 1 else [out] * 3
     tickets = _tickets_for(logits.device, b) if splits > 1 else out
-    _pick_kernel[(b, splits)](logits, out, *parts, tickets, b, v, logits.stride(0), CHUNK=chunk,
-                              SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+    _pick_kernel[(b, splits)](logits, out, *parts, tickets, b, v, logits.stride(0), chunk, splits,
+                              ONE=splits == 1,
+                              SPLITS_PAD=triton.next_power_of_2(triton.cdiv(v, BLOCK)),
                               BLOCK=BLOCK, num_warps=4)
     return out
