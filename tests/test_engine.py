@@ -66,6 +66,26 @@ def test_tiny_pool_preempts_and_loses_nothing(tiny_dir, tiny_llm):
     assert llm.engine.scheduler.kv.num_free == llm.engine.scheduler.kv.num_blocks
 
 
+def test_a_decode_preempted_for_an_older_prefill_chunk_leaves_the_step(tiny_dir, tiny_llm):
+    """Decodes are picked before prefill chunks, so the newest sequence, preempted to make room
+    for an older prompt's chunk, may already be in the step: it must leave it (its blocks are
+    gone; the step's plan had failed with an IndexError)."""
+    batch = [prompts(1, seed=13, lo=160, hi=161)[0], [1, 2, 3]]
+    sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 30)]
+    expected = [tokens(tiny_llm.generate([p], s, use_tqdm=False))[0] for p, s in zip(batch, sp)]
+    llm = LLM(
+        str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16 * 20,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
+    assert tokens(llm.generate(batch, sp, use_tqdm=False)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv.num_free == llm.engine.scheduler.kv.num_blocks
+
+
 def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llm, tiny_dir):
     rng = random.Random(7)
     system = [rng.randrange(199998) for _ in range(200)]

@@ -142,6 +142,8 @@ class Scheduler:
                 budget -= n
                 if chunk and cost is not None:
                     left, first = left - cost.seconds(n, context), False
+        # a decode picked before a prefill chunk may have been preempted to make room for it
+        picked = [(seq, n) for seq, n in picked if seq.status is Status.RUNNING]
         admit = self.num_preemptions == preemptions  # none admitted in a step that preempts
         room = len(self.running) < self.max_num_seqs
         while admit and self.waiting and budget and room and (cost is None or left > 0 or first):
