@@ -112,6 +112,18 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(tiny_llm, tiny_dir):
     assert kv.hit_blocks - hits <= full_blocks + window_blocks
 
 
+def test_a_preempted_request_does_not_count_its_own_blocks_as_cached(tiny_dir):
+    """num_cached_tokens (and vllm:prefix_cache_hits) are what the prefix cache gave a request
+    when first scheduled, as in vLLM: recomputing after a preemption finds the request's own
+    blocks, which are no hit (two unrelated prompts had reported 16 cached tokens)."""
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_tokens=16 * 12)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outs = llm.generate(prompts(2, seed=14, lo=40, hi=41), sp, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert llm.engine.stats.cached_prompt_tokens == 0
+
+
 def test_cache_salt_keeps_prefixes_apart(tiny_llm):
     """vLLM's cache_salt: prompts of different salts share no cached block, of equal salts do
     (the salt seeds the first block's hash, so every later block differs too)."""

@@ -150,9 +150,6 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 seq.num_computed = self.kv.match_prefix(seq.blocks, seq.token_ids)
-                seq.num_cached_prompt = max(
-                    seq.num_cached_prompt, min(seq.num_computed, seq.num_prompt)
-                )
             n = fitting(seq, min(seq.num_tokens - seq.num_computed, budget))
             if not self.running:
                 n = self.kv.max_new_tokens(seq.blocks, seq.num_computed, n)
@@ -164,6 +161,8 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.scheduled_time is None:  # the first time: a preempted one keeps it (vLLM's)
                 seq.scheduled_time = time.monotonic()
+                # so are its cached tokens: after a preemption it finds its own blocks again
+                seq.num_cached_prompt = min(seq.num_computed, seq.num_prompt)
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
