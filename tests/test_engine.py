@@ -186,6 +186,28 @@ def test_n_samples_share_the_prompt(tiny_llm):
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
 
 
+def test_n_samples_hold_the_prompts_blocks_once(tiny_dir, tiny_llm):
+    """The n sequences of a request compute the prompt once, here in two chunks: the others
+    wait, then take its blocks from the prefix cache (admitted beside it, each had computed and
+    held the prompt's blocks again)."""
+    prompt = prompts(1, seed=15, lo=321, hi=322)[0]
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True)
+    expected = [o.token_ids for o in tiny_llm.generate([prompt], sp, use_tqdm=False)[0].outputs]
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_batched_tokens=200)
+    engine, kv = llm.engine, llm.engine.scheduler.kv
+    engine.add(CoreRequest("n3", prompt, sp))
+    engine.step()
+    assert engine.prompt_progress("n3") == (200, len(prompt))  # the first chunk, shared
+    got, held = [[], [], []], 0
+    while engine.has_work():
+        for delta in engine.step():
+            got[delta.index] += delta.token_ids
+        held = max(held, kv.num_blocks - kv.num_free)
+    assert got == expected
+    # one sequence's blocks, and the others' own last blocks (a chunk apart, they held 50)
+    assert held <= kv.blocks_needed(len(prompt) + 4) + 3 * 2
+
+
 def test_stop_ids_stop_strings_and_length(tiny_llm):
     p = prompts(1, seed=5)[0]
     free = tiny_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]

@@ -256,11 +256,12 @@ class EngineCore:
 
     def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens prefilled or under way, prompt tokens) of a request, for a progress
-        bar; None once it is done (or unknown)."""
+        bar; None once it is done (or unknown). With n > 1 one sequence computes the prompt
+        while the others wait to share it: the furthest one tells."""
         seqs = self.requests.get(request_id)
         if not seqs:
             return None
-        return min(s.num_computed for s in seqs), seqs[0].num_prompt
+        return max(s.num_computed for s in seqs), seqs[0].num_prompt
 
     def has_work(self) -> bool:
         return bool(self.requests) or self._in_flight is not None

@@ -2,7 +2,9 @@
 
 Each step has a token budget. Running sequences come first, oldest first, decodes before
 unfinished prefills (decodes take one token, prefills a chunk), then waiting requests are
-admitted in arrival order.
+admitted in arrival order. The n sequences of a request (n > 1) wait while one of them
+computes the prompt, then take its blocks from the prefix cache rather than compute and hold
+their own.
 While short requests wait to be admitted (their prompts together within 1 / NEWCOMER_SHARE of
 the budget), an unfinished prefill's chunk leaves them room, so that their first tokens do not
 wait for a long prompt's whole prefill; longer ones wait their turn, so long prompts are not
@@ -146,8 +148,12 @@ class Scheduler:
         picked = [(seq, n) for seq, n in picked if seq.status is Status.RUNNING]
         admit = self.num_preemptions == preemptions  # none admitted in a step that preempts
         room = len(self.running) < self.max_num_seqs
+        # n > 1: a request's other sequences wait while one computes the prompt's blocks
+        prefilling = {s.request_id for s in self.running if self._computes_shared_prompt(s)}
         while admit and self.waiting and budget and room and (cost is None or left > 0 or first):
             seq = self.waiting[0]
+            if seq.request_id in prefilling:
+                break
             if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 seq.num_computed = self.kv.match_prefix(seq.blocks, seq.token_ids)
             n = fitting(seq, min(seq.num_tokens - seq.num_computed, budget))
@@ -166,10 +172,20 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
+            if self._computes_shared_prompt(seq):
+                prefilling.add(seq.request_id)
             if cost is not None:
                 left, first = left - cost.seconds(n, seq.num_computed), False
             room = len(self.running) < self.max_num_seqs
         return self._plan(picked) if picked else None
+
+    def _computes_shared_prompt(self, seq: Sequence) -> bool:
+        """Whether `seq` has yet to compute prompt blocks that its siblings would take from the
+        prefix cache (named as its steps are planned: its siblings find them a step later)."""
+        shareable = (seq.num_prompt - 1) // self.kv.block_size * self.kv.block_size
+        return seq.num_computed < shareable and self.kv.enable_prefix_caching and not (
+            seq.wants_prompt_logprobs
+        )
 
     def _room_for_short_newcomers(self) -> int:
         """The tokens of the waiting requests at the queue's head whose prompts together fit
