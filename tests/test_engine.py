@@ -208,6 +208,25 @@ def test_n_samples_hold_the_prompts_blocks_once(tiny_dir, tiny_llm):
     assert held <= kv.blocks_needed(len(prompt) + 4) + 3 * 2
 
 
+def test_requests_behind_n_samples_are_admitted_while_their_prompt_is_computed(tiny_dir):
+    """The waiting siblings of an n > 1 request do not hold up the requests queued after them:
+    a short request is admitted beside the first sequence's prompt chunks."""
+    long, short = prompts(2, seed=16, lo=330, hi=331)[0], prompts(1, seed=17, lo=5, hi=6)[0]
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", max_num_batched_tokens=200)
+    engine = llm.engine
+    engine.add(CoreRequest("n2", long, SamplingParams(n=2, max_tokens=2, ignore_eos=True)))
+    engine.add(CoreRequest("next", short, SamplingParams(max_tokens=2, ignore_eos=True)))
+    def waiting() -> list[tuple[str, int]]:
+        return [(s.request_id, s.index) for s in engine.scheduler.waiting]
+
+    engine.step()  # the budget's 200 tokens: the first chunk of n2's prompt
+    assert waiting() == [("n2", 1), ("next", 0)]
+    engine.step()  # the prompt's last 130 tokens, and "next" beside them (it had waited)
+    assert waiting() == [("n2", 1)] and engine.prompt_progress("next") == (5, 5)
+    while engine.has_work():
+        engine.step()
+
+
 def test_stop_ids_stop_strings_and_length(tiny_llm):
     p = prompts(1, seed=5)[0]
     free = tiny_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]

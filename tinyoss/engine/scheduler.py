@@ -4,7 +4,7 @@ Each step has a token budget. Running sequences come first, oldest first, decode
 unfinished prefills (decodes take one token, prefills a chunk), then waiting requests are
 admitted in arrival order. The n sequences of a request (n > 1) wait while one of them
 computes the prompt, then take its blocks from the prefix cache rather than compute and hold
-their own.
+their own; the requests queued behind them are admitted meanwhile.
 While short requests wait to be admitted (their prompts together within 1 / NEWCOMER_SHARE of
 the budget), an unfinished prefill's chunk leaves them room, so that their first tokens do not
 wait for a long prompt's whole prefill; longer ones wait their turn, so long prompts are not
@@ -150,10 +150,13 @@ class Scheduler:
         room = len(self.running) < self.max_num_seqs
         # n > 1: a request's other sequences wait while one computes the prompt's blocks
         prefilling = {s.request_id for s in self.running if self._computes_shared_prompt(s)}
-        while admit and self.waiting and budget and room and (cost is None or left > 0 or first):
-            seq = self.waiting[0]
-            if seq.request_id in prefilling:
-                break
+        at = 0  # the queue's head, past sequences waiting for a sibling's prompt blocks
+        while (admit and at < len(self.waiting) and budget and room
+               and (cost is None or left > 0 or first)):
+            seq = self.waiting[at]
+            if seq.request_id in prefilling:  # the requests behind it need not wait too
+                at += 1
+                continue
             if seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 seq.num_computed = self.kv.match_prefix(seq.blocks, seq.token_ids)
             n = fitting(seq, min(seq.num_tokens - seq.num_computed, budget))
@@ -163,7 +166,7 @@ class Scheduler:
                 self.kv.free_all(seq.blocks)
                 seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             seq.status = Status.RUNNING
             if seq.scheduled_time is None:  # the first time: a preempted one keeps it (vLLM's)
                 seq.scheduled_time = time.monotonic()
