@@ -86,14 +86,9 @@ def test_rows_must_be_contiguous():
         greedy_pick_triton(torch.randn(8, 4, device=DEVICE).t())
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="Triton compiles kernels only on a GPU")
-def test_every_batch_size_reuses_two_compiled_kernels():
-    """Batch sizes change the chunk and split counts from step to step: none may make Triton
-    compile again (each compile stalled the step that met it on an empty cache)."""
-    compiled = gt._pick_kernel.device_caches[torch.cuda.current_device()][0]
-    for rows in (1, 300):  # the two variants: several splits a row, one
-        _check(torch.randn(rows, 201088, device=DEVICE))
-    before = len(compiled)
-    for rows in (2, 3, 5, 6, 8, 13, 37, 64, 100, 257):
-        _check(torch.randn(rows, 201088, device=DEVICE))
-    assert len(compiled) == before, list(compiled)
+def test_batch_sizes_share_a_few_chunk_sizes():
+    """Chunk and split counts are constexprs: every batch size of one power-of-two bucket takes
+    the same, so serving meets at most a handful of variants to compile."""
+    seen = {gt.splits_for(rows, 201088) for rows in range(1, 513)}
+    assert len(seen) <= 10
+    assert gt.splits_for(33, 201088) == gt.splits_for(64, 201088)

@@ -21,12 +21,9 @@ BLOCK = 1024  # logits a program loads a round
 TARGET_PROGRAMS = 256  # (row, split) programs a launch the splits aim at: ~2 an H100 SM
 
 
-# The row count, chunk and split count change with every batch size: as constexprs or
-# specialized ints each new one was a compile (~0.3-1.5 s on an empty Triton cache, on the step
-# that met it); as plain runtime ints the kernel has two variants (one split or several).
-@triton.jit(do_not_specialize=["B", "CHUNK", "SPLITS"])
+@triton.jit(do_not_specialize=["B"])
 def _pick_kernel(x_ptr, out_ptr, part_max_ptr, part_idx_ptr, part_bad_ptr, tickets_ptr, B, V,
-                 stride, CHUNK, SPLITS, ONE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                  BLOCK: tl.constexpr):
     b = tl.program_id(0)
     s = tl.program_id(1)
@@ -49,7 +46,7 @@ def _pick_kernel(x_ptr, out_ptr, part_max_ptr, part_idx_ptr, part_bad_ptr, ticke
     m = tl.max(best, 0)
     i = tl.min(tl.where(best == m, best_i, V), 0)
     worst = tl.max(bad, 0)
-    if ONE:
+    if SPLITS == 1:
         tl.store(out_ptr + b, i.to(tl.int64))
         tl.store(out_ptr + B + b, (1 - worst).to(tl.int64))
     else:
@@ -85,8 +82,12 @@ def _tickets_for(device: torch.device, rows: int) -> torch.Tensor:
 
 
 def splits_for(rows: int, vocab: int) -> tuple[int, int]:
-    """(chunk, splits): whole BLOCKs a program, about TARGET_PROGRAMS programs a launch."""
-    want = max(1, min(TARGET_PROGRAMS // max(rows, 1), triton.cdiv(vocab, BLOCK)))
+    """(chunk, splits): whole BLOCKs a program, about TARGET_PROGRAMS programs a launch. The
+    rows count in powers of two: chunk and splits are constexprs (a runtime loop bound was 2-4x
+    slower), and each value a compile on the step that first meets it, so a batch size of its
+    own for each would compile dozens of variants while serving, a few do."""
+    bucket = triton.next_power_of_2(max(rows, 1))
+    want = max(1, min(TARGET_PROGRAMS // bucket, triton.cdiv(vocab, BLOCK)))
     chunk = triton.cdiv(triton.cdiv(vocab, want), BLOCK) * BLOCK
     return chunk, triton.cdiv(vocab, chunk)
 
@@ -105,8 +106,7 @@ def greedy_pick_triton(logits: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty(b * splits, dtype=dt, device=logits.device)
              for dt in (torch.float32, torch.int32, torch.int32)] if splits > 1 else [out] * 3
     tickets = _tickets_for(logits.device, b) if splits > 1 else out
-    _pick_kernel[(b, splits)](logits, out, *parts, tickets, b, v, logits.stride(0), chunk, splits,
-                              ONE=splits == 1,
-                              SPLITS_PAD=triton.next_power_of_2(triton.cdiv(v, BLOCK)),
+    _pick_kernel[(b, splits)](logits, out, *parts, tickets, b, v, logits.stride(0), CHUNK=chunk,
+                              SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                               BLOCK=BLOCK, num_warps=4)
     return out
