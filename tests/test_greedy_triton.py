@@ -34,7 +34,7 @@ def test_splits_cover_the_row_in_whole_rounds():
     for rows, vocab in [(1, 201088), (8, 201088), (64, 201088), (300, 700), (1, 1)]:
         chunk, splits = gt.splits_for(rows, vocab)
         assert chunk % gt.BLOCK == 0 and (splits - 1) * chunk < vocab <= splits * chunk
-        assert rows * splits <= max(gt.TARGET_PROGRAMS, rows)
+        assert rows * splits <= max(2 * gt.TARGET_PROGRAMS, rows)
     assert gt.splits_for(1, 201088)[1] > 64  # batch 1 spreads over the GPU
 
 
@@ -91,4 +91,4 @@ def test_batch_sizes_share_a_few_chunk_sizes():
     the same, so serving meets at most a handful of variants to compile."""
     seen = {gt.splits_for(rows, 201088) for rows in range(1, 513)}
     assert len(seen) <= 10
-    assert gt.splits_for(33, 201088) == gt.splits_for(64, 201088)
+    assert gt.splits_for(32, 201088) == gt.splits_for(63, 201088)

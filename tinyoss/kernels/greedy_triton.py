@@ -82,11 +82,12 @@ def _tickets_for(device: torch.device, rows: int) -> torch.Tensor:
 
 
 def splits_for(rows: int, vocab: int) -> tuple[int, int]:
-    """(chunk, splits): whole BLOCKs a program, about TARGET_PROGRAMS programs a launch. The
-    rows count in powers of two: chunk and splits are constexprs (a runtime loop bound was 2-4x
-    slower), and each value a compile on the step that first meets it, so a batch size of its
-    own for each would compile dozens of variants while serving, a few do."""
-    bucket = triton.next_power_of_2(max(rows, 1))
+    """(chunk, splits): whole BLOCKs a program, TARGET_PROGRAMS to twice that programs a
+    launch. The rows count as the power of two at or below them: chunk and splits are
+    constexprs (a runtime loop bound was 2-4x slower) and each value a compile on the step that
+    first meets it, so a value of its own for each batch size would compile dozens of variants
+    while serving; rounded down (not up), a row keeps at least as many programs."""
+    bucket = 1 << (max(rows, 1).bit_length() - 1)
     want = max(1, min(TARGET_PROGRAMS // bucket, triton.cdiv(vocab, BLOCK)))
     chunk = triton.cdiv(triton.cdiv(vocab, want), BLOCK) * BLOCK
     return chunk, triton.cdiv(vocab, chunk)
