@@ -18,6 +18,7 @@ from tinyoss.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--top-p", "0.9", "--top-k", "40", "--min-p", "0.05", "--repetition-penalty", "1.1",
+         "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
          "--stop", "\n\n", "--stop", "END", "--seed", "7", "--max-tokens", "1k"]  # fmt: skip
 
 
@@ -58,6 +59,7 @@ def test_the_flags_reach_the_sampling_params(command, llm, capsys):
     (_, params), = llm.calls
     assert (params.top_p, params.top_k, params.min_p) == (0.9, 40, 0.05)
     assert params.repetition_penalty == 1.1 and params.stop == ["\n\n", "END"]
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
     assert (params.seed, params.max_tokens) == (7, 1000)
 
 
@@ -67,7 +69,7 @@ def test_the_defaults_change_nothing(llm, capsys):
     (_, params), = llm.calls
     neutral = SamplingParams(max_tokens=256, seed=0)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
-                 "max_tokens", "seed"):  # fmt: skip
+                 "max_tokens", "seed", "presence_penalty", "frequency_penalty"):  # fmt: skip
         assert getattr(params, name) == getattr(neutral, name), name
 
 
@@ -78,6 +80,8 @@ def test_the_defaults_change_nothing(llm, capsys):
     ("--repetition-penalty", "0",
      "--repetition-penalty: repetition_penalty=0.0 is invalid: must be a finite number > 0"),
     ("--stop", "", "--stop: stop=[''] is invalid: must be a non-empty string or a list of them"),
+    ("--presence-penalty", "2.5",
+     "--presence-penalty: presence_penalty=2.5 is invalid: must be a number in [-2, 2]"),
     ("--seed", str(2**63), f"--seed: seed={2**63} is invalid: must be an int in "
      f"[{-(2**63)}, {2**63 - 1}]"),
 ])  # fmt: skip
@@ -102,7 +106,8 @@ def test_the_messages_are_the_servers(field, value):
     with pytest.raises(APIError) as api:
         _sampling({}, vocab_size=100, **{field: value})
     args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                           repetition_penalty=1.0, stop=None, max_tokens=16)  # fmt: skip
+                           repetition_penalty=1.0, stop=None, max_tokens=16,
+                           presence_penalty=0.0, frequency_penalty=0.0)  # fmt: skip
     setattr(args, field, value)
     with pytest.raises(ValueError) as cli_error:
         sampling_params(args)  # type: ignore[arg-type]
@@ -129,6 +134,12 @@ def test_generate_reads_its_prompt_from_stdin(argv, data, prompt, llm, capsys, m
     assert capsys.readouterr().out == "ok\n"
 
 
+def test_chat_reads_its_message_from_stdin(llm, capsys, monkeypatch):
+    piped(monkeypatch, b"What is 2 + 2?\n")
+    cli.main(["chat"])
+    assert llm.calls[0][0] == [{"role": "user", "content": "What is 2 + 2?"}]
+
+
 def test_a_prompt_argument_wins_over_stdin(llm, capsys, monkeypatch):
     piped(monkeypatch, b"from stdin")
     cli.main(["generate", "from the argument"])
@@ -140,6 +151,9 @@ def test_a_prompt_argument_wins_over_stdin(llm, capsys, monkeypatch):
     (["generate"], b"", False, "PROMPT (read from stdin) is empty: give some text"),
     (["generate", "-"], b"\n", False, "PROMPT (read from stdin) is empty"),
     (["generate", "-"], b"ok \xff", False, "stdin is not UTF-8 text (at byte 3)"),
+    (["chat"], b"", True, "MESSAGE is missing: give it as an argument, or pipe it in "
+     "(echo 'Hello' | tinyoss chat)"),
+    (["chat", "-"], b"", False, "MESSAGE (read from stdin) is empty"),
 ])  # fmt: skip
 def test_stdin_refusals(argv, data, tty, says, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("it loaded"))
@@ -147,7 +161,7 @@ def test_stdin_refusals(argv, data, tty, says, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and f"tinyoss generate: error: {says}" in err, err
+    assert e.value.code == 2 and f"tinyoss {argv[0]}: error: {says}" in err, err
 
 
 def test_on_tiny_top_k_1_is_greedy_and_stop_cuts_the_text(capsys):

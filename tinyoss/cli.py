@@ -262,11 +262,12 @@ def reply_text(reply: ChatOutput) -> str:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    params = _params(args, args.message, "MESSAGE")
+    message, what = _text(args.message, "MESSAGE", "chat")
+    params = _params(args, message, what)
     llm = _load(args)
     try:
         reply = llm.chat(
-            [{"role": "user", "content": args.message}],
+            [{"role": "user", "content": message}],
             params,
             reasoning_effort=args.reasoning_effort,
         )[0]
@@ -276,26 +277,26 @@ def _chat(args: argparse.Namespace) -> None:
     print(f"\n[finish: {reply.finish_reason}]", file=sys.stderr)
 
 
-def _prompt(arg: str | None) -> tuple[str, str]:
-    """generate's prompt, and what messages call it: PROMPT, or stdin's text, as Unix tools
-    read theirs, when PROMPT is `-` or left out with stdin not a terminal (`echo hi | tinyoss
-    generate`); one trailing newline, echo's, is dropped."""
+def _text(arg: str | None, name: str, command: str) -> tuple[str, str]:
+    """generate's PROMPT or chat's MESSAGE, and what messages call it: the argument, or stdin's
+    text, as Unix tools read theirs, when the argument is `-` or left out with stdin not a
+    terminal (`echo hi | tinyoss generate`); one trailing newline, echo's, is dropped."""
     if arg is not None and arg != "-":
-        return arg, "PROMPT"
+        return arg, name
     if sys.stdin is None or arg is None and sys.stdin.isatty():
-        raise CliError("PROMPT is missing: give it as an argument, or pipe it in "
-                       "(echo 'Hello' | tinyoss generate)")  # fmt: skip
+        raise CliError(f"{name} is missing: give it as an argument, or pipe it in "
+                       f"(echo 'Hello' | tinyoss {command})")  # fmt: skip
     data = sys.stdin.buffer.read()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CliError(f"stdin is not UTF-8 text (at byte {e.start}): pipe the prompt in as "
                        "UTF-8 (iconv -t UTF-8 converts it)") from None  # fmt: skip
-    return re.sub(r"\r?\n\Z", "", text), "PROMPT (read from stdin)"
+    return re.sub(r"\r?\n\Z", "", text), f"{name} (read from stdin)"
 
 
 def _generate(args: argparse.Namespace) -> None:
-    prompt, what = _prompt(args.prompt)
+    prompt, what = _text(args.prompt, "PROMPT", "generate")
     params = _params(args, prompt, what)
     llm = _load(args)
     try:
@@ -364,11 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
             "a raw text completion, streamed")
         p = command(name, f"one {text_arg}, answered on stdout", f"Print {what} for one "
                     f"{text_arg}; the model loads in this process.")  # fmt: skip
-        if name == "chat":
-            p.add_argument(text_arg, help=f"the {text_arg} text")
-        else:
-            p.add_argument(text_arg, nargs="?", help="the prompt text; - or none (with stdin "
-                           "not a terminal) reads it from stdin")  # fmt: skip
+        p.add_argument(text_arg, nargs="?", help=f"the {text_arg} text; - or none (with stdin "
+                       "not a terminal) reads it from stdin")  # fmt: skip
         p.add_argument("--model", default=None, help=MODEL_HELP)
         add_sampling_args(p)
         if name == "chat":

@@ -33,6 +33,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide the logits of tokens already in the prompt or output by this "
                    "(multiply the negative ones); 1 = off, above 1 repeats less")  # fmt: skip
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logits of tokens already in the output; "
+                   "0 = off, -2 to 2")  # fmt: skip
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count in the output from its logit; "
+                   "0 = off, -2 to 2")  # fmt: skip
     g.add_argument("--stop", action="append", metavar="TEXT",
                    help="end the output at TEXT, which is left out (in chat: the answer, never "
                    "the reasoning); repeat the flag for several")  # fmt: skip
@@ -47,6 +53,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         return SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, stop=args.stop,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             max_tokens=args.max_tokens, seed=args.seed,
         )  # fmt: skip
     except ParamError as e:  # the server's words (protocol._sampling), after the flag
