@@ -919,16 +919,19 @@ def test_post_ping_answers_as_get_does(srv):
 
 
 def test_chat_answers_and_chunks_carry_one_system_fingerprint(srv):
-    """OpenAI's system_fingerprint on every chat answer and chunk (the usage chunk too), the
-    same all the server's life; a hash of what may change the answers to one seed."""
+    """OpenAI's system_fingerprint on every chat and completions answer and chunk (the usage
+    chunk too), the same all the server's life; a hash of what may change the answers to one
+    seed."""
     from dataclasses import replace
 
     from tinyoss.server.app import system_fingerprint
 
-    body = {"messages": user(ANSWER), "max_tokens": 64}
-    answers = [ok(post(srv, CHAT, body)) for _ in range(2)]
-    chunks = events(post(srv, CHAT, {**body, "stream": True,
-                                     "stream_options": {"include_usage": True}}))  # fmt: skip
+    answers, chunks = [], []
+    for path, body in ((CHAT, {"messages": user(ANSWER), "max_tokens": 64}),
+                       (CMPL, {"prompt": "Hello", "max_tokens": 8})):  # fmt: skip
+        answers += [ok(post(srv, path, body)) for _ in range(2)]
+        chunks += events(post(srv, path, {**body, "stream": True,
+                                          "stream_options": {"include_usage": True}}))
     prints = {a["system_fingerprint"] for a in answers + chunks}
     assert prints == {system_fingerprint(TINY)} and not chunks[-1]["choices"]
     assert re.fullmatch(r"fp_[0-9a-f]{10}", system_fingerprint(TINY))

@@ -239,7 +239,7 @@ class Run:
         self.rid = prefix + uuid.uuid4().hex  # a response's is its id
         self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
-        if kind == "chat.completion":
+        if kind != "response":  # chat and completions objects have it (OpenAI's)
             self.head["system_fingerprint"] = state.fingerprint
         # each prompt's tokens found in the prefix cache, known from its first engine output
         self.cached: list[int | None] = [None] * len(prep.prompts)
