@@ -1019,6 +1019,7 @@ class Completion(_Out):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str = _FINGERPRINT
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -1028,6 +1029,7 @@ class CompletionChunk(_Out):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str = _FINGERPRINT
     choices: list[CompletionChoice]
     usage: Usage | None = Field(
         None, description="On the last chunk, with include_usage; on every chunk (so far), "
