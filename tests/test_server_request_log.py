@@ -13,7 +13,9 @@ import pytest
 
 from tests.core_hooks import SLOW
 from tests.test_server import KEY, TINY, Served, environ, wait_healthy
+from tinyoss.engine.builder import load_tokenizer
 from tinyoss.engine.core_process import HOOK_ENV
+from tinyoss.tools.make_checkpoint import ensure_tiny
 from tinyoss.server.app import create_app
 from tinyoss.server.request_log import RequestLog
 
@@ -90,6 +92,16 @@ def test_max_log_len_shows_that_much_of_the_prompt(srv, lines, monkeypatch):
     assert r.status_code == 200
     [line] = lines(r.headers["x-request-id"])
     assert line.endswith(" prompt='SECRET-'"), line
+
+
+def test_max_log_len_counts_characters_not_tokens():
+    """An emoji or a rare character is several byte tokens: as many tokens as characters cut
+    the head short, into a U+FFFD that is not in the prompt."""
+    tok, prompt = load_tokenizer(ensure_tiny()), "\U0001fae0" * 10 + " \U0001d518\U0001d52b"
+    ids = tok.encode(prompt)
+    assert len(ids) > 2 * len(prompt)
+    for most in (0, 1, 5, 11, 12, 100):
+        assert RequestLog(most).prompt_head(tok, ids) == prompt[:most]
 
 
 def test_no_line_without_the_flag(srv, lines, monkeypatch):

@@ -25,11 +25,12 @@ class RequestLog:
     max_log_len: int | None = None
 
     def prompt_head(self, tokenizer: Tokenizer, prompt: list[int]) -> str | None:
-        """The first `max_log_len` characters of the prompt, decoded from no more tokens than
-        that (every token is at least a character), or None when no prompt text is wanted."""
+        """The first `max_log_len` characters of the prompt, or None when no prompt text is
+        wanted. Decoded from at most 4 tokens a character: a token is at least a byte and a
+        character at most 4 (an emoji may take 3 tokens, and fewer would cut it to U+FFFD)."""
         if self.max_log_len is None:
             return None
-        return tokenizer.decode(prompt[: self.max_log_len])[: self.max_log_len]
+        return tokenizer.decode(prompt[: 4 * self.max_log_len])[: self.max_log_len]
 
     def ended(
         self,
