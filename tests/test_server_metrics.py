@@ -16,6 +16,7 @@ from tests.core_hooks import SLOW, WEATHER
 from tests.test_server import KEY, TINY, TOOLS, Served, environ, wait_healthy
 from tinyoss.engine.core_process import HOOK_ENV
 from tinyoss.server.app import create_app
+from tinyoss.server.metrics import Metrics
 
 NAME = "served-tiny"  # a served name other than the model's: the label must carry this one
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -187,6 +188,18 @@ def test_openmetrics_scrape_keeps_vllm_names(srv, accept):
     names = {s.name for s in families["vllm:request_success"].samples}
     assert "vllm:request_success_total" in names
     assert "vllm_request_success_total" not in r.text
+
+
+@pytest.mark.parametrize("accept", ["application/openmetrics-text; version=abc",
+                                    "application/openmetrics-text;version=1.0.x",
+                                    "text/plain; version=1.a"])
+def test_an_unreadable_format_version_gets_the_text_format(accept):
+    """A version prometheus_client cannot compare had raised a TypeError: a 500 and a traceback
+    in the server's log for each scrape of a misconfigured scraper."""
+    body, content_type = Metrics(NAME, lambda: None).render(accept)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert "vllm:num_requests_running" in {f.name for f in
+                                          text_string_to_metric_families(body.decode())}
 
 
 def test_scraper_gets_the_format_it_asks_for(srv):

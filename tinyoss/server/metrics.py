@@ -256,8 +256,11 @@ class Metrics:
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition in the format `accept` (the scraper's Accept header) asks for, and its
-        content type."""
-        encoder, content_type = choose_encoder(accept or "")
+        content type; a header that names no version tinyoss can read gets the text format."""
+        try:
+            encoder, content_type = choose_encoder(accept or "")
+        except TypeError:  # prometheus_client (0.26) on a version it cannot compare ("abc")
+            encoder, content_type = choose_encoder("")  # the format of a scraper that asks none
         if content_type.startswith("application/openmetrics-text"):
             # prometheus_client (0.26) escapes the colons of the samples' names ("vllm:x" ->
             # "vllm_x") but not of their HELP and TYPE lines, so neither vLLM's dashboards nor
