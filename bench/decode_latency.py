@@ -20,6 +20,7 @@ close it early, after which only the end token is allowed, which costs little).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -169,6 +170,15 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                             structured_outputs=STRUCTURED[mode])  # fmt: skip
     ttfts, steps, emitted = [], [], 0
+    outputs: dict[str, list[int]] = {}  # every request's tokens: a run's digest (same weights,
+    # same prompts) must not change with a speed switch (TINYOSS_PDL, graphs, async scheduling)
+
+    def step() -> list:
+        deltas = engine.step()
+        for d in deltas:
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+        return deltas
+
     for it in range(args.warmup + args.iters):
         if it == args.warmup:
             start = engine.stats.spec_drafts, engine.stats.spec_accepted_tokens
@@ -178,12 +188,12 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         t0 = time.perf_counter()
         started: set[str] = set()
         while len(started) < args.batch_size:  # prefill until every sequence has a first token
-            started.update(d.request_id for d in engine.step() if d.token_ids)
+            started.update(d.request_id for d in step() if d.token_ids)
         ttft = time.perf_counter() - t0
         times, tokens = [], 0
         while engine.has_work():
             t = time.perf_counter()
-            tokens += sum(len(d.token_ids) for d in engine.step())
+            tokens += sum(len(d.token_ids) for d in step())
             times.append(time.perf_counter() - t)
         if it >= args.warmup:
             ttfts.append(ttft)
@@ -224,6 +234,8 @@ def measure(engine, args: argparse.Namespace, mode: str) -> dict:
         "achieved_gb_s": need["total"] / median / 1e9,
         "roofline_fraction": need["total"] / median / bandwidth,
         "roofline_tok_per_s": args.batch_size * bandwidth / need["total"],
+        "tokens_sha256": hashlib.sha256(json.dumps(sorted(outputs.items())).encode()
+                                        ).hexdigest()[:16],
     }
     if args.speculative_config:  # steps emit several tokens: speed from the tokens themselves
         drafts = engine.stats.spec_drafts - start[0]
@@ -371,7 +383,8 @@ def report(record: dict, args: argparse.Namespace) -> None:
     )
     print(
         f"TTFT {record['ttft_ms']:.1f} ms | decode {record['ms_per_step_median']:.3f} ms/step "
-        f"(p90 {record['ms_per_step_p90']:.3f}) | {record['tok_per_s']:.1f} tok/s"
+        f"(p90 {record['ms_per_step_p90']:.3f}) | {record['tok_per_s']:.1f} tok/s | tokens "
+        f"sha256 {record['tokens_sha256']}"
     )
     if "mean_acceptance_length" in record:
         print(f"speculative decoding {record['speculative_config']}: mean acceptance length "

@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _gemv_pdl(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              STAGES: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+              STAGES: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, TRIG: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -35,8 +35,11 @@ def _gemv_pdl(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
         w1 = tl.load(wp + BLOCK_K, mask=row_ok[:, None] & (BLOCK_K + cols < K)[None, :],
                      other=0.0)
     if PDL:
-        gdc_launch_dependents()
+        if TRIG == 0:
+            gdc_launch_dependents()
         gdc_wait()
+        if TRIG == 1:
+            gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     if PRE >= 1:
         acc += tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :] * w0.to(
@@ -48,37 +51,48 @@ def _gemv_pdl(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
         w = tl.load(wp + k0, mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
         x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
         acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+    if PDL and TRIG == 2:
+        gdc_launch_dependents()
     tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _small(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _small(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, TRIG: tl.constexpr):
     if PDL:
-        gdc_launch_dependents()
+        if TRIG == 0:
+            gdc_launch_dependents()
         gdc_wait()
+        if TRIG != 0:
+            gdc_launch_dependents()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + i, (v * 0.5 + 0.01).to(out_ptr.dtype.element_ty), mask=i < N)
 
 
-def gemv(x, w, pdl, pre, block_n=8, block_k=512, warps=4, stages=4):
+def gemv(x, w, pdl, pre, trig, block_n=8, block_k=512, warps=4, stages=4):
     n, k = w.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     _gemv_pdl[(triton.cdiv(n, block_n),)](x, w, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-                                          STAGES=stages, PDL=pdl, PRE=pre, num_warps=warps,
+                                          STAGES=stages, PDL=pdl, PRE=pre, TRIG=trig,
+                                          num_warps=warps,
                                           num_stages=stages, launch_pdl=pdl)
     return out
 
 
-def small(x, pdl, programs=16):
+def small(x, pdl, trig, programs=16):
     out = torch.empty_like(x)
     block = triton.next_power_of_2(triton.cdiv(x.numel(), programs))
     _small[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block, PDL=pdl,
-                                             launch_pdl=pdl)
+                                             TRIG=trig, launch_pdl=pdl)
     return out
 
 
 CAPTURE_ON_REPLAY_STREAM = False  # --capture-stream current
+# Where each kernel lets the next one launch (griddepcontrol.launch_dependents): 0 before its own
+# wait (the first runs' placement: every kernel of the chain can then launch at once, each
+# waiting, holding SM slots), 1 right after its wait, 2 after its main loop (the GEMV's; the small
+# kernel's after its wait).
+TRIGGERS = (0, 1, 2)
 
 
 def graph_time(fn) -> float:
@@ -108,28 +122,28 @@ def main() -> None:
     mb = 24 * (5120 * 2880 + 2880 * 4096) * 2 / 1e6
     print(f"{torch.cuda.get_device_name()} | chain of 24 layers, {mb:.0f} MB of weights")
 
-    def chain(pdl, pre, gap, cfg):
+    def chain(pdl, pre, trig, gap, cfg):
         h = x0
         for a, b in zip(qkv, o):
-            h = gemv(h, a, pdl, pre, *cfg)[:4096]
+            h = gemv(h, a, pdl, pre, trig, *cfg)[:4096]
             if gap:
-                h = small(h, pdl)
-            h = gemv(h, b, pdl, pre, *cfg)
+                h = small(h, pdl, trig)
+            h = gemv(h, b, pdl, pre, trig, *cfg)
             if gap:
-                h = small(h, pdl)
+                h = small(h, pdl, trig)
         return h
 
     for cfg in [(8, 512, 4, 4), (8, 256, 4, 6), (16, 256, 4, 4)]:
         for gap in (False, True):
-            ref = chain(False, 0, gap, cfg).float()
-            row = [f"cfg {cfg} gap {gap}:"]
-            for pdl, pre in [(False, 0), (True, 0), (True, 1), (True, 2)]:
-                got = chain(pdl, pre, gap, cfg).float()
+            ref = chain(False, 0, 0, gap, cfg).float()
+            print(f"cfg {cfg} gap {gap}:", flush=True)
+            runs = [(False, 0, 0)] + [(True, pre, trig) for trig in TRIGGERS for pre in (0, 1, 2)]
+            for pdl, pre, trig in runs:
+                got = chain(pdl, pre, trig, gap, cfg).float()
                 same = torch.equal(got, ref)
-                us = graph_time(lambda: chain(pdl, pre, gap, cfg))
-                row.append(f"pdl={int(pdl)} pre={pre} {us:6.1f} us {mb / us * 1e3:5.0f} GB/s"
-                           f"{'' if same else ' DIFFERENT'}")
-            print(" | ".join(row), flush=True)
+                us = graph_time(lambda: chain(pdl, pre, trig, gap, cfg))
+                print(f"  pdl={int(pdl)} trig={trig} pre={pre} {us:6.1f} us"
+                      f" {mb / us * 1e3:5.0f} GB/s{'' if same else ' DIFFERENT'}", flush=True)
 
 
 if __name__ == "__main__":
