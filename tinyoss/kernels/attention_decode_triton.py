@@ -36,9 +36,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from tinyoss.kernels import pdl
 
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
@@ -68,14 +65,10 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     max_splits, num_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    MERGE_CHUNK: tl.constexpr, FINAL: tl.constexpr, STORED: tl.constexpr,
-                    PDL: tl.constexpr):
+                    MERGE_CHUNK: tl.constexpr, FINAL: tl.constexpr, STORED: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
     (every range fits one split): the attention output itself, sink included, into out.
     STORED: q is rotated and the new keys are in the cache already."""
-    if PDL:  # wait for the kernel ahead, then let the next one launch (kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -284,6 +277,5 @@ class DecodeAttention:
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits, splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, MIN_SPLIT=MIN_SPLIT,
-            BLOCK_KV=BLOCK_KV, MERGE_CHUNK=MERGE_CHUNK, FINAL=final, STORED=stored, **common,
-            **pdl.launch_args())
+            BLOCK_KV=BLOCK_KV, MERGE_CHUNK=MERGE_CHUNK, FINAL=final, STORED=stored, **common)
         return out

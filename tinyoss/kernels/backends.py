@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyoss.config import ATTENTION_BACKENDS
-from tinyoss.kernels import Kernels, pdl
+from tinyoss.kernels import Kernels
 from tinyoss.kernels.moe_backends import Platform, choose, install
 from tinyoss.settings import resolve
 
@@ -69,8 +69,7 @@ def select_backends(
         kernels.mxfp4_linear, kernels.fp8_linear = mxfp4_linear, fp8_linear
         kernels.norm_route = norm_route_triton
         kernels.names.update(norm="triton", router="triton+norm", greedy="triton",
-                             mxfp4_linear="triton", fp8_linear="triton",
-                             pdl="on" if pdl.enabled() else "off")
+                             mxfp4_linear="triton", fp8_linear="triton")
     _dense(kernels, on_gpu)
     install(kernels, moe.backend, platform, max_num_tokens)
     choice = BackendChoice(kernels, attention)

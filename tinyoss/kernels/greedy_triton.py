@@ -16,9 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from tinyoss.kernels import pdl
 
 BLOCK = 1024  # logits a program loads a round
 TARGET_PROGRAMS = 256  # (row, split) programs a launch the splits aim at: ~2 an H100 SM
@@ -27,10 +24,7 @@ TARGET_PROGRAMS = 256  # (row, split) programs a launch the splits aim at: ~2 an
 @triton.jit(do_not_specialize=["B"])
 def _pick_kernel(x_ptr, out_ptr, part_max_ptr, part_idx_ptr, part_bad_ptr, tickets_ptr, B, V,
                  stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                 BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # wait for the kernel ahead, then let the next one launch (kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
+                 BLOCK: tl.constexpr):
     b = tl.program_id(0)
     s = tl.program_id(1)
     lane = tl.arange(0, BLOCK)
@@ -115,5 +109,5 @@ def greedy_pick_triton(logits: torch.Tensor) -> torch.Tensor:
     tickets = _tickets_for(logits.device, b) if splits > 1 else out
     _pick_kernel[(b, splits)](logits, out, *parts, tickets, b, v, logits.stride(0), CHUNK=chunk,
                               SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                              BLOCK=BLOCK, num_warps=4, **pdl.launch_args())
+                              BLOCK=BLOCK, num_warps=4)
     return out

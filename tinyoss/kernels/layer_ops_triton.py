@@ -13,9 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from tinyoss.kernels import pdl
 
 
 
@@ -245,14 +242,11 @@ def _norm_route_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
     ids_ptr, n_cols, n_experts, eps, first, end, EPB: tl.constexpr, K: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr,
 ):
     """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
     stores it and the new residual), router logits of experts g*EPB.. into logits [T, E]; the
     last program of t to finish (a ticket in count [t], reset by it) takes the top-k."""
-    if PDL:  # wait for the kernel ahead, then let the next one launch (kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -327,5 +321,5 @@ def norm_route_triton(
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
             _ticket_counters(x.device), weights, ids, h, e, eps, first, end, EPB=epb, K=k,
             BLOCK=triton.next_power_of_2(h), BLOCK_E=block_e, ARGMAX_FROM=TOPK_ARGMAX_FROM,
-            num_warps=warps, **pdl.launch_args())
+            num_warps=warps)
     return out, res_out, weights, ids

@@ -20,12 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from tinyoss.kernels import pdl
-
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     GLUON = True
 except ImportError:  # a Triton without Gluon: moe_triton keeps its Triton kernel
@@ -94,13 +91,10 @@ if GLUON:
     def _pair_gemv_gluon(x_ptr, x_div, ids_ptr, q_ptr, s_ptr, b_ptr, wts_ptr, out_ptr, N, K,
                          stride_qe, stride_q, stride_se, stride_s, alpha, limit,
                          SWIGLU: gl.constexpr, HALF_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                         WARPS: gl.constexpr, PDL: gl.constexpr):
+                         WARPS: gl.constexpr):
         """Rows of W_e @ x[pair // x_div] + b_e for pair = program 0 and e = ids[pair]; then
         the clamped SwiGLU into out [pairs, N/2] (gate_up), or the routing weight into out
         [pairs, N] (down), as `moe_triton._pair_gemv`."""
-        if PDL:  # wait for the kernel ahead, then let the next one launch (kernels/pdl.py)
-            gdc_wait()
-            gdc_launch_dependents()
         W: gl.constexpr = BLOCK_K // 8
         L3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [32 // (W // 4), W // 4, 1],
                                             [WARPS, 1, 1], [2, 1, 0])
@@ -161,4 +155,4 @@ def pair_gemv_gluon(x: torch.Tensor, x_div: int, ids: torch.Tensor, q: torch.Ten
     _pair_gemv_gluon[(ids.numel(), triton.cdiv(n, block_n))](
         x, x_div, ids, q, s, b, wts, out, n, k, q.stride(0), q.stride(1), s.stride(0),
         s.stride(1), alpha, limit, SWIGLU=swiglu, HALF_N=block_n // 2, BLOCK_K=block_k,
-        WARPS=num_warps, num_warps=num_warps, **pdl.launch_args())
+        WARPS=num_warps, num_warps=num_warps)

@@ -27,40 +27,10 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 namespace {
 
 constexpr int KMAX = 2880;  // K the launch takes at most (gpt-oss's hidden and intermediate)
-
-// Programmatic dependent launch (tinyoss_set_pdl; see kernels/pdl.py): with it on, each kernel
-// here is launched with the attribute and starts with pdl_start(), which waits for the kernel
-// before it to finish (its writes visible) and then lets the next one launch: the next kernel's
-// programs are placed on the SMs while this one runs, not after it ends. Off, both are no-ops.
-int g_pdl = 0;
-
-__device__ __forceinline__ void pdl_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-template <typename... P, typename... A>
-int start(void (*kernel)(P...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-          A&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = g_pdl;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
-}
 
 template <int J>
 __device__ __forceinline__ uint32_t pair16(uint32_t q) {
@@ -220,7 +190,6 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                   OT* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                   long stride_se, float alpha, float limit) {
-  pdl_start();
   constexpr bool SPLIT = std::is_same<XT, float>::value;  // fp32 x: hi + lo
   constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
   constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
@@ -315,9 +284,10 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
   auto kernel = K % (32 * U * KSPLIT)
                     ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT>
                     : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT>;
-  return start(kernel, grid, TILES * KSPLIT * 32, smem, stream,
+  kernel<<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
+  return (int)cudaGetLastError();
 }
 
 // cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
@@ -405,7 +375,6 @@ __global__ void __launch_bounds__(W * 32)
                      const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                      float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                      long stride_se, float alpha, float limit) {
-  pdl_start();
   constexpr bool SPLIT = !SWIGLU;
   constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);
   constexpr int STAGE = 16 * (C + 1) * 16;  // bytes a stage
@@ -455,9 +424,10 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return (int)err;
   }
-  return start(kernel, dim3(pairs, N / (16 * W)), W * 32, smem, stream,
+  kernel<<<dim3(pairs, N / (16 * W)), W * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
+  return (int)cudaGetLastError();
 }
 
 // x of a group's `count` columns (pairs cols[0..count), rows cols[j] / x_div of x) staged in
@@ -527,7 +497,6 @@ __global__ void __launch_bounds__(TILES * 32)
                    const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                    float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                    long stride_se, float alpha, float limit) {
-  pdl_start();
   constexpr bool SPLIT = !SWIGLU;
   constexpr int ROWS = 16 * TILES, THREADS = TILES * 32;
   extern __shared__ uint4 smem[];
@@ -613,7 +582,6 @@ __global__ void __launch_bounds__(W * 32)
                       const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                       float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                       long stride_se, float alpha, float limit) {
-  pdl_start();
   constexpr bool SPLIT = !SWIGLU;
   constexpr int STAGE = 16 * (C + 1) * 16;
   extern __shared__ uint4 smem[];
@@ -663,7 +631,6 @@ __global__ void __launch_bounds__(W * 32)
 // that groups (one launch where torch.sort takes several).
 __global__ void sort_pairs(const int* __restrict__ ids, int P, int* __restrict__ sorted_ids,
                            int* __restrict__ order, int* __restrict__ groups, int G) {
-  pdl_start();
   extern __shared__ int sid[];  // [P] ids, then [P] sorted
   int* srt = sid + P;
   __shared__ int wsum[8], base;
@@ -723,10 +690,11 @@ int launch_grouped(const void* x, int x_div, const int* groups, int G, const int
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
-  return start(kernel, dim3(G, N / ROWS), TILES * 32, smem, stream,
+  kernel<<<dim3(G, N / ROWS), TILES * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, groups, sorted_ids, order, q, s,
       static_cast<const __nv_bfloat16*>(bias), wts, out, N, K, stride_qe, stride_q, stride_se,
       alpha, limit);
+  return (int)cudaGetLastError();
 }
 
 template <bool SWIGLU, int C, int S, int W, typename XT>
@@ -742,10 +710,11 @@ int launch_grouped_stream(const void* x, int x_div, const int* groups, int G,
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
-  return start(kernel, dim3(G, N / (16 * W)), W * 32, smem, stream,
+  kernel<<<dim3(G, N / (16 * W)), W * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, groups, sorted_ids, order, q, s,
       static_cast<const __nv_bfloat16*>(bias), wts, out, N, K, stride_qe, stride_q, stride_se,
       alpha, limit);
+  return (int)cudaGetLastError();
 }
 // Dense layers with bf16 or FP8 (e4m3, a scale a row) weights W [N, K] for up to 8 rows of x
 // [M, K] bf16, one row of x a column of the MMA (the weights read once for all of them). A lane
@@ -760,7 +729,6 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     dense_gemv_mma(const __nv_bfloat16* __restrict__ x, int M, const uint8_t* __restrict__ w,
                    const float* __restrict__ scale, const __nv_bfloat16* __restrict__ bias,
                    __nv_bfloat16* __restrict__ out, int N, int K) {
-  pdl_start();
   constexpr int W = TILES * KSPLIT;
   extern __shared__ uint4 smem[];
   __shared__ float cpre[8];
@@ -884,9 +852,10 @@ int launch_dense(const void* x, int M, const uint8_t* w, const float* scale, con
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return (int)err;
   }
-  return start(kernel, N / ROWS, TILES * KSPLIT * 32, smem, stream,
+  kernel<<<N / ROWS, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(x), M, w, scale, static_cast<const __nv_bfloat16*>(bias),
       static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
 }
 
 // Dense bf16 layers at 1-2 rows of x on the CUDA cores: a warp takes STREAM_ROWS rows of W, and
@@ -930,7 +899,6 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
                       const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
                       __nv_bfloat16* __restrict__ out, int N, int K) {
-  pdl_start();
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
   if (row0 >= N) return;
@@ -983,9 +951,10 @@ template <int VPL, int MAXM>
 int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out, int N,
                         int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
-  return start(dense_gemv_stream<VPL, MAXM>, (N + rows - 1) / rows, STREAM_WARPS * 32, 0,
-      stream, static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
+  dense_gemv_stream<VPL, MAXM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
       static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
 }
 
 template <int MAXM>
@@ -1013,7 +982,6 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     fp8_gemv_stream(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                     const float* __restrict__ scale, const __nv_bfloat16* __restrict__ bias,
                     __nv_bfloat16* __restrict__ out, int N, int K) {
-  pdl_start();
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
   if (row0 >= N) return;
@@ -1065,9 +1033,10 @@ template <int VPL>
 int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const void* bias,
                       void* out, int N, int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
-  return start(fp8_gemv_stream<VPL>, (N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream,
+  fp8_gemv_stream<VPL><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), w, scale, static_cast<const __nv_bfloat16*>(bias),
       static_cast<__nv_bfloat16*>(out), N, K);
+  return (int)cudaGetLastError();
 }
 }  // namespace
 
@@ -1184,8 +1153,9 @@ extern "C" int tinyoss_grouped_mma(int swiglu, const void* x, int x_div, const i
 extern "C" int tinyoss_sort_pairs(const int* ids, int pairs, int* sorted_ids, int* order,
                                   int* groups, int G, void* stream) {
   if (pairs < 1 || pairs > 4096 || G < 1) return (int)cudaErrorInvalidValue;  // 2P ints of smem
-  return start(sort_pairs, 1, 256, 2 * pairs * sizeof(int), static_cast<cudaStream_t>(stream),
+  sort_pairs<<<1, 256, 2 * pairs * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
       ids, pairs, sorted_ids, order, groups, G);
+  return (int)cudaGetLastError();
 }
 
 // 0 when the kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
@@ -1233,5 +1203,3 @@ extern "C" int tinyoss_mma_ready(void) {
 extern "C" const char* tinyoss_mma_error(int err) {
   return cudaGetErrorString(static_cast<cudaError_t>(err));
 }
-
-extern "C" void tinyoss_set_pdl(int on) { g_pdl = on != 0; }

@@ -48,7 +48,6 @@ from typing import NamedTuple
 
 import torch
 
-from tinyoss.kernels import pdl
 from tinyoss.kernels.moe_torch import ExpertWeights
 from tinyoss.tools.make_checkpoint import cache_dir
 
@@ -115,8 +114,6 @@ class MmaGemv:
         self.ready_fn, self.error_fn = lib.tinyoss_mma_ready, lib.tinyoss_mma_error
         self.ready_fn.argtypes, self.ready_fn.restype = [], ctypes.c_int
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
-        lib.tinyoss_set_pdl.argtypes, lib.tinyoss_set_pdl.restype = [ctypes.c_int], None
-        lib.tinyoss_set_pdl(int(pdl.enabled()))  # every launch of the library, from now on
 
     def error(self, err: int) -> str:
         """CUDA's name for an error code the library returned."""

@@ -42,9 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tinyoss.kernels import pdl
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
 from tinyoss.kernels.moe_gemv_mma import (
     DOWN_MIN_TOKENS,
@@ -271,14 +269,11 @@ def _combine(y_ptr, ids_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _combine_norm(y_ptr, ids_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
-                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK: tl.constexpr):
     """Token t (program 0): moe = sum over k of y[t*TOPK + k] (pairs of id -1 skipped, as in
     `_combine`), rounded to the activation dtype as `_combine` stores it; x = moe + res[t]
     (rounded likewise) over res[t]; out[t] = w * x * rsqrt(mean(x^2) + eps), as
     `layer_ops_triton._add_rms_norm_kernel` computes it."""
-    if PDL:  # wait for the kernel ahead, then let the next one launch (kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -649,5 +644,5 @@ def moe_norm_triton(
     if t:
         _combine_norm[(t,)](y, topk_ids.contiguous().view(-1), residual, norm_weight, normed, h,
                             eps, TOPK=topk_ids.shape[1],
-                            BLOCK=triton.next_power_of_2(h), num_warps=8, **pdl.launch_args())
+                            BLOCK=triton.next_power_of_2(h), num_warps=8)
     return normed, residual

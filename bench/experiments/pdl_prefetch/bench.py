@@ -5,9 +5,9 @@ before it finishes?
     python bench/experiments/pdl_prefetch/bench.py [--capture-stream current]
 
 A GEMV's weights do not depend on the kernel before it, only x does. Each GEMV here loads its
-first PRE K steps of weights into registers, lets the next kernel launch
-(griddepcontrol.launch_dependents), waits for the previous kernel (griddepcontrol.wait), then
-reads x. Chains, all in one CUDA graph: 24 x (q/k/v, o) and 24 x (q/k/v, small, o, small), where
+first PRE K steps of weights into registers, waits for the previous kernel
+(griddepcontrol.wait), then reads x; it lets the next kernel launch
+(griddepcontrol.launch_dependents) where TRIGGERS says. Chains, all in one CUDA graph: 24 x (q/k/v, o) and 24 x (q/k/v, small, o, small), where
 `small` is an elementwise kernel standing in for attention and the norms.
 """
 
