@@ -29,14 +29,18 @@ def _listening() -> socket.socket:
     return s
 
 
-def test_serve_on_a_port_in_use_stops_at_once():
-    """The real command, as a user runs it: exit 2 naming the port, before the model loads."""
+@pytest.mark.parametrize("module", ["tinyoss", "tinyoss.cli"])
+def test_serve_on_a_port_in_use_stops_at_once(module):
+    """The real command, as a user runs it: exit 2 naming the port, before the model loads.
+    `python -m tinyoss.cli` too: run as __main__, cli.py is a second module beside the
+    `tinyoss.cli` the server imports, whose CliError its main() did not catch (a traceback,
+    exit 1)."""
     with _listening() as busy:
         port = busy.getsockname()[1]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         t0 = time.monotonic()
         run = subprocess.run(
-            [sys.executable, "-m", "tinyoss", "serve", "tiny", "--port", str(port)],
+            [sys.executable, "-m", module, "serve", "tiny", "--port", str(port)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         took = time.monotonic() - t0

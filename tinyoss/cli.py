@@ -430,4 +430,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m tinyoss.cli`: this file runs as __main__, a module apart from the tinyoss.cli
+    # that the subcommands import, so its CliError would not catch theirs: run that one's main
+    from tinyoss.cli import main as _main
+
+    _main()
