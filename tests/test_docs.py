@@ -36,3 +36,20 @@ def test_every_module_is_mapped():
     ]
     unmapped = [str(f.relative_to(ROOT)) for f in modules if not covered(f.resolve())]
     assert not unmapped, f"modules missing from README's file map: {unmapped}"
+
+
+def test_vllm_arguments_of_generate_and_chat_are_documented():
+    """The README's Python API names each vLLM argument `generate` and `chat` take at values
+    that ask for nothing, and the values other than None they take (it had said None for
+    chat_template_content_format, whose None is refused)."""
+    from tinyoss.llm import VLLM_ARGS, VLLM_INERT
+
+    text = (ROOT / "README.md").read_text()
+    api = " ".join(text[text.index("## Python API"):text.index("## Serve")].split())
+    for method, names in VLLM_ARGS.items():
+        for name in names:
+            assert f"`{name}`" in api, f"README's Python API does not name {method}'s {name}"
+    for name, (values, _) in VLLM_INERT.items():
+        if None not in values:
+            for v in values:
+                assert f"`{v}`" in api, f"README does not say {name} takes {v!r}"
