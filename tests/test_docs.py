@@ -53,3 +53,36 @@ def test_vllm_arguments_of_generate_and_chat_are_documented():
         if None not in values:
             for v in values:
                 assert f"`{v}`" in api, f"README does not say {name} takes {v!r}"
+
+
+def _serve_parser():
+    from tinyoss.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices["serve"]
+
+
+def test_every_serve_flag_is_in_docs_serve_md():
+    """A flag `tinyoss serve --help` lists is in docs/serve.md (`--[no-]x` covers both)."""
+    doc = (ROOT / "docs/serve.md").read_text()
+    flags = [o for a in _serve_parser()._actions for o in a.option_strings
+             if o.startswith("--") and o != "--help"]
+    base = lambda f: f.removeprefix("--").removeprefix("no-")  # noqa: E731
+    missing = [f for f in flags if f not in doc and f"--[no-]{base(f)}" not in doc
+               and not (f.startswith("--no-") and f"--{base(f)}" in doc)]
+    assert not missing, f"serve flags docs/serve.md does not name: {missing}"
+
+
+def test_serve_limits_table_defaults_are_the_flags():
+    """docs/serve.md's limits table: each default is the flag's (a changed default must change
+    the table)."""
+    doc = (ROOT / "docs/serve.md").read_text()
+    table = doc[doc.index("| flag | default | beyond it |"):]
+    table = table[:table.index("\n\n")]
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 1, "s": 1}  # --max-logprob-memory is in GiB
+    defaults = {a.dest: a.default for a in _serve_parser()._actions}
+    rows = re.findall(r"^\| `--([\w-]+)` \| ([\d,.]+)(?: (\w+))? \|", table, flags=re.M)
+    assert len(rows) >= 10, rows
+    for flag, number, unit in rows:
+        documented = float(number.replace(",", "")) * units.get(unit, 1)
+        assert documented == defaults[flag.replace("-", "_")], (flag, number, unit)
