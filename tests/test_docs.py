@@ -86,3 +86,19 @@ def test_serve_limits_table_defaults_are_the_flags():
     for flag, number, unit in rows:
         documented = float(number.replace(",", "")) * units.get(unit, 1)
         assert documented == defaults[flag.replace("-", "_")], (flag, number, unit)
+
+
+def test_serve_md_names_the_server_extra_and_what_it_installs():
+    """docs/serve.md's install line is the README's (`-e '.[server]'`, from the clone), and it
+    names each package of the extra the server needs (httptools and uvloop: uvicorn takes them
+    when there); it had named starlette and uvicorn alone."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["server"]
+    intro = (ROOT / "docs/serve.md").read_text().split("```")[0]
+    assert "pip install -e '.[server]'" in intro
+    for spec in extra:
+        name = re.match(r"[\w-]+", spec).group(0)
+        if name not in ("httptools", "uvloop"):
+            assert name in intro, f"docs/serve.md does not say the server extra installs {name}"
