@@ -385,6 +385,7 @@ def test_unsupported_fields_are_refused_when_they_ask(field, value):
     assert (e.value.status, e.value.param) == (400, field)
     assert "is not supported" in e.value.message and "leave the field out" in e.value.message
     assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
+    assert e.value.message.count("leave") == 1, e.value.message  # verbosity's did
 
 
 def test_logit_bias_and_allowed_token_ids_reach_the_engine():
@@ -460,6 +461,7 @@ def test_vllm_fields_tinyoss_does_not_serve_are_refused(path, field, asks, defau
     assert (e.value.status, e.value.param) == (400, field)
     assert f"{field}=" in e.value.message and "is not supported" in e.value.message
     assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
+    assert e.value.message.count("leave") == 1, e.value.message  # verbosity's did
 
 
 def system_text(body: dict) -> str:

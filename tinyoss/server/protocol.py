@@ -67,8 +67,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": (({},), "tinyoss takes no predicted outputs (its speculative decoding "
                           "drafts its own)"),
     "web_search_options": ((), "tinyoss runs no web search"),
-    "verbosity": (("medium",), "gpt-oss has no verbosity control; leave it out (or 'medium'), "
-                               "or ask for brevity in the messages"),
+    "verbosity": (("medium",), "gpt-oss has no verbosity control (give 'medium', or ask for "
+                               "brevity in the messages)"),
     "prompt_logprobs": ((), "the Responses API takes none (vLLM's field of chat completions "
                             "and completions, which take it)"),
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
