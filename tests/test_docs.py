@@ -102,3 +102,19 @@ def test_serve_md_names_the_server_extra_and_what_it_installs():
         name = re.match(r"[\w-]+", spec).group(0)
         if name not in ("httptools", "uvloop"):
             assert name in intro, f"docs/serve.md does not say the server extra installs {name}"
+
+
+def test_metrics_table_names_metrics_the_server_exports():
+    """Each metric docs/serve.md's Metrics table gives as the one served (its second column) is
+    in the server's registry (counters without prometheus_client's `_total`)."""
+    from tinyoss.server.metrics import Metrics
+
+    doc = (ROOT / "docs/serve.md").read_text()
+    table = doc[doc.index("| tinyoss metric | vLLM's name |"):]
+    table = table[:table.index("\n\n")]
+    names = [n for row in table.splitlines()[2:]
+             for n in re.findall(r"`((?:vllm:|tinyoss_)[a-z_:]+)`", row.split(" | ")[1])]
+    assert len(names) >= 25, names
+    served = {m.name for m in Metrics("m", lambda: None, lambda: (0, 1)).registry.collect()}
+    missing = [n for n in names if n not in served and n.removesuffix("_total") not in served]
+    assert not missing, f"docs/serve.md names metrics the server does not export: {missing}"
