@@ -118,3 +118,22 @@ def test_metrics_table_names_metrics_the_server_exports():
     served = {m.name for m in Metrics("m", lambda: None, lambda: (0, 1)).registry.collect()}
     missing = [n for n in names if n not in served and n.removesuffix("_total") not in served]
     assert not missing, f"docs/serve.md names metrics the server does not export: {missing}"
+
+
+def test_endpoints_table_has_every_route_and_method():
+    """docs/serve.md's Endpoints table names every path of the server's OpenAPI document (the
+    app's routes, as tests/test_server_schemas.py checks) with each of its methods."""
+    import json
+
+    from tinyoss.server.schemas import openapi_json
+
+    doc = (ROOT / "docs/serve.md").read_text()
+    table = doc[doc.index("### Endpoints"):doc.index("### Metrics")]
+    paths = json.loads(openapi_json(False))["paths"]
+    assert len(paths) >= 15, sorted(paths)
+    for path, ops in paths.items():
+        path = re.sub(r"\{[^}]+\}", "{id}", path)
+        rows = [line for line in table.splitlines() if f"{path}`" in line]
+        assert rows, f"docs/serve.md's Endpoints table does not name {path}"
+        for method in set(ops) & {"get", "post", "delete", "put", "patch"}:
+            assert any(f"`{method.upper()}" in row for row in rows), (path, method)
