@@ -137,3 +137,19 @@ def test_endpoints_table_has_every_route_and_method():
         assert rows, f"docs/serve.md's Endpoints table does not name {path}"
         for method in set(ops) & {"get", "post", "delete", "put", "patch"}:
             assert any(f"`{method.upper()}" in row for row in rows), (path, method)
+
+
+def test_readme_names_every_sampling_flag_of_generate_and_chat():
+    """The README's list of `tinyoss generate` / `chat` sampling flags is the parser's (the
+    'sampling options' group; --reasoning-effort is chat's own)."""
+    from tinyoss.cli import build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for command in ("generate", "chat"):
+        groups = sub.choices[command]._action_groups
+        sampling = next(g for g in groups if g.title == "sampling options")
+        flags = [o for a in sampling._group_actions for o in a.option_strings]
+        assert len(flags) >= 9, flags
+        missing = [f for f in flags if f"`{f}`" not in readme and f"{f} " not in readme]
+        assert not missing, f"README does not name {command}'s sampling flags {missing}"
