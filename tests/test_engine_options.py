@@ -128,6 +128,8 @@ def test_options_that_change_nothing_here_are_said(tiny_dir, caplog):
     """Found by a new-user trial: these were dropped in silence."""
     caplog.set_level("WARNING", logger="tinyoss")
     LLM(str(tiny_dir), device="cpu", gpu_memory_utilization=0.5, enable_expert_parallel=True,
-        kv_cache_tokens=2048)
+        kv_cache_tokens=2048, decode_step_budget_ms=30.0)
     assert "gpu_memory_utilization 0.5 has no effect on the CPU" in caplog.text
     assert "enable_expert_parallel has no effect without tensor_parallel_size > 1" in caplog.text
+    # its cost model is timed on a GPU only: on the CPU prefill chunks were never sized
+    assert "decode_step_budget_ms 30.0 has no effect on the CPU" in caplog.text

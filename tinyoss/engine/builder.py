@@ -174,6 +174,10 @@ def _idle_options(config: EngineConfig, device: torch.device) -> list[str]:
     if device.type == "cpu" and config.gpu_memory_utilization != default["gpu_memory_utilization"]:
         notes.append(f"gpu_memory_utilization {config.gpu_memory_utilization} has no effect on "
                      "the CPU: kv_cache_tokens sizes the KV cache there (default 65536)")
+    if device.type == "cpu" and config.decode_step_budget_ms:
+        notes.append(f"decode_step_budget_ms {config.decode_step_budget_ms} has no effect on "
+                     "the CPU: its prefill cost model is timed on a GPU; prefill chunks take "
+                     "max_num_batched_tokens")
     if config.enable_expert_parallel and config.tensor_parallel_size == 1:
         notes.append("enable_expert_parallel has no effect without tensor_parallel_size > 1")
     setting = os.environ.get(ALL_REDUCE_ENV) or "auto"  # empty: unset, as `resolve` reads it
