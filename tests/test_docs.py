@@ -153,3 +153,14 @@ def test_readme_names_every_sampling_flag_of_generate_and_chat():
         assert len(flags) >= 9, flags
         missing = [f for f in flags if f"`{f}`" not in readme and f"{f} " not in readme]
         assert not missing, f"README does not name {command}'s sampling flags {missing}"
+
+
+def test_reliability_suite_has_the_classes_docs_serve_md_says():
+    """docs/serve.md's count of the reliability suite's malformed-request classes holds (it
+    had said 190 when there were 206: now a floor, "over N")."""
+    doc = " ".join((ROOT / "docs/serve.md").read_text().split())
+    floor = int(re.search(r"over (\d+) malformed-request classes", doc).group(1))
+    from tests.reliability.test_malformed import CASES
+
+    count = len(CASES)
+    assert count > floor, f"docs/serve.md says over {floor} classes; there are {count}"
