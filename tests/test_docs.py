@@ -164,3 +164,19 @@ def test_reliability_suite_has_the_classes_docs_serve_md_says():
 
     count = len(CASES)
     assert count > floor, f"docs/serve.md says over {floor} classes; there are {count}"
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A file or folder README.md or docs/serve.md names (a measurement in bench/results/, a
+    module, a test) is in the tree; results cited by file name alone are in bench/results/."""
+    missing = []
+    for name in ("README.md", "docs/serve.md"):
+        text = (ROOT / name).read_text()
+        for path in re.findall(r"\b(?:tinyoss|tests|bench|docs)/[\w./*-]+", text):
+            path = path.rstrip(".,;:")
+            if "NAME" not in path and not list(ROOT.glob(path)):
+                missing.append(path)
+        for result in re.findall(r"`(20\d\d-\d\d-\d\d_[\w.-]+\.(?:md|txt|jsonl?))`", text):
+            if not (ROOT / "bench/results" / result).exists():
+                missing.append(result)
+    assert not missing, f"the docs name paths that are not in the tree: {sorted(set(missing))}"
