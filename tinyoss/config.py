@@ -320,8 +320,8 @@ class EngineConfig:
     )
     decode_step_budget_ms: float = option(
         "while sequences decode, size a step's prefill chunks to about this many ms, so that a "
-        "long prompt does not stall running streams, at some cost in throughput (GPU: the "
-        "rate is measured at start-up; 0 = off: chunks take max_num_batched_tokens)",
+        "long prompt does not stall running streams, at some cost in throughput (GPU only: "
+        "the rate is measured at start-up; 0 = off: chunks take max_num_batched_tokens)",
         default=0.0,
     )
     async_scheduling: bool = option(
