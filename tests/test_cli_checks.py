@@ -95,7 +95,7 @@ def test_check_port_leaves_a_free_port_free():
 @pytest.mark.parametrize(
     "host, port, says",
     [
-        ("127.0.0.1", 70000, "--port 70000 is not a port"),
+        ("127.0.0.1", 70000, r"--port 70000 is not a port: give one from 1 to 65535 \(or 0"),
         ("192.0.2.1", 0, "--host 192.0.2.1 is not an address of this machine"),
     ],
 )
@@ -413,3 +413,29 @@ def test_serve_flags_refused_by_name(capsys, argv, says):
 def test_generate_takes_max_tokens_as_the_other_integer_flags_do():
     args = cli.build_parser().parse_args(["generate", "hi", "--max-tokens", "1k"])
     assert args.max_tokens == 1000
+
+
+def test_serve_on_port_0_logs_the_port_it_listens_on():
+    """--port 0 (any free port): the log names the port the system picked, not ':0', and that
+    port answers."""
+    import httpx
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tinyoss", "serve", "tiny", "--port", "0"],
+                            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            lines.append(line)
+            found = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", line)
+            if found or not line:
+                break
+        assert found, "".join(lines)
+        port = int(found.group(1))
+        assert port > 0 and not any(":0/v1" in line for line in lines)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code in (200, 503)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -69,7 +69,8 @@ def _model_name(text: str) -> str:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (0: any free one, which the log names)")
     p.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
         type=_model_name, help="the model name clients send (default: MODEL); several: any of "
@@ -210,7 +211,8 @@ def check_port(host: str, port: int) -> None:
     from tinyoss.cli import CliError
 
     if not 0 <= port <= 65535:
-        raise CliError(f"--port {port} is not a port: give one from 1 to 65535")
+        raise CliError(f"--port {port} is not a port: give one from 1 to 65535 (or 0: any free "
+                       "one, which the log names)")
     try:
         addresses = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -326,7 +328,8 @@ def serve(args: argparse.Namespace) -> None:
         "serving %r on %s (API key: %s); the model loads in the background, "
         "GET /health answers 200 once it is ready",
         name,
-        base_url(args.host, args.port),
+        base_url(args.host, args.port) if args.port else f"a free port of {args.host} (--port 0: "
+        "the next line names it)",
         f"required, from {key_from}" if key else "off",
     )
     state = app.state.server
@@ -334,6 +337,12 @@ def serve(args: argparse.Namespace) -> None:
     class Server(uvicorn.Server):
         """uvicorn's, telling the app when a signal starts the shutdown (a request it cuts off
         is logged as such, not as one whose client left)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if args.port == 0 and self.servers:  # the port the system picked: say which
+                port = self.servers[0].sockets[0].getsockname()[1]
+                log.info("listening on %s", base_url(args.host, port))
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             state.shutting_down = True
