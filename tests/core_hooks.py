@@ -35,6 +35,8 @@ from tinyoss.tools.make_checkpoint import ensure_tiny
 
 WEATHER = "[[weather]]"  # a user message that makes the model call get_weather
 ANSWER = "[[answer]]"  # ... that makes it think, then answer
+GOES_ON = "[[goes on]]"  # ... that makes it write text and end its answer (a continued one)
+THINKS_ON = "[[thinks on]]"  # ... that makes it write text, end, then answer (after reasoning)
 SLOW = "[[slow]]"  # ... that makes each engine step take 20 ms (for disconnects)
 OOM = "[[oom]]"  # ... whose prefill runs out of memory
 NAN = "[[nan]]"  # ... whose logits are NaN
@@ -60,6 +62,10 @@ def scripted(core: EngineCore) -> None:
         tuple(tok.encode(ANSWER)): harmony_ids(
             tok, CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant",
             CHANNEL, "final", MESSAGE, "Hello there, Paris!", RETURN,
+        ),
+        tuple(tok.encode(GOES_ON)): harmony_ids(tok, "ld, and hello again!", RETURN),
+        tuple(tok.encode(THINKS_ON)): harmony_ids(
+            tok, " so it is 4.", END, START, "assistant", CHANNEL, "final", MESSAGE, "4", RETURN,
         ),
     }  # fmt: skip
     slow = tuple(tok.encode(SLOW))

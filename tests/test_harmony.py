@@ -6,6 +6,7 @@ ids here are bytes (a byte-level stand-in for the real tokenizer) plus the real 
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import re
@@ -28,11 +29,13 @@ from tinyoss.harmony import (
     ParsedCompletion,
     ToolCall,
     WindowDetokenizer,
+    continued_channel,
     parse_completion,
     render_prompt,
     render_segments,
     render_text,
 )
+from tinyoss.tokenizer import SPECIAL_NAMES
 
 SYSTEM = (
     "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
@@ -643,9 +646,8 @@ def hf_render(messages: list[dict], **kwargs) -> str:
         if m["role"] == "tool":
             m["content"] = json.loads(m["content"])
         hf.append(m)
-    rendered, _ = chat_utils.render_jinja_template(
-        [hf], chat_template=TEMPLATE, add_generation_prompt=True, **kwargs
-    )
+    kwargs.setdefault("add_generation_prompt", True)
+    rendered, _ = chat_utils.render_jinja_template([hf], chat_template=TEMPLATE, **kwargs)
     return rendered[0]
 
 
@@ -736,6 +738,123 @@ def test_matches_hf_chat_template(case):
     assert hf_render(messages, **options) == hf_dialect(ours)
     if case in ("plain", "tools_only", "developer_and_tools"):
         assert hf_dialect(ours) == ours
+
+
+# ------------------------------------ continue_final_message and add_generation_prompt (vLLM's)
+
+HI = [{"role": "user", "content": "Hi"}]
+OPEN = {"add_generation_prompt": False, "continue_final_message": True}
+TURN = "<|start|>user<|message|>Hi<|end|>"
+ANALYSIS, FINAL = "<|start|>assistant<|channel|>analysis<|message|>", (
+    "<|start|>assistant<|channel|>final<|message|>")
+
+
+@pytest.mark.parametrize("last, tail, channel", [
+    ({"content": "Hello wor"}, FINAL + "Hello wor", "final"),
+    ({"content": "Hello wor", "reasoning": "Greet."}, ANALYSIS + "Greet.<|end|>" + FINAL +
+     "Hello wor", "final"),  # the turn is in progress: its reasoning stays
+    ({"content": None, "reasoning_content": "Greet"}, ANALYSIS + "Greet", "analysis"),
+    ({"content": "", "thinking": "Greet"}, ANALYSIS + "Greet", "analysis"),
+    ({"content": ""}, FINAL, "final"),  # an empty answer: the model answers without reasoning
+    ({"content": None, "refusal": "I can"}, FINAL + "I can", "final"),
+    ({"content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+     FINAL + "Hello", "final"),
+])  # fmt: skip
+def test_continue_final_message_leaves_the_last_message_open(last, tail, channel):
+    """The prompt ends inside the last message, its header and text without <|end|>: the
+    answer where it has text, else its reasoning; the parser starts in that channel."""
+    messages = [*HI, {"role": "assistant", **last}]
+    text = render_text(messages, current_date="", **OPEN)
+    assert text == system() + TURN + tail
+    assert continued_channel(messages) == channel
+    ids = render_prompt(messages, encode, current_date="", **OPEN)
+    assert b"".join(SPECIAL_NAMES[i].encode() if i >= FIRST_SPECIAL else bytes([i])
+                    for i in ids).decode() == text
+    if channel == "final" and not last.get("reasoning"):  # the same message, closed
+        assert render_text(messages, current_date="", add_generation_prompt=False) == (
+            text + "<|end|>")
+
+
+def test_add_generation_prompt_false_ends_after_the_last_message():
+    assert render_text(HI, current_date="", add_generation_prompt=False) == system() + TURN
+    assert render_segments(HI, add_generation_prompt=False) == render_segments(HI)[:-2]
+
+
+def test_a_continued_answer_keeps_its_turns_tool_call_reasoning():
+    """Reasoning before a tool call is dropped once the turn's answer is written; an answer
+    being continued has not been, so it stays (as harmony keeps it before a call)."""
+    messages = [*CALL_TURN, {"role": "assistant", "content": "Found"}]
+    options = {"tools": SIMPLE_TOOLS, "current_date": ""}
+    assert "Search for it." in render_text(messages, **options, **OPEN)
+    assert "Search for it." not in render_text(messages, **options, add_generation_prompt=False)
+
+
+@pytest.mark.parametrize("messages, options, words", [
+    ([*HI, {"role": "assistant", "content": "Hi"}], {"continue_final_message": True},
+     "Cannot set both `continue_final_message` and `add_generation_prompt` to True"),
+    (HI, OPEN, "messages[0].role is 'user': continue_final_message continues the last message, "
+               "which must be the assistant's"),
+    (CALL_TURN[:2], OPEN, "messages[1] has tool_calls: continue_final_message cannot continue a "
+                          "tool call"),
+])  # fmt: skip
+def test_endings_harmony_cannot_render_are_refused(messages, options, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        render_segments(messages, **options)
+
+
+@pytest.mark.parametrize("last", [{"content": "Hello wor"},
+                                  {"content": "Hello wor", "thinking": "Greet."}])
+def test_continued_message_matches_hf_chat_template(last):
+    """transformers' continue_final_message on gpt-oss's template: the last message rendered
+    (its thinking first), cut after its text."""
+    messages = [*HI, {"role": "assistant", **last}]
+    ours = render_text(messages, **OPEN)
+    assert hf_render(messages, **OPEN) == hf_dialect(ours)
+
+
+def test_continued_message_matches_openai_harmony(tmp_path, monkeypatch, tiny_dir):
+    """Token for token, openai-harmony's rendering of the conversation (reasoning kept) less
+    its closing <|end|>: the open message is what harmony writes, with the real tokenizer."""
+    oh = pytest.importorskip("openai_harmony")
+    from tinyoss.tokenizer import Tokenizer
+
+    ranks = resources.files("tinyoss.data").joinpath("o200k_base.tiktoken.gz").read_bytes()
+    (tmp_path / "o200k_base.tiktoken").write_bytes(gzip.decompress(ranks))
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
+    enc = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    tok = Tokenizer.from_folder(tiny_dir)
+    said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
+            oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Hello wor").with_channel("final")]
+    config = oh.RenderConversationConfig(auto_drop_analysis=False)
+    want = enc.render_conversation(oh.Conversation.from_messages(said), config)
+    assert want[-1] == END
+    messages = [*HI, {"role": "assistant", "content": "Hello wor", "reasoning": "Greet."}]
+    assert render_prompt(messages, tok.encode, current_date="", **OPEN) == want[:-1]
+    reasoning_only = enc.render_conversation(oh.Conversation.from_messages(said[:3]), config)
+    messages = [*HI, {"role": "assistant", "content": None, "reasoning": "Greet."}]
+    assert render_prompt(messages, tok.encode, current_date="", **OPEN) == reasoning_only[:-1]
+
+
+def test_the_parser_starts_inside_the_continued_message():
+    """With `channel`, the first tokens are the open message's text: streamed as they come (no
+    header awaited), text that would read as a header's ("to=functions.f") kept; the model may
+    then close it and go on with messages of its own."""
+    text = " to=functions.f and more"
+    tokens = toks(text, RETURN)
+    parser = HarmonyStreamParser(decode, channel="final")
+    assert parser.add(tokens[0]) == [Delta("content", text[0], tokens=(0,))]
+    assert parse_completion(tokens, decode, channel="final").content == text
+    assert parse_completion(tokens, decode).content is None  # read as a header: a tool's
+    tokens = toks(" so 4.", END, START, "assistant", CHANNEL, "final", MESSAGE, "4", RETURN)
+    for kwargs in ({}, {"detokenizer": lambda: WindowDetokenizer(decode)}):
+        parsed = streamed(tokens, channel="analysis", **kwargs)
+        assert parsed == ParsedCompletion(" so 4.", "4", [], "stop")
+    parsed = parse_completion(tokens, decode, channel="analysis")
+    assert (parsed.reasoning, parsed.content, parsed.finish) == (" so 4.", "4", "stop")
+    cut = parse_completion(toks("Hello"), decode, channel="final")
+    assert (cut.content, cut.finish) == ("Hello", "length")
 
 
 # ---------------------------------------------------------------- parsing

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tinyoss import SamplingParams
+from tinyoss import SamplingParams, harmony
 from tinyoss.engine.core import truncate_prompt
 from tinyoss.sampling_params import bad_words_ids
 
@@ -165,8 +165,9 @@ def test_a_streamed_output_keeps_its_text(tiny_llm):
 
 def test_vllm_names_a_port_reads(tiny_llm):
     """What vLLM code calls, found missing by a trial: SamplingParams.clone, the LLM's default
-    params, RequestOutput.metrics; chat's continue_final_message refused with what to do; the
-    engine's seed seeds sampling, as vLLM's; a pickled output keeps its tokens' text."""
+    params, RequestOutput.metrics; chat's continue_final_message with add_generation_prompt
+    left at True refused with what to do; the engine's seed seeds sampling, as vLLM's; a pickled
+    output keeps its tokens' text."""
     params = SamplingParams(stop=["x"], temperature=0.5)
     copy = params.clone()
     assert copy == params and copy.stop is not params.stop
@@ -178,8 +179,9 @@ def test_vllm_names_a_port_reads(tiny_llm):
     lp, again = out.outputs[0].logprobs[0], back.outputs[0].logprobs[0]
     assert [e.decoded_token for e in again.values()] == [e.decoded_token for e in lp.values()]
     assert all(isinstance(e.decoded_token, str) for e in again.values())
-    with pytest.raises(ValueError, match="continue_final_message=True is not supported.*"
-                                         "generate"):
+    with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and "
+                                         "`add_generation_prompt`.*set add_generation_prompt "
+                                         "to false"):
         tiny_llm.chat(HI + [{"role": "assistant", "content": "The"}], GREEDY,
                       continue_final_message=True)
 
@@ -284,8 +286,7 @@ def test_chat_takes_vllms_arguments(tiny_llm):
     for kw, match in (({"chat_template_kwargs": {"enable_thinking": False}}, "enable_thinking"),
                       ({"chat_template_kwargs": {"reasoning_effort": "low"},
                         "reasoning_effort": "high"}, "contradicts"),
-                      ({"chat_template_kwargs": {"builtin_tools": ["browser"]}}, "browser"),
-                      ({"add_generation_prompt": False}, "add_generation_prompt")):
+                      ({"chat_template_kwargs": {"builtin_tools": ["browser"]}}, "browser")):
         with pytest.raises(ValueError, match=match):
             tiny_llm.chat(HI, params, False, **kw)
     with pytest.raises(TypeError, match="list of chat messages: give them to chat"):
@@ -693,3 +694,44 @@ def test_vllms_best_of_equal_to_n_is_taken():
     for bad in (3, True, 2.0):
         with pytest.raises(ValueError, match=r"best_of=.* is invalid: must be None or n \(2\)"):
             SamplingParams(n=2, best_of=bad)
+
+
+def test_chat_continues_the_final_message_as_vllms(tiny_llm):
+    """vLLM's chat(..., add_generation_prompt=False, continue_final_message=True): the prompt
+    ends inside the last assistant message and the reply is the new text only, parsed from
+    inside the answer (the random model writes no header), so stop strings watch it from the
+    first token; a continuation that cannot be rendered or constrained is a ValueError."""
+    msgs = [*HI, {"role": "assistant", "content": "Hello wor"}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    r = tiny_llm.chat(msgs, params, use_tqdm=False, **cont)[0]
+    want = harmony.render_prompt(msgs, tiny_llm.tokenizer.encode, **cont)
+    assert r.prompt_token_ids == want
+    assert tiny_llm.tokenizer.decode(want).endswith(
+        "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final<|message|>Hello wor")
+    raw = tiny_llm.generate({"prompt_token_ids": want}, params, use_tqdm=False)[0].outputs[0]
+    assert r.outputs[0].token_ids == raw.token_ids
+    # its text, less a reserved special token or two the random model writes
+    assert not set(raw.token_ids) & {harmony.END, harmony.START, harmony.CHANNEL}
+    assert r.content == tiny_llm.tokenizer.decode(
+        [t for t in raw.token_ids if t < harmony.FIRST_SPECIAL])
+    assert r.reasoning is None and r.content and len(r.content) > 4
+    stop = r.content[2:4]
+    got = tiny_llm.chat(msgs, dataclasses.replace(params, stop=[stop]), use_tqdm=False,
+                        **cont)[0]
+    assert got.content == r.content[: r.content.find(stop)] and got.finish_reason == "stop"
+    assert (got.outputs[0].finish_reason, got.outputs[0].stop_reason) == ("stop", stop)
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    for conv, kw, match in [
+        (HI, cont, r"messages\[0\]\.role is 'user'.*must be the assistant's"),
+        ([*HI, call], cont, r"messages\[1\] has tool_calls.*cannot continue a tool call"),
+        (msgs, {**cont, "response_format": {"type": "json_object"}}, "cannot be enforced"),
+        (HI, {"add_generation_prompt": False, "thinking_token_budget": 0}, "cannot be enforced"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.chat(conv, params, use_tqdm=False, **kw)
+    bare = tiny_llm.chat(HI, params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert bare.prompt_token_ids == tiny_llm.chat(HI, params, use_tqdm=False)[0].prompt_token_ids[
+        :-2]  # less <|start|>assistant
+

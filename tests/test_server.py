@@ -26,7 +26,7 @@ import openai
 import pytest
 import uvicorn
 
-from tests.core_hooks import ANSWER, SLOW, WEATHER
+from tests.core_hooks import ANSWER, GOES_ON, SLOW, THINKS_ON, WEATHER
 from tinyoss import harmony
 from tinyoss.config import EngineConfig
 from tinyoss.engine.core_process import HOOK_ENV
@@ -221,6 +221,104 @@ def test_reasoning_and_answer(srv, client):
     assert "Reasoning: low" in srv.prompts()[-1]
     assert joined["content"] == msg.content and joined["finish"] == "stop"
     assert joined["reasoning"] == joined["reasoning_content"] == "Let me think."
+
+
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_chat_continues_the_last_assistant_message(srv, client):
+    """vLLM's continue_final_message: the prompt ends inside the last message, an assistant's
+    answer, left open (its header and text, no <|end|>); the reply is the new text only, as
+    vLLM returns it, parsed from inside the final channel (no header comes first), with its
+    logprobs; streamed alike. add_generation_prompt may be left out."""
+    msgs = [*user(GOES_ON), {"role": "assistant", "content": "Hello wor"}]
+    kw = {"messages": msgs, "max_tokens": 64, "logprobs": True}
+    r = client.chat.completions.create(model="tiny", extra_body={**CONTINUE,
+                                                                 "return_token_ids": True}, **kw)
+    assert srv.prompts()[-1].endswith(
+        f"<|start|>user<|message|>{GOES_ON}<|end|><|start|>assistant<|channel|>final<|message|>"
+        "Hello wor")
+    want = harmony.render_prompt(msgs, srv.tokenizer.encode, add_generation_prompt=False,
+                                 continue_final_message=True)
+    assert r.model_extra["prompt_token_ids"] == want and r.usage.prompt_tokens == len(want)
+    msg = r.choices[0].message
+    assert msg.content == "ld, and hello again!" and r.choices[0].finish_reason == "stop"
+    assert msg.model_extra["reasoning"] is None and not msg.tool_calls
+    assert b"".join(bytes(e.bytes) for e in r.choices[0].logprobs.content).decode() == (
+        msg.content)
+    joined, _ = stream_chat(client, extra_body={"continue_final_message": True}, **kw)
+    assert srv.prompts()[-1].endswith("<|channel|>final<|message|>Hello wor")
+    assert joined["role"] == "assistant" and joined["finish"] == "stop"
+    assert joined["content"] == msg.content and joined["reasoning"] == ""
+    # a stop string cuts the continued answer as any answer
+    r = client.chat.completions.create(model="tiny", stop=[" hello"], extra_body=CONTINUE, **kw)
+    assert r.choices[0].message.content == "ld, and" and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_continues_the_reasoning_or_answers_after_it(srv, client):
+    """An assistant message with reasoning and no text continues the reasoning (the analysis
+    channel, left open); with text too, its reasoning is kept before the open answer (the turn
+    is in progress, as the HF template renders it)."""
+    msgs = [*user(THINKS_ON), {"role": "assistant", "content": "", "reasoning": "2 + 2"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=64,
+                                       extra_body=CONTINUE)
+    assert srv.prompts()[-1].endswith("<|end|><|start|>assistant<|channel|>analysis<|message|>"
+                                      "2 + 2")
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning"] == " so it is 4." and msg.content == "4"
+    want = len(srv.tokenizer.encode(" so it is 4."))
+    assert r.usage.completion_tokens_details.reasoning_tokens == want
+    joined, _ = stream_chat(client, messages=msgs, max_tokens=64, extra_body=CONTINUE)
+    assert (joined["reasoning"], joined["content"]) == (" so it is 4.", "4")
+    msgs = [*user(GOES_ON), {"role": "assistant", "content": "Hello wor",
+                             "reasoning_content": "Greet."}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=64,
+                                       extra_body=CONTINUE)
+    assert srv.prompts()[-1].endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Greet.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello wor")
+    assert r.choices[0].message.content == "ld, and hello again!"
+
+
+def test_chat_without_the_generation_prompt_ends_after_the_last_message(srv, client):
+    """add_generation_prompt: false (vLLM's): the prompt ends with the last message's <|end|>
+    and the model writes the next header; the reply is parsed as ever."""
+    r = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64,
+                                       extra_body={"add_generation_prompt": False})
+    assert srv.prompts()[-1].endswith(f"<|start|>user<|message|>{ANSWER}<|end|>")
+    prompt = harmony.render_prompt(user(ANSWER), srv.tokenizer.encode)
+    assert r.usage.prompt_tokens == len(prompt) - 2  # less <|start|>assistant
+    msg = r.choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == ("Let me think.", "Hello there, Paris!")
+
+
+def test_chat_endings_that_cannot_be_served_are_400s(srv):
+    said = {"role": "assistant", "content": "Hi"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    for body, param, words in [
+        ({"messages": [*user("hi"), said], "continue_final_message": True,
+          "add_generation_prompt": True}, "continue_final_message",
+         "Cannot set both `continue_final_message` and `add_generation_prompt` to True"),
+        ({"messages": user("hi"), **CONTINUE}, "messages[0].role", "must be the assistant's"),
+        ({"messages": [*user("hi"), call], "tools": TOOLS, **CONTINUE}, "messages[1]",
+         "cannot continue a tool call"),
+        ({"messages": [*user("hi"), said], "response_format": {"type": "json_object"},
+          **CONTINUE}, "response_format", "cannot be enforced with continue_final_message"),
+        ({"messages": user("hi"), "tools": TOOLS, "tool_choice": "required",
+          "add_generation_prompt": False}, "tool_choice",
+         "cannot be enforced with add_generation_prompt: false"),
+        ({"messages": user("hi"), "thinking_token_budget": 4, "add_generation_prompt": False},
+         "thinking_token_budget", "cannot be enforced"),
+    ]:
+        err = error(post(srv, "/v1/chat/completions", {**body, "max_tokens": 4}), 400)
+        assert err["param"] == param and words in err["message"], err
+        if param.startswith(("continue", "messages")):  # /tokenize renders alike
+            assert error(post(srv, "/tokenize", body), 400)["param"] == param
+    err = error(post(srv, "/v1/responses", {"input": "hi", "continue_final_message": True}), 400)
+    assert err["param"] == "continue_final_message" and "Responses API takes none" in (
+        err["message"])
 
 
 def test_include_reasoning_false_leaves_the_reasoning_out(client):

@@ -99,7 +99,7 @@ def events(r: httpx.Response) -> list[dict]:
          "boolean"),
         ("/tokenize", {"prompt": "a", "return_token_strs": 1}, "return_token_strs", "boolean"),
         ("/tokenize", {"messages": HI, "continue_final_message": True},
-         "continue_final_message", "is not supported"),
+         "messages[0].role", "must be the assistant's"),
         ("/tokenize", {"messages": HI, "chat_template": "{{ x }}"}, "chat_template",
          "harmony format"),
         ("/tokenize", {"messages": HI, "continue_final_message": 1}, "continue_final_message",
@@ -180,8 +180,8 @@ def events(r: httpx.Response) -> list[dict]:
         (CMPL, {"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
         (CMPL, {"prompt": "a", "allowed_token_ids": [1], "structured_outputs": {"regex": "a"}},
          "allowed_token_ids", "with a structured output"),
-        (CHAT, {"messages": HI, "continue_final_message": True}, "continue_final_message",
-         "a new assistant message"),
+        (CHAT, {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
+         "continue_final_message", "Cannot set both `continue_final_message` and"),
         (CMPL, {"prompt": "a", "bad_words": [" "]}, "bad_words", "non-blank strings"),
         (CHAT, {"messages": HI, "bad_words": ["x"] * 1025}, "bad_words", "at most 1024"),
         (CMPL, {"prompt": [[]]}, "prompt", "prompt is empty"),
@@ -442,8 +442,7 @@ def test_an_assistant_message_refusal_field_is_its_text():
 VLLM_SAMPLING = [("use_beam_search", True, False),
                  ("logits_processors", ["m.P"], []), ("return_tokens_as_token_ids", True, False),
                  ("structural_tag", '{"structures": []}', None)]
-VLLM_CHAT = [("chat_template", "{{ messages }}", None), ("add_generation_prompt", False, True),
-             ("continue_final_message", True, False), ("echo", True, False),
+VLLM_CHAT = [("chat_template", "{{ messages }}", None), ("echo", True, False),
              ("documents", [{"title": "a", "text": "b"}], [])]
 
 

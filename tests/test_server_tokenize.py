@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.test_server import KEY, TINY, TOOLS, Served, post, wait_healthy
+from tinyoss import harmony
 from tinyoss.server.app import create_app
 from tinyoss.server.limits import ServerLimits
 
@@ -92,6 +93,29 @@ def test_messages_count_equals_chat_prompt_tokens(srv, oai, chat):
     # without the generation prompt: the same tokens less the closing <|start|>assistant
     bare = ok(post(srv, "/tokenize", {**chat, "add_generation_prompt": False}))
     assert bare["tokens"] == out["tokens"][:-2] and bare["count"] == out["count"] - 2
+
+
+def test_a_continued_message_counts_as_chat_renders_it(srv, oai):
+    """continue_final_message (vLLM's): /tokenize renders the open last message exactly as
+    chat does (its count is the chat's prompt_tokens), with add_generation_prompt false or left
+    out; the prompt ends with the answer's header and text, no <|end|>."""
+    msgs = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello wor"}]
+    out = ok(post(srv, "/tokenize", {"messages": msgs, "continue_final_message": True,
+                                     "return_token_strs": True}))
+    agp = {"add_generation_prompt": False}
+    assert ok(post(srv, "/tokenize", {"messages": msgs, "continue_final_message": True, **agp}))[
+        "tokens"] == out["tokens"]
+    r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
+                                    extra_body={"continue_final_message": True, **agp})
+    assert out["count"] == r.usage.prompt_tokens == len(out["tokens"])
+    tail = srv.tokenizer.encode("Hello wor")
+    assert out["tokens"][-len(tail) - 5:] == [harmony.START, *srv.tokenizer.encode("assistant"),
+                                             harmony.CHANNEL, *srv.tokenizer.encode("final"),
+                                             harmony.MESSAGE, *tail]
+    closed = ok(post(srv, "/tokenize", {"messages": msgs, **agp}))["tokens"]
+    assert closed == out["tokens"] + [harmony.END]  # the same message, closed
+    r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body=agp)
+    assert r.usage.prompt_tokens == len(closed)
 
 
 def test_errors(srv):

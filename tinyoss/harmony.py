@@ -28,6 +28,10 @@ CHANNELS_LINE = (
     "# Valid channels: analysis, commentary, final. Channel must be included for every message."
 )
 TOOLS_LINE = "Calls to these tools must go to the commentary channel: 'functions'."
+# vLLM's words for asking both (its request validator's), and what to do
+BOTH_ENDINGS = ("Cannot set both `continue_final_message` and `add_generation_prompt` to True: "
+                "continue_final_message continues the last message, add_generation_prompt "
+                "starts a new one (set add_generation_prompt to false)")
 
 Segment = int | str  # a special token id, or text for the tokenizer
 Message = dict[str, Any]
@@ -257,8 +261,15 @@ def render_segments(
     knowledge_cutoff: str = "2024-06",
     current_date: str | None = None,
     response_format: dict | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[Segment]:
     """The prompt as special ids and text runs, ending with `<|start|>assistant`.
+
+    vLLM's `add_generation_prompt=False` ends it after the last message instead (the model
+    writes the next header itself); `continue_final_message=True` ends it inside the last
+    message, an assistant's, left open for the model to continue (`continued_channel` says
+    how; `check_ending` what may be asked).
 
     OpenAI `system`/`developer` messages become harmony's developer "# Instructions" (leading
     ones merged, later ones as their own developer message); harmony's system message carries
@@ -305,9 +316,60 @@ def render_segments(
         sections.append(_response_format(response_format))
     if sections:
         _message(out, ["developer"], "\n\n".join(sections))
-    _render_turns(out, messages[lead:], lead)
-    out += [START, "assistant"]
+    check_ending(messages, add_generation_prompt, continue_final_message)
+    if continue_final_message:  # the turns before it: this turn's reasoning is kept
+        _render_turns(out, messages[lead:-1], lead)
+        _open_message(out, messages[-1])
+    else:
+        _render_turns(out, messages[lead:], lead)
+        out += [START, "assistant"] if add_generation_prompt else []
     return out
+
+
+def check_ending(messages: list[Message], add_generation_prompt: bool,
+                 continue_final_message: bool) -> None:
+    """Raises ValueError where the prompt cannot end as asked: vLLM's rule (not both), and a
+    continued message must be an assistant's answer or reasoning, not tool calls (a call is
+    complete when it is written: the model cannot add to it)."""
+    _need(not (add_generation_prompt and continue_final_message), BOTH_ENDINGS)
+    if not continue_final_message:
+        return
+    at, last = f"messages[{len(messages) - 1}]", messages[-1]
+    _need(last.get("role") == "assistant",
+          f"{at}.role is {short_repr(last.get('role'))}: continue_final_message continues the "
+          "last message, which must be the assistant's (its text is the start of the reply)")
+    _need(not last.get("tool_calls"),
+          f"{at} has tool_calls: continue_final_message cannot continue a tool call (it is "
+          "complete once made); send the tool's result as a tool message and leave "
+          "continue_final_message out")
+
+
+def continued_channel(messages: list[Message]) -> str:
+    """The channel of the message `continue_final_message` leaves open: "final" where the
+    last message has text (content or refusal) or no reasoning, else "analysis" (its reasoning
+    is continued)."""
+    last = messages[-1]
+    return "final" if _answer_text(last) or not _reasoning(last) else "analysis"
+
+
+def _reasoning(m: Message) -> str | None:
+    return m.get("reasoning") or m.get("reasoning_content") or m.get("thinking")
+
+
+def _answer_text(m: Message) -> str:
+    """An assistant message's answer: its content, else OpenAI's refusal."""
+    return _text(m.get("content")) or m.get("refusal") or ""
+
+
+def _open_message(out: list[Segment], m: Message) -> None:
+    """The last assistant message, open: its reasoning (kept, as the turn is in progress) as an
+    analysis message before an answer, then the header and text of the channel continued,
+    without the closing <|end|>."""
+    channel, text, reasoning = continued_channel([m]), _answer_text(m), _reasoning(m)
+    if channel == "final" and reasoning:
+        _message(out, ["assistant", CHANNEL, "analysis"], reasoning)
+    _message(out, ["assistant", CHANNEL, channel], text if channel == "final" else reasoning,
+             end="")
 
 
 def _response_format(fmt: dict) -> str:
@@ -348,7 +410,9 @@ def _choose_tools(tools: list[dict], choice: str | dict | None) -> tuple[list[di
     return chosen, f"You must call the function `functions.{name}`."
 
 
-def _message(out: list[Segment], header: list[Segment], body: str, end: int = END) -> None:
+def _message(out: list[Segment], header: list[Segment], body: str,
+             end: Segment = END) -> None:
+    """One message; an `end` of "" leaves it open."""
     for s in [START, *header, MESSAGE, body, end]:
         if isinstance(s, str) and out and isinstance(out[-1], str):
             out[-1] += s
@@ -381,14 +445,14 @@ def _render_turns(out: list[Segment], messages: list[Message], first: int = 0) -
     last_call = None
     for i, m in enumerate(messages):
         role, text = m.get("role"), _text(m.get("content"))
-        if role == "assistant" and not text and m.get("refusal"):  # OpenAI's: its answer
-            text = m["refusal"]
+        if role == "assistant":  # OpenAI's refusal: its answer
+            text = _answer_text(m)
         if role == "user":
             _message(out, ["user"], text)
         elif role in ("system", "developer"):
             _message(out, ["developer"], "# Instructions\n\n" + text)
         elif role == "assistant" and m.get("tool_calls"):
-            reasoning = m.get("reasoning") or m.get("reasoning_content") or m.get("thinking")
+            reasoning = _reasoning(m)
             if reasoning and i > last_answer:
                 _message(out, ["assistant", CHANNEL, "analysis"], reasoning)
             if text:
@@ -659,7 +723,9 @@ class HarmonyStreamParser:
     `decode(ids) -> str` decodes ordinary ids (headers, and content unless `detokenizer` is
     given: a factory of incremental detokenizers with add/flush, one per message). Tool call ids
     are `call_` + 24 letters/digits, from `random.Random(seed)` when a seed is given. Never
-    raises on malformed output: it keeps what it can.
+    raises on malformed output: it keeps what it can. `channel`: the prompt left a message of
+    the assistant's open on it (continue_final_message; `continued_channel`), so the first
+    tokens are that message's text, not a header.
     """
 
     def __init__(
@@ -668,6 +734,7 @@ class HarmonyStreamParser:
         *,
         detokenizer: Callable[[], Detokenizer] | None = None,
         seed: int | None = None,
+        channel: str | None = None,
     ) -> None:
         self._decode = decode
         self._new_detok = detokenizer or (lambda: WindowDetokenizer(decode))
@@ -684,6 +751,9 @@ class HarmonyStreamParser:
         self._content_tokens: list[int] = []
         self.tool_calls: list[ToolCall] = []
         self.reasoning_tokens = 0  # ordinary tokens of reasoning (analysis) text generated
+        if channel is not None:
+            self._state = "content"
+            self._new_message(self._kind_of(channel))
 
     def add(self, token: int) -> list[Delta]:
         """Feed one generated token; returns the deltas it completes."""
@@ -867,10 +937,13 @@ class HarmonyStreamParser:
 
 
 def parse_completion(
-    token_ids: list[int], decode: Callable[[list[int]], str], *, seed: int | None = None
+    token_ids: list[int], decode: Callable[[list[int]], str], *, seed: int | None = None,
+    channel: str | None = None,
 ) -> ParsedCompletion:
-    """Parse a whole generation (include its stop token: without one, finish is "length")."""
-    parser = HarmonyStreamParser(decode, detokenizer=lambda: _WholeDecode(decode), seed=seed)
+    """Parse a whole generation (include its stop token: without one, finish is "length");
+    `channel` as HarmonyStreamParser's."""
+    parser = HarmonyStreamParser(decode, detokenizer=lambda: _WholeDecode(decode), seed=seed,
+                                 channel=channel)
     for token in token_ids:
         parser.add(token)
     parser.finish()

@@ -257,9 +257,11 @@ class LLM:
 
     def _generate(self, batch: list[tuple[str, str | list[int]]], params: list[SamplingParams],
                   use_tqdm: ProgressBar,
-                  answer_stops: list[list[str]] | None = None) -> list[RequestOutput]:
+                  answer_stops: list[list[str]] | None = None,
+                  channels: list[str | None] | None = None) -> list[RequestOutput]:
         """`answer_stops`: each prompt's stop strings on its harmony answer (chat), which end
-        its sequences in the engine."""
+        its sequences in the engine; `channels`: the channel each chat prompt leaves open
+        (continue_final_message)."""
         request_ids = []
         try:
             for (where, p), sp in zip(batch, params):
@@ -268,8 +270,10 @@ class LLM:
             for request_id in request_ids:  # a bad prompt: nothing of the batch runs
                 self._abort(request_id)
             raise
-        watch = {r: [_AnswerStop(self.tokenizer, stops) for _ in range(sp.n)]
-                 for r, sp, stops in zip(request_ids, params, answer_stops or [[]] * len(params))
+        watch = {r: [_AnswerStop(self.tokenizer, stops, channel) for _ in range(sp.n)]
+                 for r, sp, stops, channel in zip(request_ids, params,
+                                                  answer_stops or [[]] * len(params),
+                                                  channels or [None] * len(params))
                  if stops}
         return self._run(request_ids, use_tqdm, watch)
 
@@ -333,47 +337,41 @@ class LLM:
         stop_reason the string; its raw text is not cut).
         `reasoning_effort` (default medium) may come as vLLM users give it, in
         `chat_template_kwargs`, which also takes `model_identity`; `use_tqdm` is the third
-        argument, as in vLLM. `vllm_args`: vLLM's lora_request, chat_template,
+        argument, as in vLLM. `continue_final_message=True` with `add_generation_prompt=False`
+        (vLLM's pair) continues the last message, an assistant's: its text (or, without any,
+        its reasoning) is the reply's start, and the reply holds what the model adds;
+        `add_generation_prompt=False` alone ends the prompt after the last message (the model
+        writes the next header). `vllm_args`: vLLM's lora_request, chat_template,
         chat_template_content_format, tokenization_kwargs, mm_processor_kwargs, at values that
         ask for nothing."""
         _check_vllm_args("chat", vllm_args)
-        if continue_final_message is not False:
-            raise ValueError("continue_final_message=True is not supported: harmony closes every "
-                             "message it renders; to continue a reply, render the prompt up to "
-                             "'<|start|>assistant<|channel|>final<|message|>' and your text "
-                             "yourself and give its token ids to generate")
-        if add_generation_prompt is not True:
-            raise ValueError("add_generation_prompt=False is not supported: a gpt-oss chat "
-                             "prompt always ends with the assistant's turn (use generate for "
-                             "a prompt of your own)")
-        options = _template_options(reasoning_effort, chat_template_kwargs)
-        _check_chat_options(options["reasoning_effort"], tools, tool_choice)
-        options.update(tools=tools, tool_choice=tool_choice)
-        fmt = response_format if isinstance(response_format, dict) else {}
-        if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
-            options["response_format"] = fmt["json_schema"]
         conversations = _conversations(messages)
+        prompts = self._chat_prompts(
+            conversations, reasoning_effort=reasoning_effort, tools=tools,
+            tool_choice=tool_choice, response_format=response_format,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message)
         asked = _per_prompt(sampling_params, len(conversations))
         params = [_chat_params(p, response_format, tools, tool_choice, thinking_token_budget)
                   for p in asked]
-        prompts = []
-        for where, conv in conversations:
-            try:
-                prompts.append(harmony.render_prompt(conv, self.tokenizer.encode, **options))
-            except KeyError as e:
-                raise ValueError(f"{where}: missing field {e}") from e
-            except (ValueError, TypeError, AttributeError) as e:
-                raise ValueError(f"{where}: {e}") from e
+        if not add_generation_prompt and any(p.structured_outputs is not None for p in params):
+            raise ValueError("response_format, structured_outputs, tool_choice 'required' or "
+                             "named and thinking_token_budget cannot be enforced with "
+                             "add_generation_prompt=False: their grammar is of a reply that "
+                             "starts a new assistant message; leave one of them out")
+        channels = [harmony.continued_channel(conv) if continue_final_message else None
+                    for _, conv in conversations]
         outputs = self._generate([(w, p) for (w, _), p in zip(conversations, prompts)], params,
-                                 use_tqdm, [p.stop for p in asked])
+                                 use_tqdm, [p.stop for p in asked], channels)
         decode = self.tokenizer.decode
         replies = []
-        for out, p in zip(outputs, asked):
+        for out, p, channel in zip(outputs, asked, channels):
             choices = []
             for completion in out.outputs:
                 hidden = hidden_stop_token(completion, p.include_stop_str_in_output)
                 ids = completion.token_ids[: len(completion.token_ids) - hidden]
-                parsed = harmony.parse_completion(ids, decode)
+                parsed = harmony.parse_completion(ids, decode, channel=channel)
                 finish = completion.finish_reason
                 if parsed.tool_calls and finish == "stop":
                     finish = "tool_calls"
@@ -391,6 +389,40 @@ class LLM:
             replies.append(ChatOutput(first.reasoning, first.content, first.tool_calls,
                                       first.finish_reason, first.logprobs, out, choices))
         return replies
+
+    def _chat_prompts(
+        self,
+        conversations: list[tuple[str, list[dict]]],
+        *,
+        reasoning_effort: str | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict = "auto",
+        response_format: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[list[int]]:
+        """The prompt token ids of each (place, conversation), as `chat` runs them; an error
+        names the conversation's place."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(harmony.BOTH_ENDINGS)
+        options = _template_options(reasoning_effort, chat_template_kwargs)
+        _check_chat_options(options["reasoning_effort"], tools, tool_choice)
+        options.update(tools=tools, tool_choice=tool_choice,
+                       add_generation_prompt=bool(add_generation_prompt),
+                       continue_final_message=bool(continue_final_message))
+        fmt = response_format if isinstance(response_format, dict) else {}
+        if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+            options["response_format"] = fmt["json_schema"]
+        prompts = []
+        for where, conv in conversations:
+            try:
+                prompts.append(harmony.render_prompt(conv, self.tokenizer.encode, **options))
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {e}") from e
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"{where}: {e}") from e
+        return prompts
 
     def _run(self, request_ids: list[str], use_tqdm: ProgressBar,
              watch: dict[str, list[_AnswerStop]] | None = None) -> list[RequestOutput]:
@@ -428,9 +460,10 @@ class _AnswerStop:
     through StopStrings, as the server's chat choices read it, so the engine stops at the first
     (it had run on to max_tokens, its reply cut afterwards)."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], channel: str | None = None) -> None:
         self.parser = harmony.HarmonyStreamParser(
-            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
+            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer),
+            channel=channel,
         )
         self.stops = StopStrings(stops, False)
         self.seen = 0

@@ -996,7 +996,7 @@ def create_app(
         # tool call ids are random even under a seed: ids a client keys history by are unique
         choices: list[Choice] = [
             ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep, prep.reasoning,
-                       prep.content_stop_kept)
+                       prep.content_stop_kept, prep.channel)
             for i in range(prep.params.n)
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None

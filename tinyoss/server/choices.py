@@ -100,16 +100,19 @@ class ChatChoice:
         keep_logprobs: bool = True,
         reasoning: bool = True,
         stop_kept: bool = False,
+        channel: str | None = None,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `reasoning`:
         send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons).
-        `stop_kept`: the answer keeps the stop string that ended it (include_stop_str_in_output)."""
+        `stop_kept`: the answer keeps the stop string that ended it (include_stop_str_in_output).
+        `channel`: that of the message the prompt left open (continue_final_message)."""
         self.index, self.tokenizer = index, tokenizer
         self.reasoning, self.stop_kept = reasoning, stop_kept
         self.keep_logprobs = keep_logprobs
         self.ids = _TokenIds() if token_ids else None
         self.parser = harmony.HarmonyStreamParser(
-            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer)
+            tokenizer.decode, detokenizer=lambda: IncrementalDetokenizer(tokenizer),
+            channel=channel,
         )
         self.stop = StopStrings(stops, stop_kept) if stops else None
         self.num_tokens = 0

@@ -90,9 +90,10 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((True,), "chat parses the special tokens into reasoning, content "
                                      "and tool calls; /v1/completions returns them as text"),
     "chat_template": ((), "tinyoss renders gpt-oss's harmony format itself"),
-    "add_generation_prompt": ((True,), "a chat prompt always ends by opening the assistant's "
-                                       "turn (/tokenize takes add_generation_prompt: false)"),
-    "continue_final_message": ((False,), "the reply is always a new assistant message"),
+    "add_generation_prompt": ((True,), "the Responses API takes none (chat completions and "
+                                       "/tokenize do)"),
+    "continue_final_message": ((False,), "the Responses API takes none (chat completions and "
+                                         "/tokenize do)"),
     "echo": ((False,), "a chat reply never repeats the last message (/v1/completions echoes "
                        "the prompt)"),
     "documents": (([],), "gpt-oss's chat template reads no documents: put their text in a "
@@ -105,7 +106,9 @@ _COMPLETION_UNSUPPORTED = (*_VLLM_SAMPLING,
 # chat and completions take them
 _TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
                  "prompt_logprobs")
-_CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED if name not in _TOKEN_FIELDS)
+_ENDING_FIELDS = ("add_generation_prompt", "continue_final_message")  # chat and /tokenize
+_CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED
+                          if name not in _TOKEN_FIELDS + _ENDING_FIELDS)
 # What a pydantic error type says a value must be (the rest: pydantic's own words).
 _MUST = {
     "either": "{expected}",
@@ -177,6 +180,9 @@ class Prepared:
     max_tokens_field: str = "max_tokens"  # as the client spelled it (max_completion_tokens)
     # chat: said after a context-length refusal, where tools or a schema are in the prompt too
     length_note: str = ""
+    # chat: the channel of the assistant message the prompt leaves open (continue_final_message),
+    # whose text the reply goes on with
+    channel: str | None = None
 
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
@@ -208,6 +214,14 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
         )
     except ConstraintError as e:
         raise APIError(400, str(e), param=e.param) from e
+    add_generation_prompt, continued = _ending(body)
+    if grammar is not None and not add_generation_prompt:
+        param = _constraint_field(body)
+        how = ("continue_final_message: true (the reply goes on inside the last message)"
+               if continued else "add_generation_prompt: false (the model writes the reply's "
+               "header itself)")
+        _require(False, param, f"{param} cannot be enforced with {how}: its grammar is of a "
+                               "reply that starts a new assistant message; leave one of them out")
     max_tokens = req.max_completion_tokens
     params = _sampling(
         body,
@@ -234,6 +248,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
             _check_chars([segments], info.max_model_len, "messages")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
                     length_note=note,
+                    channel=harmony.continued_channel(body["messages"]) if continued else None,
                     content_stop_kept=params.include_stop_str_in_output,
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning,
                     max_tokens_field="max_tokens" if max_tokens is None
@@ -270,7 +285,10 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
         at = f"messages[{i}].tool_call_id"
         _require(m["role"] != "tool" or m.get("tool_call_id") is not None, at,
                  f"{at} is required: a tool message answers the assistant's tool call of that id")
-    options = {"tools": tools, "tool_choice": choice, **_template_options(req, body)}
+    add_generation_prompt, continued = _ending(body)
+    options = {"tools": tools, "tool_choice": choice, **_template_options(req, body),
+               "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continued}
     if isinstance(req.response_format, ResponseFormatJsonSchema):
         options["response_format"] = body["response_format"]["json_schema"]
     try:
@@ -280,6 +298,27 @@ def _render_chat(req: ChatInput, body: dict) -> list[harmony.Segment]:
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise APIError(400, f"invalid messages: {e}", param=_path_in(str(e), "messages")) from e
     return segments
+
+
+def _ending(body: dict) -> tuple[bool, bool]:
+    """add_generation_prompt and continue_final_message, read as vLLM reads them: both sent
+    true is a 400 (its validator's words); continue_final_message true with
+    add_generation_prompt left out takes that as false, since the prompt cannot do both."""
+    continued = body.get("continue_final_message") is True
+    given = body.get("add_generation_prompt")
+    _require(not (continued and given), "continue_final_message", harmony.BOTH_ENDINGS)
+    return (not continued) if given is None else given, continued
+
+
+def _constraint_field(body: dict) -> str:
+    """The field whose constraint made a chat request's grammar."""
+    if body.get("structured_outputs") is not None:
+        return "structured_outputs"
+    if (body.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    choice = body.get("tool_choice")
+    return "tool_choice" if choice == "required" or isinstance(choice, dict) else (
+        "thinking_token_budget")
 
 
 _TEMPLATE_HINTS = {"enable_thinking": "gpt-oss always reasons: lower reasoning_effort, or set "
@@ -376,11 +415,8 @@ def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:
     req: TokenizeChatRequest | TokenizeCompletionRequest
     if messages is not None:
         req = validate(TokenizeChatRequest, body)
-        refuse_unsupported(body, ("chat_template", "continue_final_message"))
-        segments = _render_chat(req, body)
-        if not req.add_generation_prompt:  # without the closing `<|start|>assistant`
-            segments = segments[:-2]
-        what = "messages"
+        refuse_unsupported(body, ("chat_template",))
+        segments, what = _render_chat(req, body), "messages"
     else:  # add_special_tokens is checked, and changes nothing: gpt-oss has no BOS or EOS
         req = validate(TokenizeCompletionRequest, body)
         segments, what = [req.prompt], "prompt"

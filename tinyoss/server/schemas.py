@@ -485,10 +485,12 @@ class ChatCompletionRequest(_Sampling, ChatInput):
         None, description="vLLM: not supported (the prompt is always harmony's)."
     )
     add_generation_prompt: StrictBool | None = Field(
-        True, description="vLLM: true only (the prompt ends by opening the assistant's turn)."
+        True, description="vLLM: end the prompt by opening the assistant's turn (false: after "
+        "the last message; the model writes the header)."
     )
     continue_final_message: StrictBool | None = Field(
-        False, description="vLLM: false only (the reply is a new message)."
+        False, description="vLLM: the reply continues the last message, an assistant's (with "
+        "add_generation_prompt false or left out); the reply holds the new text only."
     )
     echo: StrictBool | None = Field(
         False, description="vLLM: false only (/v1/completions echoes the prompt)."
@@ -527,7 +529,7 @@ class TokenizeChatRequest(ChatInput):
         True, description="End with the assistant's turn opening, as chat completions do."
     )
     continue_final_message: StrictBool | None = Field(
-        False, description="vLLM: false only (as in chat completions)."
+        False, description="End inside the last message, an assistant's, as chat completions do."
     )
     chat_template: StrictStr | None = Field(
         None, description="vLLM: not supported (the prompt is always harmony's)."
