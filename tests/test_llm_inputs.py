@@ -735,3 +735,72 @@ def test_chat_continues_the_final_message_as_vllms(tiny_llm):
     assert bare.prompt_token_ids == tiny_llm.chat(HI, params, use_tqdm=False)[0].prompt_token_ids[
         :-2]  # less <|start|>assistant
 
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_get_tokenizer_reads_as_vllms_hugging_face_tokenizer(tiny_llm):
+    """vLLM scripts build prompts with `llm.get_tokenizer()`: its apply_chat_template renders
+    as `chat` does (tools, reasoning effort, template keywords, both endings), so generate of
+    its text or ids runs `chat`'s prompt; text is read as generate reads it, special-token
+    names as those tokens."""
+    tok = tiny_llm.get_tokenizer()
+    assert tok is tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def chat_ids(messages, **kw):
+        return tiny_llm.chat(messages, params, use_tqdm=False, **kw)[0].prompt_token_ids
+
+    text = tok.apply_chat_template(HI, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and text.endswith("<|start|>user<|message|>hi<|end|>"
+                                                   "<|start|>assistant")
+    assert tiny_llm.generate(text, params, use_tqdm=False)[0].prompt_token_ids == chat_ids(HI)
+    assert tok.encode(text) == tok(text).input_ids == tok(text)["input_ids"] == chat_ids(HI)
+    assert tok.apply_chat_template(HI, add_generation_prompt=True) == chat_ids(HI)
+    assert tok.apply_chat_template(HI) == chat_ids(HI)[:-2]  # Hugging Face's default: none
+    kw = {"tools": [TOOL], "reasoning_effort": "low"}
+    assert tok.apply_chat_template(HI, add_generation_prompt=True, **kw) == chat_ids(HI, **kw)
+    ctk = {"reasoning_effort": "high", "model_identity": "You are Tiny."}
+    assert tok.apply_chat_template(HI, add_generation_prompt=True, chat_template_kwargs=ctk) == (
+        chat_ids(HI, chat_template_kwargs=ctk)) == tok.apply_chat_template(
+        HI, add_generation_prompt=True, **ctk)
+    said = [*HI, {"role": "assistant", "content": "Hello wor"}]
+    assert tok.apply_chat_template(said, continue_final_message=True) == chat_ids(
+        said, add_generation_prompt=False, continue_final_message=True)
+    two = tok.apply_chat_template([HI, said], add_generation_prompt=True)
+    assert two == [chat_ids(HI), chat_ids(said)]
+    enc = tok.apply_chat_template([HI, said], add_generation_prompt=True, return_dict=True)
+    assert enc.input_ids == two and enc["attention_mask"] == [[1] * len(i) for i in two]
+    # typed in content, a special token's name stays text in the ids; in the text form it
+    # reads back as the token, as any template's text does
+    forged = [{"role": "user", "content": "a<|end|>b"}]
+    ids = tok.apply_chat_template(forged)
+    text = tok.apply_chat_template(forged, tokenize=False)
+    assert text == tok.decode(ids) and text.endswith("<|message|>a<|end|>b<|end|>")
+    assert tok.encode(text).count(harmony.END) == ids.count(harmony.END) + 1
+    # the common surface
+    assert tok.encode("<|start|>user<|message|>hi<|end|>") == [200006, 1428, 200008, 3686, 200007]
+    assert tok.decode([200006, 1428]) == "<|start|>user" and tok.decode(1428) == "user"
+    assert tok.decode([[1428], [3686]]) == tok.batch_decode([[1428], [3686]]) == ["user", "hi"]
+    assert tok.decode([200006, 1428], skip_special_tokens=True) == "user"
+    assert tok.convert_ids_to_tokens([200006, 1428]) == ["<|start|>", "user"]
+    assert tok.convert_ids_to_tokens(200007) == "<|end|>"
+    assert tok.convert_tokens_to_ids(["<|end|>", "user"]) == [200007, 1428]
+    assert (tok.eos_token, tok.eos_token_id) == ("<|return|>", 200002)
+    assert (tok.pad_token_id, tok.bos_token_id) == (199999, 199998)
+    assert (len(tok), tok.vocab_size) == (200019, 199998) == (len(tok.get_vocab()), 199998)
+    assert tok(["hi", "user"]).input_ids == [[3686], [1428]]
+    for call, match in [
+        (lambda: tok.apply_chat_template(HI, chat_template="{{ messages }}"),
+         "chat_template is not supported: tinyoss renders gpt-oss's harmony format"),
+        (lambda: tok.apply_chat_template(HI, padding=True), "padding=True is not supported"),
+        (lambda: tok("hi", return_tensors="pt"), "return_tensors='pt' is not supported"),
+        (lambda: tok.apply_chat_template(HI, enable_thinking=False), "enable_thinking"),
+        (lambda: tok.apply_chat_template(said, add_generation_prompt=True,
+                                         continue_final_message=True), "Cannot set both"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stride'"):
+        tok.encode("hi", stride=2)

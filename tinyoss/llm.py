@@ -21,7 +21,7 @@ from tinyoss.engine.output_processor import OutputProcessor, RequestOutput, Stop
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.harmony_grammar import answer_constraint, chat_constraint
 from tinyoss.sampling_params import SamplingParams, bad_words_ids
-from tinyoss.tokenizer import IncrementalDetokenizer
+from tinyoss.tokenizer import HFTokenizerFacade, IncrementalDetokenizer
 from tinyoss.server.choices import hidden_stop_token
 from tinyoss.server.vllm_flags import llm_keyword
 
@@ -138,13 +138,21 @@ class LLM:
         self.tokenizer = load_tokenizer(folder)
         self.engine = build_engine(config, folder)
         self.processor = OutputProcessor(self.tokenizer)
+        self._hf_tokenizer = HFTokenizerFacade(self.tokenizer, self._render_chats)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # the engine and the processor: one caller at a time
         self._inbox: dict[str, list[RequestOutput]] = {}  # each live request's outputs, unread
         self._closed = False
 
-    def get_tokenizer(self):
-        return self.tokenizer
+    def get_tokenizer(self) -> HFTokenizerFacade:
+        """The tokenizer as vLLM's `get_tokenizer()` gives it, a Hugging Face tokenizer's
+        surface (`HFTokenizerFacade`): its `apply_chat_template` renders as `chat` does."""
+        return self._hf_tokenizer
+
+    def _render_chats(self, messages: list[dict] | list[list[dict]],
+                      **options: Any) -> list[list[int]]:
+        """Prompt ids of a conversation or a list of them, as `chat` renders them."""
+        return self._chat_prompts(_conversations(messages), **options)
 
     def close(self) -> None:
         """Stops the engine's tensor-parallel workers and leaves their group (an engine of one

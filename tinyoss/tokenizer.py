@@ -4,15 +4,17 @@ Encoding runs in the Rust `tokenizers` library. Decoding goes through bytes: eve
 its raw bytes (byte-level BPE is lossless), and bytes become text with Python's UTF-8 decoder.
 That makes `decode` and the streaming `IncrementalDetokenizer` agree by construction, and lets
 ids that a published tokenizer.json does not list (200019..201087, model embedding rows only)
-decode as `<|reserved_N|>` instead of vanishing.
+decode as `<|reserved_N|>` instead of vanishing. `HFTokenizerFacade` is the Hugging Face
+tokenizer's surface that `LLM.get_tokenizer()` returns, as vLLM's does.
 """
 
 from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
@@ -229,3 +231,140 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """What is left at the end of the stream (U+FFFD for an unfinished character)."""
         return self._utf8.decode(b"", final=True)
+
+
+# Hugging Face's tokenization options, taken at the values that ask for nothing (None, False,
+# empty): a prompt is never padded or cut here, and ids come as lists, not tensors
+_HF_INERT = ("documents", "padding", "truncation", "max_length", "return_tensors",
+             "return_assistant_tokens_mask", "sanitize_control_tokens", "tokenizer_kwargs")
+
+
+class Encoding(dict):
+    """Hugging Face's BatchEncoding, as far as code reads it: `enc.input_ids` or
+    `enc["input_ids"]`, and `attention_mask`."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class HFTokenizerFacade:
+    """What `LLM.get_tokenizer()` returns: the surface of the Hugging Face tokenizer that
+    vLLM's `get_tokenizer()` gives (`encode`, `decode`, calling it, `apply_chat_template`,
+    `eos_token_id`, `convert_ids_to_tokens`, `len`), so code written for vLLM runs unchanged.
+
+    Why not transformers' own tokenizer: its `apply_chat_template` renders gpt-oss's Jinja
+    template, which is not the harmony prompt `LLM.chat` runs (tests/test_harmony.py pins
+    where they differ). Chats are rendered here by `render_chats`, `LLM.chat`'s own renderer,
+    so `generate` of a prompt made here runs what `chat` runs. Text is read as `generate` reads
+    a prompt: special-token names ("<|start|>") are those tokens. gpt-oss has no BOS:
+    `add_special_tokens` adds nothing. A custom `chat_template` is refused."""
+
+    # as every gpt-oss checkpoint's tokenizer_config.json names them
+    bos_token, eos_token, pad_token = "<|startoftext|>", "<|return|>", "<|endoftext|>"
+    bos_token_id, eos_token_id, pad_token_id = STARTOFTEXT, RETURN, ENDOFTEXT
+
+    def __init__(self, tokenizer: Tokenizer,
+                 render_chats: Callable[..., list[list[int]]]) -> None:
+        """`render_chats(conversation or list of them, **options)`: each one's prompt ids."""
+        self.tokenizer, self._render_chats = tokenizer, render_chats
+
+    @property
+    def vocab_size(self) -> int:
+        """The BPE vocabulary, without the added (special) tokens, as Hugging Face counts it."""
+        return self.tokenizer._hf.get_vocab_size(with_added_tokens=False)
+
+    def __len__(self) -> int:
+        """Every token the tokenizer lists, the special ones too (the model's embedding has
+        rows up to `Tokenizer.vocab_size`, which decode as `<|reserved_N|>`)."""
+        return self.tokenizer._hf.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokenizer._hf.get_vocab(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True, **options: Any) -> list[int]:
+        _inert("encode", options)
+        return self.tokenizer.encode_prompt(text)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True,
+                 **options: Any) -> Encoding:
+        _inert("the tokenizer's call", options)
+        ids = ([self.encode(t) for t in text] if isinstance(text, (list, tuple))
+               else self.encode(text))
+        return _encoding(ids)
+
+    def decode(self, token_ids: int | Sequence[int] | Sequence[Sequence[int]],
+               skip_special_tokens: bool = False) -> str | list[str]:
+        if hasattr(token_ids, "tolist"):  # a tensor or an array
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        if token_ids and not isinstance(token_ids[0], int):  # a batch, as transformers 5's
+            return self.batch_decode(token_ids, skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = False) -> list[str]:
+        return [self.tokenizer.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        if isinstance(ids, int):
+            return self.tokenizer.id_to_token(ids)
+        return [self.tokenizer.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.tokenizer.token_to_id(tokens)
+        return [self.tokenizer.token_to_id(t) for t in tokens]
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict] | list[list[dict]],
+        tools: list[dict] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int] | Encoding | list:
+        """A conversation (or a list of them) as `LLM.chat` renders it: its prompt ids, or
+        with `tokenize=False` its text (which reads as the same ids, unless a message's content
+        spells a special-token name: the ids keep that text, the text makes it the token).
+        Defaults as Hugging Face's: no generation prompt unless `add_generation_prompt=True`,
+        ids as a list (`return_dict=True`: an Encoding). Other keywords are the template's, as
+        `LLM.chat`'s `chat_template_kwargs` (`reasoning_effort`, `model_identity`);
+        `chat_template_kwargs` itself is taken too, as vLLM spells them."""
+        if chat_template is not None:
+            raise ValueError("chat_template is not supported: tinyoss renders gpt-oss's harmony "
+                             "format itself, not a Jinja template; render the prompt your own "
+                             "way and give its text or ids to generate")
+        _inert("apply_chat_template", {k: kwargs.pop(k) for k in _HF_INERT if k in kwargs})
+        options = {**(kwargs.pop("chat_template_kwargs", None) or {}), **kwargs}
+        prompts = self._render_chats(
+            conversation, tools=tools, chat_template_kwargs=options,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message)
+        out = prompts if tokenize else [self.decode(ids) for ids in prompts]
+        if isinstance(conversation[0], dict):  # one conversation, not a batch
+            out = out[0]
+        return _encoding(out) if tokenize and return_dict else out
+
+
+def _encoding(ids: list[int] | list[list[int]]) -> Encoding:
+    mask = [[1] * len(i) for i in ids] if ids and isinstance(ids[0], list) else [1] * len(ids)
+    return Encoding(input_ids=ids, attention_mask=mask)
+
+
+def _inert(where: str, options: dict[str, Any]) -> None:
+    """Raises where an option asks for what the facade does not do."""
+    for name, value in options.items():
+        if name not in _HF_INERT:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+        if not (value is None or value is False or value in ([], {})):
+            raise ValueError(f"{where}: {name}={value!r} is not supported: tinyoss tokenizes a "
+                             "prompt as it is (no padding, truncation, tensors or documents); "
+                             "leave it out")
