@@ -726,8 +726,12 @@ def test_chat_continues_the_final_message_as_vllms(tiny_llm):
     for conv, kw, match in [
         (HI, cont, r"messages\[0\]\.role is 'user'.*must be the assistant's"),
         ([*HI, call], cont, r"messages\[1\] has tool_calls.*cannot continue a tool call"),
-        (msgs, {**cont, "response_format": {"type": "json_object"}}, "cannot be enforced"),
-        (HI, {"add_generation_prompt": False, "thinking_token_budget": 0}, "cannot be enforced"),
+        (msgs, {**cont, "response_format": {"type": "json_object"}},
+         "^response_format cannot be enforced with add_generation_prompt=False"),
+        (HI, {"add_generation_prompt": False, "thinking_token_budget": 0},
+         "^thinking_token_budget cannot be enforced"),
+        (HI, {"add_generation_prompt": False, "tools": [TOOL], "tool_choice": "required"},
+         "^tool_choice cannot be enforced"),
     ]:
         with pytest.raises(ValueError, match=match):
             tiny_llm.chat(conv, params, use_tqdm=False, **kw)

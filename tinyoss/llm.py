@@ -363,11 +363,16 @@ class LLM:
         asked = _per_prompt(sampling_params, len(conversations))
         params = [_chat_params(p, response_format, tools, tool_choice, thinking_token_budget)
                   for p in asked]
-        if not add_generation_prompt and any(p.structured_outputs is not None for p in params):
-            raise ValueError("response_format, structured_outputs, tool_choice 'required' or "
-                             "named and thinking_token_budget cannot be enforced with "
-                             "add_generation_prompt=False: their grammar is of a reply that "
-                             "starts a new assistant message; leave one of them out")
+        constrained = [name for name, given in (
+            ("response_format", (response_format or {}).get("type") in ("json_object",
+                                                                        "json_schema")),
+            ("sampling_params.structured_outputs", any(p.structured_outputs for p in asked)),
+            ("tool_choice", tool_choice == "required" or isinstance(tool_choice, dict)),
+            ("thinking_token_budget", thinking_token_budget is not None)) if given]
+        if constrained and not add_generation_prompt:
+            raise ValueError(f"{constrained[0]} cannot be enforced with add_generation_prompt="
+                             "False (or continue_final_message=True): its grammar is of a reply "
+                             "that starts a new assistant message; leave one of them out")
         channels = [harmony.continued_channel(conv) if continue_final_message else None
                     for _, conv in conversations]
         outputs = self._generate([(w, p) for (w, _), p in zip(conversations, prompts)], params,
