@@ -792,6 +792,23 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(srv, client):
     assert err["param"] == "truncate_prompt_tokens" and "Responses API" in err["message"]
 
 
+def test_echo_of_a_truncated_prompt_is_the_kept_prompt(srv, client):
+    """echo with truncate_prompt_tokens echoes the tokens the model read (it echoed the whole
+    text while usage and echo's logprobs counted the kept tokens, so the logprobs' tokens did
+    not join to the echo and the generated tokens' text_offset pointed past the kept ones)."""
+    prompt = "one two three four five six"
+    kept = srv.tokenizer.decode(srv.tokenizer.encode(prompt)[-2:])
+    body = {"prompt": prompt, "echo": True, "truncate_prompt_tokens": 2, "max_tokens": 2,
+            "logprobs": 0, "seed": 1}
+    answer = ok_json(post(srv, "/v1/completions", body))
+    choice, lp = answer["choices"][0], answer["choices"][0]["logprobs"]
+    assert answer["usage"]["prompt_tokens"] == 2 and choice["text"].startswith(kept)
+    assert "".join(lp["tokens"][:2]) == kept and lp["text_offset"][2] == len(kept)
+    streamed = post(srv, "/v1/completions", {**body, "stream": True}).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in streamed if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
 # ---------------------------------------------------------------- disconnects and load
 
 

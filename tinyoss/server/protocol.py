@@ -501,9 +501,10 @@ async def _tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> N
         _check_length(len(ids), prep.params.max_tokens, info.max_model_len, prep.what,
                       prep.max_tokens_field)
         prep.prompts.append(ids)
-    if prep.echo is not None:
+    if prep.echo is not None:  # what the model read: a cut prompt's kept tokens, as its
+        # usage and echo's logprobs (and their text_offsets) count them
         prep.echo = [
-            text if text is not None else tokenizer.decode(ids)
+            text if text is not None and not cut else tokenizer.decode(ids)
             for text, ids in zip(prep.echo, prep.prompts)
         ]
 
