@@ -231,6 +231,19 @@ def test_gbnf_grammars_as_in_vllms_examples(llm):
         check(StructuredOutputs(grammar='root ::= ( "a"'))
 
 
+def test_gbnf_unicode_escapes_mean_their_characters(llm):
+    """GBNF's \\u and \\U escapes are the characters they name: llguidance's converter
+    dropped their leading zeros (\\u00e9 became \\ue9, which no regex takes), so a valid
+    grammar was a 400. An escaped backslash before a `u` stays a backslash."""
+    grammars = ['root ::= [\\u00e9\\u00fc]{2} "\\u0022" "\\U0001F600"', 'root ::= "\\\\u00e9"']
+    params = [SamplingParams(max_tokens=12, seed=1, structured_outputs=StructuredOutputs(
+        grammar=g)) for g in grammars]
+    a, b = llm.generate(["Letters:", "Escape:"], params, use_tqdm=False)
+    text = a.outputs[0].text
+    assert len(text) == 4 and set(text[:2]) <= {"\u00e9", "\u00fc"} and text[2:] == '"\U0001f600'
+    assert b.outputs[0].text == "\\u00e9"
+
+
 def test_special_token_names_in_a_grammar_are_written_as_text(llm):
     """A schema or choice whose text spells a special token ('<|end|>') is written as plain
     text, in chat too: llguidance wrote a grammar's forced text with a tokenizer that read such

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections.abc import Callable
 
@@ -64,6 +65,26 @@ def to_grammar(spec: StructuredOutputs) -> str:
     return ll.grammar_from_lark(_lark(spec.grammar))
 
 
+# GBNF's \uXXXX and \UXXXXXXXX escapes (and an escaped backslash, to step over it)
+_UNICODE_ESCAPE = re.compile(r"\\(\\|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+
+
+def _plain_escape(m: re.Match) -> str:
+    """A GBNF \\u or \\U escape as llguidance's converter reads it right: it drops the leading
+    zeros (\\u00e9 became \\ue9, which no regex or Lark string takes, so valid GBNF was a 400).
+    ASCII becomes \\xHH, kept as it is (it may be a quote, a bracket or a control character);
+    other characters are written as themselves, which GBNF and Lark take in strings and
+    classes alike. A surrogate, no character, is left for the converter to refuse."""
+    if m[1] == "\\":
+        return m[0]
+    code = int(m[1][1:], 16)
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    if 0xD800 <= code < 0xE000 or code > 0x10FFFF:
+        return m[0]
+    return chr(code)
+
+
 def _lark(grammar: str) -> str:
     """`grammar` in Lark: GBNF (`root ::= ...`, the dialect of vLLM's examples, which its
     backends take too) is converted by llguidance; Lark, told by its `start:` rule, is kept."""
@@ -72,7 +93,7 @@ def _lark(grammar: str) -> str:
     if "::=" not in grammar or is_lark_syntax(grammar):
         return grammar
     try:
-        return gbnf_to_lark(grammar)
+        return gbnf_to_lark(_UNICODE_ESCAPE.sub(_plain_escape, grammar))
     except Exception as e:  # llguidance's GbnfToLarkError, which names the place
         raise ValueError(f"it reads as GBNF (rules `name ::= ...`, no Lark `start:` rule) but "
                          f"does not parse: {e}") from None
