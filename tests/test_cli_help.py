@@ -60,7 +60,8 @@ def test_every_flag_has_help_and_shows_its_default():
 
 def test_defaults_in_the_help_output(capsys):
     serve = _flat(_help(capsys, ["serve", "--help"]))
-    assert "--port PORT port to listen on (default: 8000)" in serve
+    assert ("--port PORT port to listen on (0: any free one, which the log names) (default: "
+            "8000)") in serve
     assert "--host HOST address to bind (0.0.0.0: all) (default: 127.0.0.1)" in serve
     assert "--max-num-seqs MAX_NUM_SEQS most sequences in one batch (default: 256)" in serve
     assert serve.count("(default: 256)") == 1  # shown once, not twice
