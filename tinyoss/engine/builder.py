@@ -20,13 +20,7 @@ from tinyoss.config import EngineConfig, ModelConfig, parse_fp8_layers, parse_mx
 from tinyoss.engine.core import CoreRequest, CoreStats, EngineCore, EngineInfo
 from tinyoss.engine.cuda_graphs import CudaGraphRunner, graph_sizes
 from tinyoss.engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
-from tinyoss.engine.comm import (
-    ALL_REDUCE_ENV,
-    IN_KERNELS_ENV,
-    Group,
-    GroupError,
-    all_reduce_setting,
-)
+from tinyoss.engine.comm import ALL_REDUCE_ENV, Group, GroupError, all_reduce_setting
 from tinyoss.engine.eagle3_drafter import Eagle3Drafter
 from tinyoss.engine.executor import Executor
 from tinyoss.engine.workers import Peers, rank_device
@@ -298,13 +292,6 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
                  group.use_fast_all_reduce(dtype, model_config.hidden_size))
         kernels.all_reduce, kernels.all_gather = group.all_reduce, group.all_gather
         kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
-        if kernels.norm_route is not None and kernels.push_linear is not None:
-            # the folded all-reduce needs the Triton norm + router and combine, and the GEMV
-            kernels.peer_sites = group.peer_sites(dtype, model_config.hidden_size)
-            log.info("decode all-reduces folded into the kernels around them: %s",
-                     f"up to {kernels.peer_sites[0].slots.shape[1]} tokens a step"
-                     if kernels.peer_sites else
-                     f"no ({IN_KERNELS_ENV}, or no fast all-reduce)")
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
     note = empty_cache_note() if device.type == "cuda" and shard.rank == 0 else None
     if note:

@@ -29,24 +29,17 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from tinyoss.settings import Setting, resolve
 
-if TYPE_CHECKING:
-    from tinyoss.kernels.peer_sites import PeerSite
-
 log = logging.getLogger("tinyoss")
 
 ALL_REDUCE_ENV = "TINYOSS_ALL_REDUCE"
 ALL_REDUCE_CHOICES = ("auto", "nccl", "symm_mem", "flashinfer")
-# The decode all-reduces folded into the kernels on either side (`kernels/peer_sums.py`):
-# `auto` where a fast path above runs, `off` never
-IN_KERNELS_ENV = "TINYOSS_ALL_REDUCE_IN_KERNELS"
-PEER_SUMS_MAX_TOKENS = 64  # tokens a step the folded all-reduce takes at most (decode steps)
 
 
 class GroupError(RuntimeError):
@@ -90,7 +83,6 @@ class Group:
                                 **kwargs)
         self._nccl = backend == "nccl"
         self._fast: _SymmMemAllReduce | _FlashInferAllReduce | None = None
-        self._peer_buffer: tuple[torch.Tensor, object] | None = None  # `peer_sites`'
         self.all_reduce_choice = "nccl" if self._nccl else "gloo"  # use_fast_all_reduce's
         self.all_reduce(torch.zeros(1, device=device))  # the communicator, before any capture
 
@@ -143,36 +135,6 @@ class Group:
             hint = ("; TINYOSS_ALL_REDUCE=flashinfer is faster, once FlashInfer's all-reduce is "
                     "built (minutes, once a machine)")
         return f"{self._fast.name} up to {FAST_MAX_BYTES // 1024} KiB{fused}, nccl above{hint}"
-
-    def peer_sites(self, dtype: torch.dtype, hidden: int) -> tuple[PeerSite, PeerSite] | None:
-        """The two sites (after attention, after the experts) of the all-reduce folded into
-        the kernels (`kernels/peer_sums.py`), in symmetric memory, or None where it does not
-        run: TINYOSS_ALL_REDUCE_IN_KERNELS=off, no fast all-reduce (it needs the same peer
-        access and symmetric memory), or a dtype other than bf16 / fp16. Every rank calls this
-        at the same point, after `use_fast_all_reduce`."""
-        setting = resolve("all-reduce in kernels", None, IN_KERNELS_ENV, ("auto", "off"))
-        if setting.value == "off" or dtype not in (torch.bfloat16, torch.float16):
-            return None
-        if self.min(int(self._fast is not None)) == 0:
-            return None
-        import torch.distributed._symmetric_memory as symm_mem
-
-        from tinyoss.kernels.peer_sites import EMPTY_BITS, PeerSite
-
-        block = PEER_SUMS_MAX_TOKENS * hidden  # one rank's rows at one site
-        buf = symm_mem.empty(2 * self.size * block, dtype=dtype, device=self.device)
-        buf.view(torch.int16).fill_(EMPTY_BITS)
-        handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-        torch.cuda.synchronize(self.device)
-        self.all_reduce(torch.zeros(1, device=self.device))  # every rank's slots marked empty
-        self._peer_buffer = (buf, handle)  # kept alive with the group
-        slots = buf.view(2, self.size, PEER_SUMS_MAX_TOKENS, hidden)
-        size = buf.element_size()
-        return tuple(
-            PeerSite(slots[site], torch.tensor(
-                [handle.buffer_ptrs[q] + ((site * self.size + self.rank) * block) * size
-                 for q in range(self.size)], dtype=torch.int64, device=self.device))
-            for site in (0, 1))
 
     def _without_peer_access(self) -> str | None:
         """Which GPUs of the group cannot read each other's memory (no NVLink or PCIe

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from tinyoss.kernels.linear_fp8_torch import fp8_linear_torch
 from tinyoss.kernels.linear_mxfp4_torch import mxfp4_linear_torch
 from tinyoss.kernels.moe_torch import ExpertWeights, moe_torch
-from tinyoss.kernels.peer_sites import PartialSums, PeerSite
 
 # (x, topk_weights, topk_ids, experts): experts is what `prepare_experts` made (else ExpertWeights)
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
@@ -102,31 +101,12 @@ class Kernels:
     # group's fast all-reduce can: (y, residual, norm weight, eps) -> (normed, residual)
     all_reduce_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
                               tuple[torch.Tensor, torch.Tensor]] | None = None
-    # The all-reduces of decode steps folded into the kernels around them (`peer_sums`): the
-    # sites after attention and after the experts (None: not folded), and the bf16 GEMV that
-    # writes every rank's slots, (x, weight, bias, push) -> whether it took the layer
-    peer_sites: tuple[PeerSite, PeerSite] | None = None
-    push_linear: Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor],
-                          bool] | None = None
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear", "greedy"), "torch"))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the tensor-parallel ranks (x itself on one)."""
         return x if self.all_reduce is None else self.all_reduce(x)
-
-    def linear_reduce(self, x: torch.Tensor, layer: Callable[[torch.Tensor], torch.Tensor]
-                      ) -> torch.Tensor | PartialSums:
-        """layer(x) summed over the tensor-parallel ranks: where the sum is folded into the
-        kernels and `push_linear` takes the layer (a bf16 one: it has a `weight` of x's dtype),
-        the `PartialSums` that `post_attention` adds up."""
-        weight = getattr(layer, "weight", None)
-        if (self.peer_sites is not None and self.push_linear is not None
-                and self.peer_sites[0].fits(x.shape[0]) and weight is not None
-                and weight.dtype == x.dtype
-                and self.push_linear(x, weight, layer.bias, self.peer_sites[0].push)):
-            return PartialSums(self.peer_sites[0], x.shape[0])
-        return self.reduce(layer(x))
 
     def post_attention(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -136,8 +116,7 @@ class Kernels:
         """What sits between attention and the experts: (norm(x + residual), x + residual,
         the router's top-k weights and ids, the ids as this rank holds them: `held`, see
         `router_topk_torch`)."""
-        if self.norm_route is not None or isinstance(x, PartialSums):
-            # (peer sums are only made where norm_route sums them)
+        if self.norm_route is not None:
             return self.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, k,
                                    held)
         x, residual = self.rms_norm(x, norm_weight, eps, residual)
@@ -151,10 +130,6 @@ class Kernels:
         """What ends a layer: the experts' output y, then (norm(y + residual), y + residual) with
         the next layer's input norm (or the final one)."""
         if self.all_reduce is not None:  # the partial sums meet before the norm
-            site = self.peer_sites[1] if self.peer_sites is not None else None
-            if site is not None and self.moe_norm is not None and site.fits(x.shape[0]):
-                return self.moe_norm(x, topk_weights, topk_ids, experts, residual, norm_weight,
-                                     eps, peers=site)
             y = self.moe(x, topk_weights, topk_ids, experts)
             if self.all_reduce_norm is not None:
                 return self.all_reduce_norm(y, residual, norm_weight, eps)

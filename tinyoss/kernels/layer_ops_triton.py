@@ -14,9 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyoss.kernels.peer_sites import PartialSums
-from tinyoss.kernels.peer_sums import peer_reset, peer_sum
-
 
 
 @triton.jit
@@ -243,15 +240,13 @@ NORM_ROUTE_TILES = {"few": (2, 4), "many": (4, 8)}
 @triton.jit
 def _norm_route_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
-    ids_ptr, n_cols, n_experts, eps, first, end, slot_stride, EPB: tl.constexpr, K: tl.constexpr,
+    ids_ptr, n_cols, n_experts, eps, first, end, EPB: tl.constexpr, K: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr, RANKS: tl.constexpr,
+    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr,
 ):
     """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
     stores it and the new residual), router logits of experts g*EPB.. into logits [T, E]; the
-    last program of t to finish (a ticket in count [t], reset by it) takes the top-k.
-    RANKS > 0: x is the sum of RANKS ranks' slots (`peer_sums`, rounded to x's dtype as an
-    all-reduce's output is), which the last program marks empty again."""
+    last program of t to finish (a ticket in count [t], reset by it) takes the top-k."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -262,11 +257,7 @@ def _norm_route_kernel(
     wr = tl.load(rw_ptr + ex.to(tl.int64)[:, None] * n_cols + cols[None, :],
                  mask=ex_ok[:, None] & mask[None, :], other=0.0)
     rb = tl.load(rb_ptr + ex, mask=ex_ok, other=0.0)
-    if RANKS > 0:
-        x = peer_sum(x_ptr, slot_stride, t, cols, mask, n_cols, RANKS, BLOCK).to(
-            x_ptr.dtype.element_ty)
-    else:
-        x = tl.load(x_ptr + t * n_cols + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + t * n_cols + cols, mask=mask, other=0.0)
     x = (x.to(tl.float32)
          + tl.load(res_ptr + t * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
     xf = x.to(tl.float32)
@@ -284,8 +275,6 @@ def _norm_route_kernel(
         v = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf"),
                     cache_modifier=".cg")
         _topk_softmax(v, e, n_experts, w_ptr, ids_ptr, t, first, end, K, BLOCK_E, ARGMAX_FROM)
-        if RANKS > 0:  # every program of t has read the slots
-            peer_reset(x_ptr, slot_stride, t, cols, mask, n_cols, RANKS, BLOCK)
         tl.atomic_xchg(count_ptr + t, 0)
 
 
@@ -301,7 +290,7 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
 
 
 def norm_route_triton(
-    x: torch.Tensor | PartialSums, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
     held: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,17 +298,8 @@ def norm_route_triton(
     x + residual, top-k weights fp32, ids int32, as `router_topk_triton` gives them for
     `held`). One launch for up to NORM_ROUTE_MAX_TOKENS
     tokens; more go through the three kernels in turn. The residual is returned new (other
-    programs of a token still read the old one). x may be the ranks' `PartialSums` (up to
-    NORM_ROUTE_MAX_TOKENS tokens): this launch sums them."""
-    ranks, slot_stride = 0, 0
-    if isinstance(x, PartialSums):
-        slots = x.site.slots
-        ranks, slot_stride = slots.shape[0], slots.stride(0)
-        assert x.tokens <= NORM_ROUTE_MAX_TOKENS, "peer sums of more tokens than one launch"
-        t, h = x.tokens, slots.shape[2]
-        x = slots
-    else:
-        t, h = x.shape
+    programs of a token still read the old one)."""
+    t, h = x.shape
     if t > NORM_ROUTE_MAX_TOKENS:
         x, residual = rms_norm_triton(x, norm_weight, eps, residual)
         weights, ids = router_topk_triton(torch.nn.functional.linear(x, router_weight,
@@ -329,7 +309,7 @@ def norm_route_triton(
     e = router_weight.shape[0]
     first, end = held or (0, e)
     x, residual = x.contiguous(), residual.contiguous()
-    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
@@ -339,7 +319,7 @@ def norm_route_triton(
         epb = min(rows, block_e)
         _norm_route_kernel[(t, triton.cdiv(e, epb))](
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
-            _ticket_counters(x.device), weights, ids, h, e, eps, first, end, slot_stride,
-            EPB=epb, K=k, BLOCK=triton.next_power_of_2(h), BLOCK_E=block_e,
-            ARGMAX_FROM=TOPK_ARGMAX_FROM, RANKS=ranks, num_warps=warps)
+            _ticket_counters(x.device), weights, ids, h, e, eps, first, end, EPB=epb, K=k,
+            BLOCK=triton.next_power_of_2(h), BLOCK_E=block_e, ARGMAX_FROM=TOPK_ARGMAX_FROM,
+            num_warps=warps)
     return out, res_out, weights, ids

@@ -164,7 +164,6 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
                     if kernels.names[name] == "triton":
                         setattr(kernels, name, functools.partial(fn, mma=mma))
                         kernels.names[name] = "triton+mma"
-                kernels.push_linear = mma.push_linear
     elif backend == "cutlass":
         from tinyoss.kernels.moe_cutlass import autotuning, moe_cutlass, prepare_cutlass
 

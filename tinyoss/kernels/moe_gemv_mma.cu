@@ -898,8 +898,7 @@ template <int VPL, int MAXM>
 __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
     dense_gemv_stream(const __nv_bfloat16* __restrict__ x, int m,
                       const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
-                      __nv_bfloat16* __restrict__ out, __nv_bfloat16* const* __restrict__ push,
-                      int n_push, int N, int K) {
+                      __nv_bfloat16* __restrict__ out, int N, int K) {
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * STREAM_WARPS + (threadIdx.x >> 5)) * STREAM_ROWS;
   if (row0 >= N) return;
@@ -941,42 +940,32 @@ __global__ void __launch_bounds__(STREAM_WARPS * 32, 1)
       float v = acc[mi][r];
 #pragma unroll
       for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && mi < m && row0 + r < N) {
-        const __nv_bfloat16 o =
+      if (lane == 0 && mi < m && row0 + r < N)
+        out[(long)mi * N + row0 + r] =
             __float2bfloat16(v + (bias ? __bfloat162float(bias[row0 + r]) : 0.f));
-        if (!push) {
-          out[(long)mi * N + row0 + r] = o;
-          continue;
-        }
-        // into every rank's slot for this rank (peer_sums.py): -0.0 is the empty slot's mark
-        const __nv_bfloat16 z = __ushort_as_bfloat16(
-            __bfloat16_as_ushort(o) == 0x8000u ? (unsigned short)0 : __bfloat16_as_ushort(o));
-        for (int q = 0; q < n_push; ++q) push[q][(long)mi * N + row0 + r] = z;
-      }
     }
   }
 }
 
 template <int VPL, int MAXM>
-int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out,
-                        void* const* push, int n_push, int N, int K, cudaStream_t stream) {
+int launch_dense_stream(const void* x, int m, const void* w, const void* bias, void* out, int N,
+                        int K, cudaStream_t stream) {
   const int rows = STREAM_WARPS * STREAM_ROWS;
   dense_gemv_stream<VPL, MAXM><<<(N + rows - 1) / rows, STREAM_WARPS * 32, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), m, static_cast<const __nv_bfloat16*>(w),
-      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out),
-      reinterpret_cast<__nv_bfloat16* const*>(push), n_push, N, K);
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), N, K);
   return (int)cudaGetLastError();
 }
 
 template <int MAXM>
-int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias, void* out,
-                          void* const* push, int n_push, int N, int K, cudaStream_t stream) {
+int launch_dense_stream_k(const void* x, int m, const void* w, const void* bias, void* out, int N,
+                          int K, cudaStream_t stream) {
   const int vpl = (K + 255) / 256;
   auto run = vpl <= 4    ? launch_dense_stream<4, MAXM>
              : vpl <= 8  ? launch_dense_stream<8, MAXM>
              : vpl <= 12 ? launch_dense_stream<12, MAXM>
                          : launch_dense_stream<16, MAXM>;
-  return run(x, m, w, bias, out, push, n_push, N, K, stream);
+  return run(x, m, w, bias, out, N, K, stream);
 }
 
 // Dense FP8 layers (e4m3, an fp32 scale a row) at one row of x, as dense_gemv_stream: a warp
@@ -1123,15 +1112,11 @@ extern "C" int tinyoss_dense_gemv_mma(int fp8, const void* x, int M, const uint8
 
 // A dense bf16 layer at 1-2 rows of x [m, K] (x and W 16-byte aligned, K in 8s up to 4096):
 // q/k/v, o and lm_head at batch 1, q/k/v and o at 2, and a tensor-parallel rank's shares.
-// With `push` (a device array of n_push pointers) the rows go, -0.0 written as +0.0, into each
-// of those instead of `out`: every rank's slots for this rank's partial sums (peer_sums.py).
 extern "C" int tinyoss_dense_gemv_stream(const void* x, int m, const void* w, const void* bias,
-                                         void* out, void* const* push, int n_push, int N, int K,
-                                         void* stream) {
-  if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096 || (push && n_push < 1))
-    return (int)cudaErrorInvalidValue;
+                                         void* out, int N, int K, void* stream) {
+  if (N < 1 || m < 1 || m > 2 || K < 8 || K % 8 || K > 4096) return (int)cudaErrorInvalidValue;
   auto run = m == 1 ? launch_dense_stream_k<1> : launch_dense_stream_k<2>;
-  return run(x, m, w, bias, out, push, n_push, N, K, static_cast<cudaStream_t>(stream));
+  return run(x, m, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
 
 // A dense FP8 layer (e4m3, scale [N] fp32) at one row of x [1, K] (x and W 16-byte aligned, K in

@@ -103,8 +103,8 @@ class MmaGemv:
         self.dense_gemv_fn.restype = ctypes.c_int
         self.stream_fn = lib.tinyoss_dense_gemv_stream
         self.stream_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_void_p]
         self.stream_fn.restype = ctypes.c_int
         self.fp8_stream_fn = lib.tinyoss_fp8_gemv_stream
         self.fp8_stream_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -241,29 +241,16 @@ class MmaGemv:
 
     def stream_linear(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None,
-                      scale: torch.Tensor | None = None,
-                      push: torch.Tensor | None = None) -> torch.Tensor | None:
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ W.T (* scale) (+ bias) -> [M, N] bf16 (`supports_stream`: 1-2 rows of x
         for bf16 W, one for FP8 W and its row scales) on the CUDA cores, fp32 sums, every weight
-        load of a warp in flight at once, the weights read once. With `push` (bf16 W only: an
-        int64 tensor on x's device of addresses of [M, N] bf16 rows) the rows go into each of
-        those instead, -0.0 written as +0.0 (the in-kernel all-reduce's empty mark,
-        `engine/peer_sums.py`), and None is returned."""
+        load of a warp in flight at once, the weights read once."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
         b = None if bias is None else bias.data_ptr()
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        if push is not None:
-            assert scale is None and push.dtype == torch.int64 and push.device == x.device
-            err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(), b, None,
-                                 push.data_ptr(), push.numel(), weight.shape[0], weight.shape[1],
-                                 stream)
-            if err:
-                raise RuntimeError(f"the streaming dense GEMV failed to launch: "
-                                   f"{self.error(err)} ({tuple(weight.shape)}, rows {x.shape[0]})")
-            return None
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
         if scale is None:
             err = self.stream_fn(x.data_ptr(), x.shape[0], weight.data_ptr(), b, out.data_ptr(),
-                                 None, 0, weight.shape[0], weight.shape[1], stream)
+                                 weight.shape[0], weight.shape[1], stream)
         else:
             err = self.fp8_stream_fn(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), b,
                                      out.data_ptr(), weight.shape[0], weight.shape[1], stream)
@@ -271,15 +258,6 @@ class MmaGemv:
             raise RuntimeError(f"the streaming dense GEMV failed to launch: {self.error(err)} "
                                f"({tuple(weight.shape)} {weight.dtype}, rows {x.shape[0]})")
         return out
-
-    def push_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    push: torch.Tensor) -> bool:
-        """`stream_linear` into every rank's slots (`push`) where it takes this bf16 layer
-        (`supports_stream`); False, launching nothing, where it does not."""
-        if weight.dtype != torch.bfloat16 or not self.supports_stream(x, weight, bias):
-            return False
-        self.stream_linear(x, weight, bias, push=push)
-        return True
 
     def sort_pairs(self, ids: torch.Tensor, experts: int) -> SortedPairs:
         """int32 expert ids [pairs] (each below `experts`, or -1 for a pair another rank holds:

@@ -51,8 +51,6 @@ from tinyoss.kernels.moe_gemv_mma import (
     MmaGemv,
 )
 from tinyoss.kernels.moe_torch import ExpertWeights
-from tinyoss.kernels.peer_sites import PeerSite
-from tinyoss.kernels.peer_sums import peer_push, peer_reset, peer_sum
 
 
 @dataclass(frozen=True)
@@ -270,14 +268,12 @@ def _combine(y_ptr, ids_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _combine_norm(y_ptr, ids_ptr, res_ptr, w_ptr, out_ptr, H, eps, push_ptr, slots_ptr,
-                  slot_stride, TOPK: tl.constexpr, BLOCK: tl.constexpr, RANKS: tl.constexpr):
+def _combine_norm(y_ptr, ids_ptr, res_ptr, w_ptr, out_ptr, H, eps, TOPK: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Token t (program 0): moe = sum over k of y[t*TOPK + k] (pairs of id -1 skipped, as in
     `_combine`), rounded to the activation dtype as `_combine` stores it; x = moe + res[t]
     (rounded likewise) over res[t]; out[t] = w * x * rsqrt(mean(x^2) + eps), as
-    `layer_ops_triton._add_rms_norm_kernel` computes it. RANKS > 0: moe is this rank's part,
-    pushed to every rank's slot (`peer_sums`), and the sum of the RANKS ranks' parts in this
-    rank's slots (rounded likewise) takes its place."""
+    `layer_ops_triton._add_rms_norm_kernel` computes it."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -286,10 +282,6 @@ def _combine_norm(y_ptr, ids_ptr, res_ptr, w_ptr, out_ptr, H, eps, push_ptr, slo
         held = tl.load(ids_ptr + t * TOPK + k + 0 * cols) >= 0  # the pair's id, a column each
         tot += tl.load(y_ptr + (t * TOPK + k) * H + cols, mask=ok & held, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    if RANKS > 0:
-        peer_push(push_ptr, t, cols, ok, tot.to(dtype), H, RANKS)
-        tot = peer_sum(slots_ptr, slot_stride, t, cols, ok, H, RANKS, BLOCK)
-        peer_reset(slots_ptr, slot_stride, t, cols, ok, H, RANKS, BLOCK)
     res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
     x = (tot.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
     tl.store(res_ptr + t * H + cols, x, mask=ok)
@@ -634,41 +626,23 @@ def moe_norm_triton(
     eps: float,
     gemv: GemvConfig | None = None,
     mma: MmaGemv | None = None,
-    peers: PeerSite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Kernels.moe_then_norm`: `moe_triton`, whose top-k combine also adds the residual and
     takes the RMSNorm (one launch for what was two): (norm(moe + residual), moe + residual),
-    the new residual written over `residual`. Same bits as `moe_triton` then `rms_norm_triton`.
-    With `peers` (tensor parallelism) moe is summed over the ranks in the same launch: each
-    rank's part (rounded as `moe_triton` rounds it) goes through the site's slots, as
-    `moe_triton`, an all-reduce in rank order, then `rms_norm_triton` would give it."""
+    the new residual written over `residual`. Same bits as `moe_triton` then `rms_norm_triton`."""
     if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
         raise ValueError(f"residual must be contiguous {tuple(x.shape)} {x.dtype}, "
                          f"got {tuple(residual.shape)} {residual.dtype}")
-    if peers is not None and not (peers.fits(x.shape[0]) and peers.slots.dtype == x.dtype
-                                  and peers.slots.shape[2] == x.shape[1]):
-        raise ValueError(f"peer sums' slots {tuple(peers.slots.shape)} {peers.slots.dtype} "
-                         f"do not hold {tuple(x.shape)} {x.dtype}")
     if x.shape[0] <= GEMV_MAX_TOKENS:
         y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
     elif _grouped(x, w, mma):
         y = _grouped_pairs(x, topk_weights, topk_ids, w, mma)
     else:
         y = _prefill_pairs(x, topk_weights, topk_ids, w, None)
-    return combine_norm(y, topk_ids, residual, norm_weight, eps, peers)
-
-
-def combine_norm(y: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
-                 norm_weight: torch.Tensor, eps: float, peers: PeerSite | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_norm_triton`'s last launch (`_combine_norm`): the pairs' rows y [T * K, H] summed a
-    token (and over the ranks, with `peers`), the residual added, the RMSNorm taken."""
-    t, h = residual.shape
-    normed = _empty((t, h), residual.dtype, residual.device)
+    t, h = x.shape
+    normed = _empty((t, h), x.dtype, x.device)
     if t:
-        push, slots = (residual, residual) if peers is None else (peers.push, peers.slots)
         _combine_norm[(t,)](y, topk_ids.contiguous().view(-1), residual, norm_weight, normed, h,
-                            eps, push, slots, 0 if peers is None else slots.stride(0),
-                            TOPK=topk_ids.shape[1], BLOCK=triton.next_power_of_2(h),
-                            RANKS=0 if peers is None else peers.ranks, num_warps=8)
+                            eps, TOPK=topk_ids.shape[1],
+                            BLOCK=triton.next_power_of_2(h), num_warps=8)
     return normed, residual

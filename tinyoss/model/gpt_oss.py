@@ -16,7 +16,6 @@ from torch import nn
 from tinyoss.config import ModelConfig
 from tinyoss.kernels import Kernels
 from tinyoss.kernels.moe_torch import ExpertWeights
-from tinyoss.kernels.peer_sites import PartialSums
 from tinyoss.model.rope import cos_sin_cache
 from tinyoss.model.sharding import Shard
 
@@ -78,15 +77,13 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rope_cache: torch.Tensor,
         attn: AttentionBackend,
-    ) -> torch.Tensor | PartialSums:
-        """The output summed over the tensor-parallel ranks, or (where that sum is folded into
-        the kernels) the ranks' `PartialSums`, which `Kernels.post_attention` adds up."""
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = attn(self.layer, q, k, v, self.sinks, positions, rope_cache)
-        return self.kernels.linear_reduce(out, self.o_proj)
+        out = self.o_proj(attn(self.layer, q, k, v, self.sinks, positions, rope_cache))
+        return self.kernels.reduce(out)
 
 
 class Experts(nn.Module):
