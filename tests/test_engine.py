@@ -263,6 +263,38 @@ def test_stop_ids_stop_strings_and_length(tiny_llm):
     assert tok.decode(free.token_ids) == free.text
 
 
+def test_the_eos_has_no_stop_reason_even_among_stop_token_ids(tiny_llm):
+    """As vLLM's check_stop, which tests the EOS (the tokenizer's, <|return|>) before
+    stop_token_ids: an output that ends on it has stop_reason None even where the request's
+    stop_token_ids list it too (it had been 200002, in generate and chat alike); with
+    ignore_eos it is no EOS, only a stop token id, which names itself."""
+    p = prompts(1, seed=5)[0]
+    eos = tiny_llm.get_tokenizer().eos_token_id
+    assert eos == 200002
+
+    def end(**kw) -> tuple:
+        params = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[eos], **kw)
+        out = tiny_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, out.finish_reason, out.stop_reason
+
+    assert end() == ([eos], "stop", None)
+    assert end(stop_token_ids=[eos]) == ([eos], "stop", None)
+    assert end(stop_token_ids=[5, eos]) == ([eos], "stop", None)
+    assert end(stop_token_ids=[eos], ignore_eos=True) == ([eos], "stop", eos)
+    assert end(ignore_eos=True) == ([eos] * 3, "length", None)
+    streamed = list(tiny_llm.stream(p, SamplingParams(temperature=0, max_tokens=3,
+                                                      allowed_token_ids=[eos],
+                                                      stop_token_ids=[eos])))
+    last = streamed[-1].outputs[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", None)
+    # LLM.chat stops on harmony's end tokens through stop_token_ids: <|return|> is the EOS
+    reply = tiny_llm.chat([{"role": "user", "content": "hi"}],
+                          SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[eos]),
+                          use_tqdm=False)[0]
+    assert reply.outputs[0].token_ids == [eos]
+    assert (reply.finish_reason, reply.outputs[0].stop_reason) == ("stop", None)
+
+
 def test_a_stop_string_begun_within_min_tokens_still_stops(tiny_llm):
     """A stop string that begins in the text of the first min_tokens tokens (shown unwatched)
     and ends after them stops the output, as vLLM looks back for it (it had been missed, and the

@@ -669,6 +669,36 @@ def test_choices_carry_vllms_stop_reason(srv, client):
     assert reasons[-1] == ", Par" and not any(reasons[:-1])
 
 
+def test_the_models_end_has_no_stop_reason_even_among_stop_token_ids(srv, client):
+    """vLLM tests the EOS (<|return|>) before stop_token_ids, so a choice that ends on it says
+    stop_reason null even where the request's stop_token_ids list it (completions had said
+    200002), streamed or not, in completions and chat; with ignore_eos it is only a stop token
+    id, which names itself. finish_reason is "stop" throughout."""
+    eos = harmony.RETURN
+    forced = {"allowed_token_ids": [eos], "stop_token_ids": [eos]}
+    kw = {"model": "tiny", "prompt": "abc", "max_tokens": 4}
+    done = client.completions.create(**kw, extra_body=forced).choices[0]
+    assert (done.finish_reason, done.model_extra["stop_reason"]) == ("stop", None)
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True,
+                                                               extra_body=forced) if c.choices]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in chunks][-1] == ("stop", None)
+    named = client.completions.create(**kw, extra_body={**forced, "ignore_eos": True}).choices[0]
+    assert (named.finish_reason, named.model_extra["stop_reason"]) == ("stop", eos)
+    ended = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64,
+                                           extra_body={"stop_token_ids": [eos]}).choices[0]
+    assert ended.message.content == "Hello there, Paris!"
+    assert (ended.finish_reason, ended.model_extra["stop_reason"]) == ("stop", None)
+    _, chunks = stream_chat(client, messages=user(ANSWER), max_tokens=64,
+                            extra_body={"stop_token_ids": [eos]})
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", None)
+    named = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64,
+                                           extra_body={"stop_token_ids": [eos],
+                                                       "ignore_eos": True}).choices[0]
+    assert named.message.content == "Hello there, Paris!"
+    assert (named.finish_reason, named.model_extra["stop_reason"]) == ("stop", eos)
+
+
 def test_chat_usage_counts_the_reasoning_tokens(srv, client):
     """OpenAI's usage.completion_tokens_details.reasoning_tokens (agents and cost trackers read
     it): the scripted answer reasons "Let me think."; streamed with continuous usage alike."""

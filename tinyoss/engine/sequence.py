@@ -12,6 +12,7 @@ import time
 
 from tinyoss.engine.kv_cache import SeqBlocks
 from tinyoss.sampling_params import SamplingParams
+from tinyoss.tokenizer import RETURN as EOS_TOKEN_ID  # the tokenizer's eos_token, <|return|>
 
 
 class Status(enum.Enum):
@@ -50,6 +51,8 @@ class Sequence:
         if not params.ignore_eos:
             self.stop_ids |= set(eos_token_ids)
         self.min_tokens_stop_ids = sorted(self.stop_ids | set(eos_token_ids))
+        # vLLM's sampling_params.eos_token_id: the tokenizer's, none with ignore_eos
+        self.eos_token_id = None if params.ignore_eos else EOS_TOKEN_ID
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.draft: list[int] = []  # tokens proposed to follow, verified by the next step
@@ -92,7 +95,11 @@ class Sequence:
         # allows nothing else: then the grammar's end wins
         early = self.params.structured_outputs is not None
         if token_id in self.stop_ids and (self.num_output > self.params.min_tokens or early):
-            stop = token_id if token_id in (self.params.stop_token_ids or ()) else None
+            # as vLLM's check_stop: the EOS first (it has no stop_reason, even where
+            # stop_token_ids lists it too), then a stop_token_ids id (its own stop_reason)
+            stop = None
+            if token_id != self.eos_token_id and token_id in (self.params.stop_token_ids or ()):
+                stop = token_id
             self.finish("stop", stop)
         elif self.num_output >= self.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish("length")
