@@ -295,6 +295,24 @@ def test_the_eos_has_no_stop_reason_even_among_stop_token_ids(tiny_llm):
     assert (reply.finish_reason, reply.outputs[0].stop_reason) == ("stop", None)
 
 
+def test_the_checkpoints_other_end_ids_name_themselves(tiny_llm):
+    """vLLM adds generation_config.json's eos_token_id list but the EOS (<|endoftext|>,
+    <|call|>) to a request's stop_token_ids unless ignore_eos, and check_stop names a stop
+    token id: an output that ends on one has it as stop_reason, asked for or not (it had been
+    None unless asked for); with ignore_eos they do not end it."""
+    p = prompts(1, seed=5)[0]
+    assert tiny_llm.engine.info.eos_token_ids == (200002, 199999, 200012)
+    for end_id in (199999, 200012):
+        params = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[end_id])
+        out = tiny_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([end_id], "stop", end_id)
+        params = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[end_id],
+                                ignore_eos=True)
+        out = tiny_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([end_id] * 3, "length",
+                                                                       None)
+
+
 def test_a_stop_string_begun_within_min_tokens_still_stops(tiny_llm):
     """A stop string that begins in the text of the first min_tokens tokens (shown unwatched)
     and ends after them stops the output, as vLLM looks back for it (it had been missed, and the

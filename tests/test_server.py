@@ -699,6 +699,24 @@ def test_the_models_end_has_no_stop_reason_even_among_stop_token_ids(srv, client
     assert (named.finish_reason, named.model_extra["stop_reason"]) == ("stop", eos)
 
 
+def test_the_checkpoints_other_end_ids_name_themselves(srv, client):
+    """vLLM adds generation_config.json's end ids but the EOS (<|endoftext|>, <|call|>) to
+    stop_token_ids, and its chat passes the engine's stop_reason on: a tool call, which ends on
+    <|call|>, says 200012, streamed or not (it had said null); completions alike."""
+    kw = {"messages": user(WEATHER), "tools": TOOLS, "max_tokens": 64}
+    call = client.chat.completions.create(model="tiny", **kw).choices[0]
+    assert call.message.tool_calls[0].function.name == "get_weather"
+    assert (call.finish_reason, call.model_extra["stop_reason"]) == ("tool_calls", harmony.CALL)
+    joined, chunks = stream_chat(client, **kw)
+    assert joined["calls"][0]["name"] == "get_weather" and joined["finish"] == "tool_calls"
+    reasons = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices]
+    assert reasons[-1] == harmony.CALL and not any(reasons[:-1])
+    for end_id in (harmony.CALL, 199999):
+        done = client.completions.create(model="tiny", prompt="abc", max_tokens=4,
+                                         extra_body={"allowed_token_ids": [end_id]}).choices[0]
+        assert (done.finish_reason, done.model_extra["stop_reason"]) == ("stop", end_id)
+
+
 def test_chat_usage_counts_the_reasoning_tokens(srv, client):
     """OpenAI's usage.completion_tokens_details.reasoning_tokens (agents and cost trackers read
     it): the scripted answer reasons "Let me think."; streamed with continuous usage alike."""

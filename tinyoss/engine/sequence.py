@@ -96,11 +96,11 @@ class Sequence:
         early = self.params.structured_outputs is not None
         if token_id in self.stop_ids and (self.num_output > self.params.min_tokens or early):
             # as vLLM's check_stop: the EOS first (it has no stop_reason, even where
-            # stop_token_ids lists it too), then a stop_token_ids id (its own stop_reason)
-            stop = None
-            if token_id != self.eos_token_id and token_id in (self.params.stop_token_ids or ()):
-                stop = token_id
-            self.finish("stop", stop)
+            # stop_token_ids lists it too), then a stop_token_ids id (its own stop_reason).
+            # vLLM adds the checkpoint's other end ids (generation_config.json's eos_token_id
+            # but the EOS: <|endoftext|>, <|call|>) to stop_token_ids unless ignore_eos, so
+            # they name themselves too, asked for or not
+            self.finish("stop", None if token_id == self.eos_token_id else token_id)
         elif self.num_output >= self.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish("length")
 

@@ -152,10 +152,9 @@ class ChatChoice:
             if self.finish_reason is None:
                 calls = self.calls and out.finish_reason == "stop"
                 self.finish_reason = "tool_calls" if calls else out.finish_reason
-                # <|call|> is the model's own end, as <|return|> is (the engine's EOS: it has
-                # no stop_reason, unless ignore_eos made it a stop token id like any other)
-                if out.stop_reason != harmony.CALL:
-                    self.stop_reason = out.stop_reason
+                # the engine's, as vLLM's chat passes it on: null for <|return|> (the EOS),
+                # 200012 for <|call|> (a tool call's end is one of stop_token_ids)
+                self.stop_reason = out.stop_reason
         lps = []
         if self.logprobs is not None and out.logprobs is not None:
             while self.held and self.held[0][0] < self.shown:

@@ -901,7 +901,7 @@ class ChatChoice(_Out):
     finish_reason: FinishReason | None
     stop_reason: StrictInt | str | None = Field(
         description="vLLM's: the stop string or stop token id that ended the choice (null for the "
-        "model's own end, a length cut, or a choice not yet ended)."
+        "model's EOS, <|return|>; a length cut; or a choice not yet ended)."
     )
     token_ids: list[int] | None = Field(None, description="With return_token_ids: all of them.")
 
@@ -963,7 +963,7 @@ class ChatChunkChoice(_Out):
     finish_reason: FinishReason | None
     stop_reason: StrictInt | str | None = Field(
         description="vLLM's: the stop string or stop token id that ended the choice (null for the "
-        "model's own end, a length cut, or a choice not yet ended)."
+        "model's EOS, <|return|>; a length cut; or a choice not yet ended)."
     )
     token_ids: list[int] | None = Field(
         None, description="With return_token_ids: those new since the last chunk."
@@ -1001,7 +1001,7 @@ class CompletionChoice(_Out):
     finish_reason: FinishReason | None
     stop_reason: StrictInt | str | None = Field(
         description="vLLM's: the stop string or stop token id that ended the choice (null for the "
-        "model's own end, a length cut, or a choice not yet ended)."
+        "model's EOS, <|return|>; a length cut; or a choice not yet ended)."
     )
     prompt_token_ids: list[int] | None = Field(
         None, description="With return_token_ids (in a stream, on the choice's first chunk)."
