@@ -5,7 +5,10 @@ once, whatever its n."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -364,3 +367,116 @@ def test_iteration_tokens_count_each_engine_step(srv):
     assert 1 < prompt <= 16  # the prefill step falls in the bucket of 16
     assert delta("_sum") == prompt + 4
     assert (delta("_bucket", le="1.0"), delta("_bucket", le="16.0"), delta("_count")) == (4, 5, 5)
+
+
+@pytest.fixture(scope="module")
+def one_seq(tmp_path_factory):
+    """A server of one sequence at a time whose steps take 16 tokens at most: a second request
+    waits while the first runs, and a long prompt is prefilled over many (SLOW) steps."""
+    prompts = tmp_path_factory.mktemp("one_seq") / "prompts.jsonl"
+    prompts.touch()
+    config = dataclasses.replace(TINY, max_num_seqs=1, max_num_batched_tokens=16)
+    with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
+        app = create_app(config, model_name=NAME, api_key=KEY)
+        served = Served(app)
+        wait_healthy(served)
+        served.client = app.state.server.client
+        yield served
+        served.close()
+
+
+def _gives_up(srv, body: dict, seconds: float, while_: Callable[[], bool] | None = None) -> None:
+    """A non-streaming client that gives up after `seconds` (its request is aborted); `while_`,
+    if given, must have held (polled meanwhile) before it does."""
+    seen, gone = [], threading.Event()
+
+    def watch() -> None:
+        while not gone.is_set():
+            if while_():
+                seen.append(1)
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch) if while_ is not None else None
+    if watcher is not None:
+        watcher.start()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={"model": NAME, **body},
+                       headers=HEADERS, timeout=seconds)
+    finally:
+        gone.set()
+        if watcher is not None:
+            watcher.join()
+    assert seen or watcher is None, "the request was never in the state the test aborts it in"
+
+
+def _aborts_counted(srv, before: dict, count: int) -> dict:
+    """The scrape once the server has counted `count` more aborted API requests than `before`
+    (it records an abort as the request closes)."""
+    deadline, aborted = time.monotonic() + 10, "tinyoss_requests_aborted"
+    while True:
+        after, _ = scrape(srv)
+        got = value(after, aborted, aborted + "_total") - value(before, aborted, aborted + "_total")
+        if got == count:
+            return after
+        assert got < count and time.monotonic() < deadline, f"{got} aborts counted, not {count}"
+        time.sleep(0.05)
+
+
+def test_a_request_cut_short_before_its_first_token_has_no_queue_time(one_seq):
+    """vLLM v1 observes its request-phase histograms (queue, prefill, decode, inference) only
+    for a request that finishes through the engine's outputs; one its client aborts (AsyncLLM
+    abort -> OutputProcessor.abort_requests) records no sample in any of them. tinyoss's phases
+    come with a sequence's first delta, so a request cut short while it waits, or while its
+    prompt is prefilled, has no queue time (nor a later phase) either, as in vLLM. Unlike vLLM,
+    tinyoss counts its end otherwise: request_success{abort} and the end-to-end latency."""
+    srv = one_seq
+    stats = lambda: srv.client.stats  # noqa: E731
+
+    def delta(after: dict, before: dict, h: str, sample: str, **labels: str) -> float:
+        return value(after, h, h + sample, **labels) - value(before, h, h + sample, **labels)
+
+    def phases(after: dict, before: dict) -> list[float]:
+        return [delta(after, before, h, "_count")
+                for h in (*PHASES, "vllm:time_to_first_token_seconds")]
+
+    # waiting: the one that runs (SLOW steps of 20 ms) keeps the next one waiting behind it
+    before, _ = scrape(srv)
+    runs = threading.Thread(target=post, args=(srv, "/v1/completions", {
+        "prompt": SLOW, "max_tokens": 40, "ignore_eos": True}))
+    runs.start()
+    try:
+        deadline = time.monotonic() + 10
+        while stats().num_requests_running != 1:
+            assert time.monotonic() < deadline, f"never running: {stats()}"
+            time.sleep(0.005)
+        _gives_up(srv, {"prompt": "it waits", "max_tokens": 4}, 0.3,
+                  lambda: stats().num_requests_waiting == 1)
+    finally:
+        runs.join()
+    wait_idle(srv)
+    after = _aborts_counted(srv, before, 1)
+    success = "vllm:request_success"
+    assert delta(after, before, success, "_total", finished_reason="abort") == 1
+    assert delta(after, before, success, "_total", finished_reason="length") == 1
+    assert phases(after, before) == [1] * 5  # the one that ran, alone
+    assert delta(after, before, "vllm:e2e_request_latency_seconds", "_count") == 2  # tinyoss's
+
+    # in prefill: a prompt of ~450 tokens, 16 a SLOW step (28 steps, over 0.5 s), whose client
+    # leaves after 0.25 s; the engine ran some of its chunks, not all (no token came)
+    before, taken = after, stats().prompt_tokens
+    _gives_up(srv, {"prompt": SLOW + " a long prompt, prefilled in many chunks" * 50,
+                    "max_tokens": 4}, 0.25)
+    deadline = time.monotonic() + 10  # a prefilling core sends no stats until it goes idle
+    while stats().prompt_tokens == taken:
+        assert time.monotonic() < deadline, f"the core never told of the prompt: {stats()}"
+        time.sleep(0.01)
+    wait_idle(srv)
+    after = _aborts_counted(srv, before, 1)
+    prompt = delta(after, before, "vllm:prompt_tokens", "_total")
+    prefilled = delta(after, before, "vllm:iteration_tokens_total", "_sum")
+    assert prompt > 400 and 0 < prefilled < prompt
+    assert delta(after, before, success, "_total", finished_reason="abort") == 1
+    assert phases(after, before) == [0] * 5
+    assert delta(after, before, "vllm:e2e_request_latency_seconds", "_count") == 1  # tinyoss's
