@@ -770,14 +770,70 @@ def test_continue_final_message_leaves_the_last_message_open(last, tail, channel
     ids = render_prompt(messages, encode, current_date="", **OPEN)
     assert b"".join(SPECIAL_NAMES[i].encode() if i >= FIRST_SPECIAL else bytes([i])
                     for i in ids).decode() == text
-    if channel == "final" and not last.get("reasoning"):  # the same message, closed
+    if channel == "final" and not last.get("reasoning"):  # the same message, finished
         assert render_text(messages, current_date="", add_generation_prompt=False) == (
-            text + "<|end|>")
+            text + "<|return|>")
 
 
 def test_add_generation_prompt_false_ends_after_the_last_message():
     assert render_text(HI, current_date="", add_generation_prompt=False) == system() + TURN
     assert render_segments(HI, add_generation_prompt=False) == render_segments(HI)[:-2]
+
+
+@pytest.mark.parametrize("last, shown, answer", [
+    ({"content": "Hello"}, "", "Hello"),
+    ({"content": "Hello", "reasoning": "Greet."}, ANALYSIS + "Greet.<|end|>", "Hello"),
+    ({"content": "Hello", "thinking": ""}, ANALYSIS + "<|end|>", "Hello"),
+    ({"content": None, "reasoning_content": "Greet."}, ANALYSIS + "Greet.<|end|>", ""),
+    ({"content": None, "refusal": "No."}, "", "No."),
+])  # fmt: skip
+def test_without_the_generation_prompt_a_last_answer_ends_with_return(last, shown, answer):
+    """add_generation_prompt=False after an assistant's answer: the conversation is finished,
+    rendered as the HF template renders it (for training): the answer closed by <|return|>,
+    the token a reply ends with, and its reasoning (a field given, even empty) shown before it.
+    Earlier answers still end with <|end|> and lose their reasoning; a last tool call still
+    ends with <|call|>."""
+    messages = [*HI, {"role": "assistant", "content": "Hi!", "reasoning": "Old."},
+                {"role": "user", "content": "Again"}, {"role": "assistant", **last}]
+    before = system() + TURN + FINAL + "Hi!<|end|><|start|>user<|message|>Again<|end|>"
+    text = render_text(messages, current_date="", add_generation_prompt=False)
+    assert text == before + shown + FINAL + answer + "<|return|>"
+    ids = render_prompt(messages, encode, current_date="", add_generation_prompt=False)
+    assert ids[-1] == RETURN and ids.count(RETURN) == 1
+    # followed by the generation prompt, it is an earlier turn's answer: <|end|>, no reasoning
+    assert render_text(messages, current_date="") == (
+        before + FINAL + answer + "<|end|><|start|>assistant")
+    called = render_prompt(CALL_TURN[:2], encode, add_generation_prompt=False)
+    assert called[-1] == CALL and RETURN not in called
+
+
+NO_PROMPT_CASES = {
+    "answer": [*HI, {"role": "assistant", "content": "Hello"}],
+    "answer_with_thinking": [*HI, {"role": "assistant", "content": "Hello", "thinking": "Hm."}],
+    "answer_with_reasoning_content": [*HI, {"role": "assistant", "content": "Hello",
+                                            "reasoning_content": "Hm."}],
+    "empty_thinking": [*HI, {"role": "assistant", "content": "Hello", "thinking": ""}],
+    "empty_answer": [*HI, {"role": "assistant", "content": ""}],
+    "multi_turn": [{"role": "system", "content": "Be brief."}, *HI,
+                   {"role": "assistant", "content": "Hello", "thinking": "A."},
+                   {"role": "user", "content": "Again"},
+                   {"role": "assistant", "content": "Hello again", "thinking": "B."}],
+    "tool_turn_answered": [*CALL_TURN, {"role": "assistant", "reasoning": "Got hits.",
+                                        "content": "Found a and b."}],
+    "last_tool_call": CALL_TURN[:2],
+    "last_tool_result": CALL_TURN,
+    "last_user": [*HI, {"role": "assistant", "content": "Hello"}, *HI],
+}
+
+
+@pytest.mark.parametrize("case", list(NO_PROMPT_CASES))
+def test_without_the_generation_prompt_matches_hf_chat_template(case):
+    """add_generation_prompt=False, token for token with transformers' rendering of gpt-oss's
+    template (a last answer closed by <|return|>, its thinking shown)."""
+    messages = NO_PROMPT_CASES[case]
+    options = {"tools": SIMPLE_TOOLS} if "tool" in case else {}
+    ours = render_text(messages, **options, add_generation_prompt=False)
+    assert hf_render(messages, **options, add_generation_prompt=False) == hf_dialect(ours)
 
 
 def test_a_continued_answer_keeps_its_turns_tool_call_reasoning():
@@ -835,6 +891,31 @@ def test_continued_message_matches_openai_harmony(tmp_path, monkeypatch, tiny_di
     reasoning_only = enc.render_conversation(oh.Conversation.from_messages(said[:3]), config)
     messages = [*HI, {"role": "assistant", "content": None, "reasoning": "Greet."}]
     assert render_prompt(messages, tok.encode, current_date="", **OPEN) == reasoning_only[:-1]
+
+
+def test_a_finished_conversation_matches_openai_harmony_for_training(tmp_path, monkeypatch,
+                                                                     tiny_dir):
+    """add_generation_prompt=False after an answer, token for token, is openai-harmony's
+    render_conversation_for_training (which closes a last final message with <|return|>), the
+    turn's reasoning kept (harmony's auto_drop_analysis off: 0.0.8 would drop it here)."""
+    oh = pytest.importorskip("openai_harmony")
+    from tinyoss.tokenizer import Tokenizer
+
+    ranks = resources.files("tinyoss.data").joinpath("o200k_base.tiktoken.gz").read_bytes()
+    (tmp_path / "o200k_base.tiktoken").write_bytes(gzip.decompress(ranks))
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
+    enc = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    tok = Tokenizer.from_folder(tiny_dir)
+    said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
+            oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Hello").with_channel("final")]
+    config = oh.RenderConversationConfig(auto_drop_analysis=False)
+    want = enc.render_conversation_for_training(oh.Conversation.from_messages(said), config)
+    assert want[-1] == RETURN
+    messages = [*HI, {"role": "assistant", "content": "Hello", "reasoning": "Greet."}]
+    assert render_prompt(messages, tok.encode, current_date="",
+                         add_generation_prompt=False) == want
 
 
 def test_the_parser_starts_inside_the_continued_message():

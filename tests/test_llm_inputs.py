@@ -808,3 +808,25 @@ def test_get_tokenizer_reads_as_vllms_hugging_face_tokenizer(tiny_llm):
             call()
     with pytest.raises(TypeError, match="unexpected keyword argument 'stride'"):
         tok.encode("hi", stride=2)
+
+
+def test_a_finished_conversation_renders_as_hugging_faces_template(tiny_llm, tiny_dir):
+    """add_generation_prompt=False after an assistant's answer (Hugging Face's default in
+    `apply_chat_template`): `get_tokenizer().apply_chat_template` and `chat` give the ids
+    transformers' tokenizer gives with the checkpoint's chat_template.jinja: the answer closed
+    by <|return|> and its reasoning shown. `continue_final_message` still leaves it open."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok = tiny_llm.get_tokenizer()
+    said = [*HI, {"role": "assistant", "content": "Hello", "reasoning_content": "Greet."}]
+    ours = tok.apply_chat_template(said)
+    theirs = hf.apply_chat_template(said, tokenize=True, return_dict=False)
+    assert theirs in (ours, tok.apply_chat_template(said))  # rendered again past midnight
+    assert tok.decode(ours).endswith(
+        "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>analysis<|message|>"
+        "Greet.<|end|><|start|>assistant<|channel|>final<|message|>Hello<|return|>")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    r = tiny_llm.chat(said, params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert r.prompt_token_ids == ours and len(r.outputs[0].token_ids) == 4
+    opened = tok.apply_chat_template(said, continue_final_message=True)
+    assert opened == ours[:-1] and harmony.RETURN not in opened

@@ -112,8 +112,10 @@ def test_a_continued_message_counts_as_chat_renders_it(srv, oai):
     assert out["tokens"][-len(tail) - 5:] == [harmony.START, *srv.tokenizer.encode("assistant"),
                                              harmony.CHANNEL, *srv.tokenizer.encode("final"),
                                              harmony.MESSAGE, *tail]
+    # without continue_final_message the conversation is finished: the same answer closed by
+    # <|return|>, as Hugging Face's template closes a last answer with no generation prompt
     closed = ok(post(srv, "/tokenize", {"messages": msgs, **agp}))["tokens"]
-    assert closed == out["tokens"] + [harmony.END]  # the same message, closed
+    assert closed == out["tokens"] + [harmony.RETURN]
     r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body=agp)
     assert r.usage.prompt_tokens == len(closed)
 

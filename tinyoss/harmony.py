@@ -267,9 +267,12 @@ def render_segments(
     """The prompt as special ids and text runs, ending with `<|start|>assistant`.
 
     vLLM's `add_generation_prompt=False` ends it after the last message instead (the model
-    writes the next header itself); `continue_final_message=True` ends it inside the last
-    message, an assistant's, left open for the model to continue (`continued_channel` says
-    how; `check_ending` what may be asked).
+    writes the next header itself), rendered as the Hugging Face chat template renders a
+    finished conversation: a last assistant answer keeps its reasoning and is closed by
+    `<|return|>` (the token that ends a reply; openai-harmony's
+    `render_conversation_for_training` closes it so too), any other last message as ever.
+    `continue_final_message=True` ends it inside the last message, an assistant's, left open
+    for the model to continue (`continued_channel` says how; `check_ending` what may be asked).
 
     OpenAI `system`/`developer` messages become harmony's developer "# Instructions" (leading
     ones merged, later ones as their own developer message); harmony's system message carries
@@ -321,7 +324,7 @@ def render_segments(
         _render_turns(out, messages[lead:-1], lead)
         _open_message(out, messages[-1])
     else:
-        _render_turns(out, messages[lead:], lead)
+        _render_turns(out, messages[lead:], lead, finished=not add_generation_prompt)
         out += [START, "assistant"] if add_generation_prompt else []
     return out
 
@@ -354,6 +357,13 @@ def continued_channel(messages: list[Message]) -> str:
 
 def _reasoning(m: Message) -> str | None:
     return m.get("reasoning") or m.get("reasoning_content") or m.get("thinking")
+
+
+def _given_reasoning(m: Message) -> str | None:
+    """The first reasoning field given (not None), empty or not, as transformers passes it to
+    the template's `thinking` (its template renders any `thinking` key, "" too)."""
+    return next((m[k] for k in ("reasoning", "reasoning_content", "thinking")
+                 if m.get(k) is not None), None)
 
 
 def _answer_text(m: Message) -> str:
@@ -430,9 +440,15 @@ def _text(content: Any) -> str:
     )
 
 
-def _render_turns(out: list[Segment], messages: list[Message], first: int = 0) -> None:
+def _render_turns(out: list[Segment], messages: list[Message], first: int = 0,
+                  finished: bool = False) -> None:
     """User, assistant and tool turns; reasoning is kept only before tool calls of the turn in
-    progress (no assistant answer after it), as harmony and the HF template prescribe."""
+    progress (no assistant answer after it), as harmony and the HF template prescribe.
+
+    `finished` (no generation prompt follows): a last message that is an assistant's answer is
+    the end of the conversation, rendered as the HF template renders it then: its reasoning (a
+    reasoning field given, even empty) as an analysis message, and the answer closed by
+    `<|return|>`, not `<|end|>`."""
     names: dict = {}  # call id -> function, of the calls so far: a result names its nearest
     last_answer = max(
         (
@@ -473,6 +489,11 @@ def _render_turns(out: list[Segment], messages: list[Message], first: int = 0) -
                     args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
                     CALL,
                 )
+        elif role == "assistant" and finished and i == len(messages) - 1:
+            reasoning = _given_reasoning(m)
+            if reasoning is not None:
+                _message(out, ["assistant", CHANNEL, "analysis"], reasoning)
+            _message(out, ["assistant", CHANNEL, "final"], text, RETURN)
         elif role == "assistant":
             _message(out, ["assistant", CHANNEL, "final"], text)
         elif role == "tool":

@@ -349,9 +349,10 @@ class LLM:
         (vLLM's pair) continues the last message, an assistant's: its text (or, without any,
         its reasoning) is the reply's start, and the reply holds what the model adds;
         `add_generation_prompt=False` alone ends the prompt after the last message (the model
-        writes the next header). `vllm_args`: vLLM's lora_request, chat_template,
-        chat_template_content_format, tokenization_kwargs, mm_processor_kwargs, at values that
-        ask for nothing."""
+        writes the next header; a last assistant answer is closed by `<|return|>`, its reasoning
+        shown, as Hugging Face's template renders a finished conversation). `vllm_args`: vLLM's
+        lora_request, chat_template, chat_template_content_format, tokenization_kwargs,
+        mm_processor_kwargs, at values that ask for nothing."""
         _check_vllm_args("chat", vllm_args)
         conversations = _conversations(messages)
         prompts = self._chat_prompts(
