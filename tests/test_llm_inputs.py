@@ -40,6 +40,11 @@ def test_a_text_prompt_reads_special_token_names_as_vllm_does(tiny_llm):
     assert len(ids) == 7 and sum(map(tiny_llm.tokenizer.is_special, ids)) == 4
     by_text, by_ids = tiny_llm.generate([text, ids], GREEDY, use_tqdm=False)
     assert by_text.prompt_token_ids == ids and tokens([by_text]) == tokens([by_ids])
+    # a reserved name the tokenizer.json lists is its token; one past the list is text, as in
+    # transformers (tests/test_tokenizer.py checks every one against it)
+    out = tiny_llm.generate("<|reserved_200013|><|reserved_200019|>", GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [200013, *tiny_llm.tokenizer.encode("<|reserved_200019|>")]
+    assert tiny_llm.get_tokenizer().encode("<|reserved_200013|>") == [200013]
 
 
 @pytest.mark.parametrize(

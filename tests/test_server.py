@@ -489,6 +489,9 @@ def test_completions_read_special_token_names_as_vllm_does(srv, client):
     assert by_text.choices[0].text == by_ids.choices[0].text
     echo = client.completions.create(prompt=text, echo=True, **kw)
     assert echo.choices[0].text == text + by_ids.choices[0].text
+    # a reserved name listed by the tokenizer.json is its token, a later one plain text (8)
+    reserved = client.completions.create(prompt="<|reserved_200013|><|reserved_200019|>", **kw)
+    assert reserved.usage.prompt_tokens == 1 + 8
 
 
 def test_completions_logprobs_stream_equals_non_stream(client):

@@ -60,6 +60,14 @@ def test_prompt_round_trip(srv, text):
     assert any(srv.tokenizer.is_special(t) for t in out["tokens"]) == ("<|start|>" in text)
 
 
+def test_reserved_names_in_a_prompt_read_as_transformers_reads_them(srv):
+    """<|reserved_200013|> is listed by gpt-oss's tokenizer.json: a prompt naming it gets the
+    token; <|reserved_200019|> is not: plain text, as transformers (vLLM) reads it."""
+    out = ok(post(srv, "/tokenize", {"prompt": "<|reserved_200013|>x<|reserved_200019|>"}))
+    tail = srv.tokenizer.encode("x<|reserved_200019|>")
+    assert out["tokens"] == [200013, *tail] and not any(map(srv.tokenizer.is_special, tail))
+
+
 def test_token_strs_and_options(srv):
     body = {"prompt": "Hello world", "return_token_strs": True, "add_special_tokens": False}
     out = ok(post(srv, "/tokenize", {**body, "model": "tiny"}))

@@ -52,6 +52,13 @@ def tok(folder: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
+def hf(folder: Path):
+    """transformers' tokenizer of the same files (what vLLM reads a prompt with)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
 def harmony_spec() -> dict:
     """tiktoken's own o200k_harmony definition, fed the vendored ranks instead of a download."""
     pytest.importorskip("tiktoken")
@@ -97,9 +104,7 @@ def test_tokenizer_json_equals_transformers_converter(folder: Path, tmp_path: Pa
     assert json.loads(reference.to_str()) == json.loads((folder / "tokenizer.json").read_text())
 
 
-def test_transformers_autotokenizer_loads_folder(folder: Path, tok: Tokenizer) -> None:
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+def test_transformers_autotokenizer_loads_folder(hf, tok: Tokenizer) -> None:
     assert len(hf) == 200_019
     assert (hf.bos_token, hf.eos_token, hf.pad_token) == (
         "<|startoftext|>",
@@ -114,6 +119,27 @@ def test_transformers_autotokenizer_loads_folder(folder: Path, tok: Tokenizer) -
         if "<|" not in text:
             assert tok.encode(text) == tok.encode_prompt(text)
     assert hf.convert_tokens_to_ids("<|start|>") == T.START
+
+
+def test_every_special_name_in_a_prompt_reads_as_transformers_reads_it(hf, tok: Tokenizer) -> None:
+    """A typed special-token name, for each of the 1,090 ids 199998..201087: the names the
+    tokenizer.json lists (199998..200018, <|reserved_200013|> among them, as in openai/gpt-oss-
+    20b's) are those tokens in a raw prompt; <|reserved_200019|> and later name ids the file
+    does not list, which transformers (and so vLLM) reads as plain text. `encode_prompt` (text
+    prompts of LLM.generate and completions) and the facade's `encode` read them alike."""
+    facade = T.HFTokenizerFacade(tok, lambda *args, **kwargs: [])
+    names = {i: o200k.special_token_name(i) for i in range(o200k.NUM_BPE_TOKENS, T.VOCAB_SIZE)}
+    names[-1] = "<|reserved_200018|>"  # 200018's name in tiktoken, not in the tokenizer.json
+    for i, name in names.items():
+        text = f"a{name}b"
+        ids = tok.encode_prompt(text)
+        assert ids == facade.encode(text) == hf.encode(text, add_special_tokens=False), name
+        if o200k.NUM_BPE_TOKENS <= i < o200k.FIRST_UNLISTED_ID:
+            assert ids == [tok.encode("a")[0], i, tok.encode("b")[0]], name
+        else:
+            assert ids == tok.encode(text) and not any(map(tok.is_special, ids)), name
+    assert tok.encode_prompt("<|reserved_200013|>") == [200013]
+    assert len(tok.encode_prompt("<|reserved_200019|>")) == 8
 
 
 def test_raw_prompts_name_special_tokens(tok: Tokenizer) -> None:
