@@ -868,17 +868,27 @@ def test_continued_message_matches_hf_chat_template(last):
     assert hf_render(messages, **OPEN) == hf_dialect(ours)
 
 
-def test_continued_message_matches_openai_harmony(tmp_path, monkeypatch, tiny_dir):
-    """Token for token, openai-harmony's rendering of the conversation (reasoning kept) less
-    its closing <|end|>: the open message is what harmony writes, with the real tokenizer."""
+@pytest.fixture(scope="module")
+def harmony_oracle(tmp_path_factory, tiny_dir):
+    """openai-harmony (the `test` extra installs it), offline: its encoding loads the o200k_base
+    ranks from TIKTOKEN_ENCODINGS_BASE (the gunzipped copy tinyoss ships) rather than fetching
+    them; with the real tokenizer. (openai_harmony, its encoding, the Tokenizer.)"""
     oh = pytest.importorskip("openai_harmony")
     from tinyoss.tokenizer import Tokenizer
 
+    folder = tmp_path_factory.mktemp("tiktoken")
     ranks = resources.files("tinyoss.data").joinpath("o200k_base.tiktoken.gz").read_bytes()
-    (tmp_path / "o200k_base.tiktoken").write_bytes(gzip.decompress(ranks))
-    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
-    enc = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-    tok = Tokenizer.from_folder(tiny_dir)
+    (folder / "o200k_base.tiktoken").write_bytes(gzip.decompress(ranks))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
+        enc = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    return oh, enc, Tokenizer.from_folder(tiny_dir)
+
+
+def test_continued_message_matches_openai_harmony(harmony_oracle):
+    """Token for token, openai-harmony's rendering of the conversation (reasoning kept) less
+    its closing <|end|>: the open message is what harmony writes, with the real tokenizer."""
+    oh, enc, tok = harmony_oracle
     said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
             oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
             oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
@@ -893,19 +903,11 @@ def test_continued_message_matches_openai_harmony(tmp_path, monkeypatch, tiny_di
     assert render_prompt(messages, tok.encode, current_date="", **OPEN) == reasoning_only[:-1]
 
 
-def test_a_finished_conversation_matches_openai_harmony_for_training(tmp_path, monkeypatch,
-                                                                     tiny_dir):
+def test_a_finished_conversation_matches_openai_harmony_for_training(harmony_oracle):
     """add_generation_prompt=False after an answer, token for token, is openai-harmony's
     render_conversation_for_training (which closes a last final message with <|return|>), the
     turn's reasoning kept (harmony's auto_drop_analysis off: 0.0.8 would drop it here)."""
-    oh = pytest.importorskip("openai_harmony")
-    from tinyoss.tokenizer import Tokenizer
-
-    ranks = resources.files("tinyoss.data").joinpath("o200k_base.tiktoken.gz").read_bytes()
-    (tmp_path / "o200k_base.tiktoken").write_bytes(gzip.decompress(ranks))
-    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path))
-    enc = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-    tok = Tokenizer.from_folder(tiny_dir)
+    oh, enc, tok = harmony_oracle
     said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
             oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
             oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
