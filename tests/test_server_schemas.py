@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from typing import Any, get_args
 
 import httpx
@@ -337,15 +336,11 @@ def test_the_request_models_mirror_the_code():
         assert name in fields and fields[name].description
 
 
-def test_validation_costs_microseconds():
-    """A 100 kB chat message is checked in well under a millisecond (the text is not copied)."""
+def test_validation_does_not_copy_the_text():
+    """A 100 kB chat message is checked without copying its text (what keeps validation at
+    microseconds; timed by no test: a loaded CI machine makes timings flaky)."""
     body = {"messages": [{"role": "user", "content": "x" * 100_000}], "temperature": 0.5}
-    for _ in range(10):
-        schemas.ChatCompletionRequest.model_validate(body)
-    start = time.perf_counter()
-    for _ in range(100):
-        req = schemas.ChatCompletionRequest.model_validate(body)
-    assert (time.perf_counter() - start) / 100 < 1e-3
+    req = schemas.ChatCompletionRequest.model_validate(body)
     assert req.messages[0].content is body["messages"][0]["content"]
 
 
@@ -533,20 +528,26 @@ def test_a_context_length_refusal_says_the_prompt_carries_tools_and_schema():
     assert prep.length_note == ""
 
 
-def test_too_many_messages_are_refused_before_validation():
+def test_too_many_messages_are_refused_before_validation(monkeypatch):
     """More messages than the context can hold are refused at a glance, before validating
     each (220,000 developer messages took seconds holding the GIL): leading system and
     developer messages with text count a token each (they merge into one), later messages a
     whole message each; empty leading ones count nothing, so such a body is validated."""
+    from tinyoss.server import protocol
+
     dev = {"role": "developer", "content": [{"type": "text", "text": "s"}]}
+    validate = protocol.validate
+    validated = []
+    monkeypatch.setattr(protocol, "validate",
+                        lambda *a, **k: validated.append(1) or validate(*a, **k))
     for messages in ([dev] * 5000 + HI, HI + [dev] * 1100):
-        start = time.perf_counter()
         with pytest.raises(APIError) as e:
             parse_chat({"messages": messages}, INFO)
-        assert time.perf_counter() - start < 0.05
+        assert not validated  # refused before the request model saw a message
         assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
     empty = [{"role": "system", "content": ""}, {"role": "developer", "content": []}] * 2500
     assert parse_chat({"messages": empty + HI}, INFO).params is not None
+    assert validated
 
 
 # ---------------------------------------------------------------- (b) responses
