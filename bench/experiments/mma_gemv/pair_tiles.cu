@@ -10,6 +10,8 @@
 #define TINYOSS_VARIANTS(X)                                                                   \
   X(0, true, 9, 2, 4) X(1, true, 15, 3, 2) X(2, true, 9, 5, 1) X(3, true, 15, 2, 1)           \
   X(4, true, 45, 2, 2) X(5, true, 15, 3, 1) X(6, true, 9, 2, 2) X(7, true, 9, 1, 4)           \
+  X(8, true, 9, 4, 2) X(9, true, 9, 3, 2) X(10, true, 9, 4, 1) X(11, true, 5, 3, 2)           \
+  X(12, true, 9, 2, 1) X(13, true, 9, 3, 4)                                                   \
   X(20, false, 15, 1, 4) X(21, false, 15, 3, 2) X(22, false, 15, 6, 1) X(23, false, 9, 5, 2)  \
   X(24, false, 18, 5, 1) X(25, false, 10, 3, 2) X(26, false, 9, 10, 1) X(27, false, 45, 2, 1) \
   X(28, false, 5, 3, 2) X(29, false, 9, 2, 2)

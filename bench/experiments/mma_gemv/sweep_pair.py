@@ -109,6 +109,9 @@ def main() -> None:
     p.add_argument("--grouped", action="store_true", help="the grouped kernel's tiles instead")
     p.add_argument("--only", default="",
                    help="variants whose name holds one of these (comma-separated)")
+    p.add_argument("--intermediate", type=int, default=2880,
+                   help="intermediate units (a tensor-parallel rank's share: 1440 at TP 2, "
+                        "736 at TP 4): gate_up's rows are twice this, down's K this")
     args = p.parse_args()
     mma, why = mm.load(capability())
     if mma is None:
@@ -121,7 +124,7 @@ def main() -> None:
     if args.only:
         variants = [v for v in variants if any(o in lib.tinyoss_pair_variant_name(v).decode()
                                                for o in args.only.split(","))]
-    h = i = 2880
+    h, i = 2880, args.intermediate
     ws = [weights(s, 32, h, i) for s in range(4)]
     ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(), down_bias=w.down_bias.bfloat16())
           for w in ws]
@@ -149,7 +152,8 @@ def main() -> None:
                 b.data_ptr(), s.data_ptr(), w.gate_up_bias.data_ptr(), c["wts"].data_ptr(),
                 c["act"].data_ptr(), 2 * i, h, b.stride(0), b.stride(1), s.stride(0), w.alpha,
                 w.limit, torch.cuda.current_stream().cuda_stream)
-            assert err == 0, (variant, err)
+            if err:
+                raise ValueError(f"variant {variant}: error {err} at this shape")
             return c["act"]
 
         def down(c, variant=None):
@@ -166,7 +170,8 @@ def main() -> None:
                 b.data_ptr(), s.data_ptr(), w.down_bias.data_ptr(), c["wts"].data_ptr(),
                 c["y"].data_ptr(), h, i, b.stride(0), b.stride(1), s.stride(0), w.alpha,
                 w.limit, torch.cuda.current_stream().cuda_stream)
-            assert err == 0, (variant, err)
+            if err:
+                raise ValueError(f"variant {variant}: error {err} at this shape")
             return c["y"]
 
         c0 = sets[0]
@@ -182,7 +187,11 @@ def main() -> None:
             if not is_gate:  # down reads act: the product's gate_up output for set 0
                 for c in sets:
                     gate(c, 0)
-            out = fn(c0)
+            try:
+                out = fn(c0)
+            except ValueError as e:  # tiles that do not divide this shape
+                print(f"T={t:<2} {name:<36} n/a ({e})", flush=True)
+                continue
             ref = ref_act if is_gate else ref_y
             err = ((out - ref).norm() / ref.norm()).item()
             us = timed(lambda: [fn(c) for c in sets], [()]) / len(sets)
