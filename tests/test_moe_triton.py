@@ -313,13 +313,14 @@ def test_mma_gemv_matches_gluon(t, scale, mma):
 
 
 @gpu
-@pytest.mark.parametrize("t", [2, 3, 8])
+@pytest.mark.parametrize("t", [1, 2, 3, 8])
 @pytest.mark.parametrize("blocks", [45, 23, 12])
 def test_mma_gemv_matches_gluon_on_a_rank_share(t, blocks, mma):
     """A tensor-parallel rank's experts (intermediate 32 * blocks: TP 2, 4, 8) on the tensor
     cores for both projections: down's K is no multiple of its tiles' load groups, so the pair
     kernel cuts the last one (t = 2: the few-pairs tile, K split in two; 3 and 8: the wide
-    tile). Each pair's output equals the Gluon kernel's within 1e-5, as at full size."""
+    tile); gate_up's fewer rows take one-tile programs at 1-2 tokens (K in 2 or 5 parts). Each
+    pair's output equals the Gluon kernel's within 1e-5, as at full size."""
     x, weights, ids, w = big_case(800 + 10 * t + blocks, t, i=32 * blocks)
     assert mma.supports_down(x, w)
     got = mt._gemv_pairs(x, weights, ids, w, None, mma)

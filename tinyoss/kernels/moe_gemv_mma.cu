@@ -1047,6 +1047,13 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 #define TINYOSS_GATE_UP true, 9, 2, 4, __nv_bfloat16
 #define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
 #define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
+// a tensor-parallel rank's share of gate_up's rows (fewer than one GPU's 5760): one 16-row tile
+// a program, so that the fewer rows still spread over every SM; K in 5 parts below 2880 rows
+// (sweep_pair.py --intermediate, bench/results/2026-11-28_h100_pair_tiles_tp_share.txt)
+#define TINYOSS_GATE_UP_SHARE true, 15, 2, 1, __nv_bfloat16
+#define TINYOSS_GATE_UP_SHARE_NARROW true, 9, 5, 1, __nv_bfloat16
+#define TINYOSS_GATE_UP_SHARE_FEW true, 9, 2, 1, __nv_bfloat16
+#define TINYOSS_GATE_UP_SHARE_BELOW 5760
 #define TINYOSS_DOWN false, 15, 1, 4, float
 #define TINYOSS_DOWN_FEW false, 9, 2, 2, float
 // grouped by expert: 192 gate_up and 320 down rows a program, down streamed (192 rows a program)
@@ -1066,9 +1073,13 @@ extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int
                                    const float* wts, float* out, int N, int K, long stride_qe,
                                    int stride_q, long stride_se, float alpha, float limit,
                                    void* stream) {
-  auto run = pairs > 8   ? launch_stream<TINYOSS_GATE_UP_STREAM>
-             : pairs > 4 ? launch<TINYOSS_GATE_UP_FEW>
-                         : launch<TINYOSS_GATE_UP>;
+  const bool share = N < TINYOSS_GATE_UP_SHARE_BELOW;
+  auto run = pairs > 8             ? launch_stream<TINYOSS_GATE_UP_STREAM>
+             : pairs > 4 && share  ? launch<TINYOSS_GATE_UP_SHARE_FEW>
+             : pairs > 4           ? launch<TINYOSS_GATE_UP_FEW>
+             : !share              ? launch<TINYOSS_GATE_UP>
+             : N >= 2880           ? launch<TINYOSS_GATE_UP_SHARE>
+                                   : launch<TINYOSS_GATE_UP_SHARE_NARROW>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
