@@ -885,15 +885,21 @@ def harmony_oracle(tmp_path_factory, tiny_dir):
     return oh, enc, Tokenizer.from_folder(tiny_dir)
 
 
+def _greeting(oh, answer: str) -> tuple[list, object]:
+    """openai-harmony's messages for system, user "Hi", reasoning "Greet." and `answer`, and a
+    config that keeps the reasoning."""
+    said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
+            oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, answer).with_channel("final")]
+    return said, oh.RenderConversationConfig(auto_drop_analysis=False)
+
+
 def test_continued_message_matches_openai_harmony(harmony_oracle):
     """Token for token, openai-harmony's rendering of the conversation (reasoning kept) less
     its closing <|end|>: the open message is what harmony writes, with the real tokenizer."""
     oh, enc, tok = harmony_oracle
-    said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
-            oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
-            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
-            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Hello wor").with_channel("final")]
-    config = oh.RenderConversationConfig(auto_drop_analysis=False)
+    said, config = _greeting(oh, "Hello wor")
     want = enc.render_conversation(oh.Conversation.from_messages(said), config)
     assert want[-1] == END
     messages = [*HI, {"role": "assistant", "content": "Hello wor", "reasoning": "Greet."}]
@@ -908,11 +914,7 @@ def test_a_finished_conversation_matches_openai_harmony_for_training(harmony_ora
     render_conversation_for_training (which closes a last final message with <|return|>), the
     turn's reasoning kept (harmony's auto_drop_analysis off: 0.0.8 would drop it here)."""
     oh, enc, tok = harmony_oracle
-    said = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
-            oh.Message.from_role_and_content(oh.Role.USER, "Hi"),
-            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Greet.").with_channel("analysis"),
-            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Hello").with_channel("final")]
-    config = oh.RenderConversationConfig(auto_drop_analysis=False)
+    said, config = _greeting(oh, "Hello")
     want = enc.render_conversation_for_training(oh.Conversation.from_messages(said), config)
     assert want[-1] == RETURN
     messages = [*HI, {"role": "assistant", "content": "Hello", "reasoning": "Greet."}]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -55,18 +55,23 @@ VLLM_HISTOGRAMS = (
 )
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def _scripted_server(tmp_path_factory, config) -> Iterator[Served]:
+    """A server of `config` on the scripted hook (tests/core_hooks.py): WEATHER makes a tool
+    call, SLOW slows each step."""
     prompts = tmp_path_factory.mktemp("metrics") / "prompts.jsonl"
     prompts.touch()
-    # the scripted hook (tests/core_hooks.py): WEATHER makes a tool call, SLOW slows each step
     with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
-        app = create_app(TINY, model_name=NAME, api_key=KEY)
+        app = create_app(config, model_name=NAME, api_key=KEY)
         served = Served(app)
         wait_healthy(served)
         served.client = app.state.server.client
         yield served
         served.close()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    yield from _scripted_server(tmp_path_factory, TINY)
 
 
 def scrape(srv, accept: str | None = None) -> tuple[dict, str]:
@@ -373,16 +378,8 @@ def test_iteration_tokens_count_each_engine_step(srv):
 def one_seq(tmp_path_factory):
     """A server of one sequence at a time whose steps take 16 tokens at most: a second request
     waits while the first runs, and a long prompt is prefilled over many (SLOW) steps."""
-    prompts = tmp_path_factory.mktemp("one_seq") / "prompts.jsonl"
-    prompts.touch()
-    config = dataclasses.replace(TINY, max_num_seqs=1, max_num_batched_tokens=16)
-    with environ(**{HOOK_ENV: "tests.core_hooks:scripted", "TINYOSS_TEST_PROMPTS": str(prompts)}):
-        app = create_app(config, model_name=NAME, api_key=KEY)
-        served = Served(app)
-        wait_healthy(served)
-        served.client = app.state.server.client
-        yield served
-        served.close()
+    yield from _scripted_server(
+        tmp_path_factory, dataclasses.replace(TINY, max_num_seqs=1, max_num_batched_tokens=16))
 
 
 def _gives_up(srv, body: dict, seconds: float, while_: Callable[[], bool] | None = None) -> None:
