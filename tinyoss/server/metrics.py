@@ -180,8 +180,8 @@ class Metrics:
         self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
             hist(f"vllm:request_{name}_time_seconds", doc, _E2E_BUCKETS) for name, doc in (
                 ("queue", "Time a request waited in the engine's queue: from the engine "
-                 "taking it to its first scheduling (one sample per request that was "
-                 "scheduled, whatever n)."),
+                 "taking it to its first scheduling (one sample per request that got a token "
+                 "or prompt logprobs, whatever n; as in vLLM, none for one aborted before)."),
                 ("prefill", "Time a request spent in prefill: from its first scheduling to "
                  "its first token (one sample per request that got one, whatever n)."),
                 ("decode", "Time a request spent in decode: from its first token to its last "
