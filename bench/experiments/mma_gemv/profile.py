@@ -1,6 +1,7 @@
 """One eager call of each MoE path at gpt-oss-20b shapes, for Nsight Compute to read: the
-product's pair kernels and its kernels grouped by expert (with `sort_pairs`) at each token count,
-plus the grouped variants of pair_tiles.cu named by --variants.
+tensor-core pair kernels, the product's choice for the step (`_gemv_pairs`: at 1 token Gluon's
+down) and its kernels grouped by expert (with `sort_pairs`) at each token count, plus the
+grouped variants of pair_tiles.cu named by --variants.
 
     ncu --clock-control none -k regex:'group|pair_gemv' --section SpeedOfLight \
         --section Occupancy --section WarpStateStats \
@@ -50,6 +51,7 @@ def main() -> None:
                     w.alpha, w.limit)
         mma.down(act, ids32, w.down_blocks, w.down_scales, w.down_bias, flat, y, w.alpha,
                  w.limit)
+        mt._gemv_pairs(x, flat.view(t, 4), ids, w, None, mma)
         mt._grouped_pairs(x, flat.view(t, 4), ids, w, mma)
         sid, order, groups = mma.sort_pairs(ids32, 32)
         for v in filter(None, args.variants.split(",")):
