@@ -175,35 +175,15 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
   }
 }
 
-// cp.async (16 bytes, global to shared) and ldmatrix, for the pair kernel's scales and the streamed kernel
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   (uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((uint32_t)__cvta_generic_to_shared(p)));
-}
-
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
 // expert 0, no bias, weight 1). U: scale blocks a load group; KSPLIT: warps that
 // share a row tile, each a contiguous part of K, summed through shared memory at the end;
 // TILES: 16-row tiles a program; TAIL: K's blocks need not divide into KSPLIT parts of whole
 // load groups (a tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
-// OT: the output's type (bf16 for a dense layer). FLAGS (experiment): bit 0 copies the scales
-// with cp.async after the first weights are requested (not a load-then-store loop ahead of
-// them); bit 1 keeps two load groups in flight (the next requested before the current's math).
+// OT: the output's type (bf16 for a dense layer).
 template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, bool TAIL = false,
-          typename OT = float, int FLAGS = 0>
+          typename OT = float>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -235,17 +215,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
                                                          (long)(row0 + la) * stride_q) + t + 4 * first;
   const uint32_t* qb = reinterpret_cast<const uint32_t*>(q + e * stride_qe +
                                                          (long)(row0 + lb) * stride_q) + t + 4 * first;
-  constexpr bool EARLY = FLAGS & 1, DB = FLAGS & 2;
-  uint32_t wa[U], wb[U], na[DB ? U : 1], nb[DB ? U : 1];
-  auto request = [&](uint32_t(&ra)[DB ? U : 1], uint32_t(&rb)[DB ? U : 1], int b0) {
-#pragma unroll
-    for (int u = 0; u < (DB ? U : 1); ++u) {
-      if (!TAIL || b0 + u < cnt) {
-        ra[u] = __ldg(qa + 4 * (b0 + u));
-        rb[u] = __ldg(qb + 4 * (b0 + u));
-      }
-    }
-  };
+  uint32_t wa[U], wb[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {  // the first group's weights are on their way while x stages
     if (!TAIL || u < cnt) {
@@ -254,23 +224,14 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     }
   }
   const uint4* sg = reinterpret_cast<const uint4*>(s + e * stride_se + (long)row0 * nblk);
-  if (EARLY) {
-    for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
-      cp_async16(reinterpret_cast<uint4*>(ss) + i, sg + i);
-    }
-    cp_commit();
-  } else {
-    for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
-      reinterpret_cast<uint4*>(ss)[i] = sg[i];
-    }
+  for (int i = threadIdx.x; i < ROWS * nblk / 16; i += blockDim.x) {
+    reinterpret_cast<uint4*>(ss)[i] = sg[i];
   }
   const float pre = stage_x<SPLIT, XWORDS, TILES * KSPLIT>(x + (long)(pair / x_div) * K, K, xs,
                                                             xl, xmax);
-  if (EARLY) cp_wait<0>();
   __syncthreads();
   float acc_a = 0.f, acc_b = 0.f;
   for (int b0 = 0; b0 < cnt; b0 += U) {
-    if (DB && b0 + U < cnt) request(na, nb, b0 + U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (TAIL && b0 + u >= cnt) break;
@@ -283,10 +244,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     if (b0 + U < cnt) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (DB) {
-          wa[u] = na[u < (DB ? U : 1) ? u : 0];
-          wb[u] = nb[u < (DB ? U : 1) ? u : 0];
-        } else if (!TAIL || b0 + U + u < cnt) {
+        if (!TAIL || b0 + U + u < cnt) {
           wa[u] = __ldg(qa + 4 * (b0 + U + u));
           wb[u] = __ldg(qb + 4 * (b0 + U + u));
         }
@@ -314,8 +272,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float,
-          int FLAGS = 0>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
            const uint8_t* s, const void* bias, const float* wts, OT* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
@@ -325,12 +282,30 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
   const int smem = (std::is_same<XT, float>::value ? 2 : 1) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
   auto kernel = K % (32 * U * KSPLIT)
-                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT, FLAGS>
-                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT, FLAGS>;
+                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT>
+                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT>;
   kernel<<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
+}
+
+// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
 }
 
 // The streamed kernels' weight path: a warp takes 16 rows over the whole K and copies them into

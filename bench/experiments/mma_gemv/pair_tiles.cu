@@ -16,18 +16,6 @@
   X(24, false, 18, 5, 1) X(25, false, 10, 3, 2) X(26, false, 9, 10, 1) X(27, false, 45, 2, 1) \
   X(28, false, 5, 3, 2) X(29, false, 9, 2, 2)
 
-// the pair kernel with FLAGS (bit 0: the scales copied with cp.async after the first weights are
-// requested; bit 1: two load groups in flight): (variant, swiglu, U, KSPLIT, TILES, FLAGS)
-#define TINYOSS_FLAGGED(X)                                                                    \
-  X(64, true, 9, 2, 4, 1) X(65, true, 9, 2, 4, 2) X(66, true, 9, 2, 4, 3)                     \
-  X(67, true, 9, 1, 4, 1) X(68, true, 9, 1, 4, 3) X(69, true, 15, 2, 1, 1)                    \
-  X(70, true, 15, 2, 1, 3) X(71, true, 9, 5, 1, 1) X(72, true, 9, 5, 1, 3)                    \
-  X(73, true, 9, 2, 1, 3) X(74, true, 5, 2, 4, 3) X(75, true, 5, 1, 4, 3)                     \
-  X(76, true, 5, 2, 1, 3)                                                                     \
-  X(80, false, 9, 2, 2, 1) X(81, false, 9, 2, 2, 3) X(82, false, 15, 1, 4, 1)                 \
-  X(83, false, 15, 1, 4, 3) X(84, false, 10, 3, 2, 3) X(85, false, 5, 3, 2, 3)                \
-  X(86, false, 5, 2, 2, 3) X(87, false, 10, 3, 2, 1) X(88, false, 5, 1, 4, 3)
-
 // streamed (pair_gemv_stream): (variant, swiglu, C blocks a stage, S stages, W warps); 46-49 and
 // 56-59 keep a whole 16-row tile (9 stages of 10 blocks, 5 of 18) or half of it in flight from
 // the start: at 1 token every load is requested at once (one round trip, not 5-9), not yet run
@@ -58,12 +46,6 @@ extern "C" int tinyoss_pair_variant(int variant, const void* x, int x_div, const
         x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
         alpha, limit, static_cast<cudaStream_t>(stream));
     TINYOSS_STREAMED(TINYOSS_SCASE)
-#define TINYOSS_FCASE(V, SW, U, KS, TL, F)                                                    \
-  case V:                                                                                     \
-    return launch<SW, U, KS, TL, std::conditional_t<SW, __nv_bfloat16, float>, float, F>(    \
-        x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
-        alpha, limit, static_cast<cudaStream_t>(stream));
-    TINYOSS_FLAGGED(TINYOSS_FCASE)
   }
   return -1;
 }
@@ -78,11 +60,6 @@ extern "C" const char* tinyoss_pair_variant_name(int variant) {
   case V:                             \
     return SW ? "gate_up streamed C" #C " S" #S " W" #W : "down streamed C" #C " S" #S " W" #W;
     TINYOSS_STREAMED(TINYOSS_SNAME)
-#define TINYOSS_FNAME(V, SW, U, KS, TL, F)                                                  \
-  case V:                                                                                   \
-    return SW ? "gate_up U" #U " KSPLIT" #KS " TILES" #TL " F" #F                           \
-              : "down U" #U " KSPLIT" #KS " TILES" #TL " F" #F;
-    TINYOSS_FLAGGED(TINYOSS_FNAME)
   }
   return nullptr;
 }
