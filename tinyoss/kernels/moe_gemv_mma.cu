@@ -175,6 +175,31 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
   }
 }
 
+// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
+// HINT: 0 none, 1 the L2 fetching the 128 bytes around a miss from DRAM, 2 the 256 bytes
+template <int HINT = 0>
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  if (HINT == 1) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  } else if (HINT == 2) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  }
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+
+
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
 // expert 0, no bias, weight 1). U: scale blocks a load group; KSPLIT: warps that
@@ -290,30 +315,12 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
   return (int)cudaGetLastError();
 }
 
-// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   (uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((uint32_t)__cvta_generic_to_shared(p)));
-}
-
 // The streamed kernels' weight path: a warp takes 16 rows over the whole K and copies them into
 // its shared-memory ring with cp.async, C scale blocks (C * 16 bytes a row, contiguous, 16 bytes
 // a copy) a stage, S stages in flight, rows laid out in MMA row order with C + 1 units a row
 // (odd: ldmatrix reads 8 rows without bank conflicts); ldmatrix hands each thread the words
 // block_mma takes. issue_stage copies stage st of the rows at src into slot st % S.
-template <bool SWIGLU, int C, int S>
+template <bool SWIGLU, int C, int S, int HINT = 0>
 __device__ __forceinline__ void issue_stage(uint8_t* ring, const uint8_t* __restrict__ src,
                                             int stride_q, int st) {
   constexpr int RU = C + 1;  // 16-byte units a row of a stage
@@ -322,7 +329,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* ring, const uint8_t* __rest
   for (int i = threadIdx.x & 31; i < 16 * C; i += 32) {
     const int r = i / C, u = i % C;
     const int m = SWIGLU ? (r & 1) * 8 + (r >> 1) : r;  // checkpoint row r -> MMA row m
-    cp_async16(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
+    cp_async16<HINT>(dst + (m * RU + u) * 16, src + (long)r * stride_q + (st * C + u) * 16);
   }
 }
 
@@ -330,7 +337,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* ring, const uint8_t* __rest
 // block_mma's order), after the first S - 1 stages were issued: sums of the warp's rows (g, g + 8
 // in MMA order) times columns (2t, 2t + 1) into acc, each block times its rows' scales (ss, the
 // tile's [16][nblk] in checkpoint row order: ca, cb the rows g and g + 8 stand for).
-template <bool SWIGLU, int C, int S>
+template <bool SWIGLU, int C, int S, int HINT = 0>
 __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __restrict__ src,
                                             int stride_q, int nst, const uint4* xs,
                                             const uint4* xl, const uint8_t* ss, int nblk,
@@ -343,7 +350,7 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
   for (int st = 0; st < nst; ++st) {
     cp_wait<S - 2>();
     __syncwarp();  // stage st landed for every lane; every lane is done with stage st - 1's slot
-    if (st + S - 1 < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st + S - 1);
+    if (st + S - 1 < nst) issue_stage<SWIGLU, C, S, HINT>(ring, src, stride_q, st + S - 1);
     cp_commit();
     const uint8_t* w = ring + (st % S) * 16 * RU * 16 + (lrow * RU + lblk) * 16;
 #pragma unroll
@@ -366,9 +373,10 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
   }
 }
 
-// The streamed pair kernel, for gate_up at more than 8 pairs: W warps a program share the
-// pair's x, each streams its 16 rows; the tile's scales come with the first stage.
-template <bool SWIGLU, int C, int S, int W, typename XT>
+// The streamed pair kernel, for gate_up at more than 8 pairs and at one token (there with the
+// L2 fetching 256 bytes a miss: HINT 2): W warps a program share the pair's x, each streams its
+// 16 rows; the tile's scales come with the first stage.
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
 __global__ void __launch_bounds__(W * 32)
     pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                      const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -397,28 +405,28 @@ __global__ void __launch_bounds__(W * 32)
   for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);  // 16 rows x nblk
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st);
+    if (st < nst) issue_stage<SWIGLU, C, S, HINT>(ring, src, stride_q, st);
     cp_commit();
   }
   const float pre = stage_x<SPLIT, XWORDS, W>(x + (long)(pair / x_div) * K, K, xs, xl, xmax);
   __syncthreads();
   const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;  // checkpoint rows
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // every column holds the same x: columns 0 and 1 agree
-  stream_rows<SWIGLU, C, S>(ring, src, stride_q, nst, xs, xl, ss, nblk, ca, cb, acc);
+  stream_rows<SWIGLU, C, S, HINT>(ring, src, stride_q, nst, xs, xl, ss, nblk, ca, cb, acc);
   if (t == 0) {
     store<SWIGLU>(acc[0], acc[2], pre, row0 + ca, row0 + cb, pair, e, bias, wts, out, N, alpha,
                   limit);
   }
 }
 
-template <bool SWIGLU, int C, int S, int W, typename XT>
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
 int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
                   const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
                   long stride_qe, int stride_q, long stride_se, float alpha, float limit,
                   cudaStream_t stream) {
   if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
-  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT>;
+  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT, HINT>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1044,7 +1052,9 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 // pairs a step has (4 a token): gate_up streamed through shared memory above 8 pairs, with one
 // warp a row tile at 5-8; down with two-tile programs up to 8 pairs. Down runs from 2 tokens on
 // (at 1, Gluon's is faster).
-#define TINYOSS_GATE_UP true, 9, 2, 4, __nv_bfloat16
+// one token on one GPU's rows: streamed, the L2 fetching 256 bytes a miss
+// (bench/results/2026-11-28_session33.md)
+#define TINYOSS_GATE_UP_ONE true, 10, 3, 4, __nv_bfloat16, 2
 #define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
 #define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
 // a tensor-parallel rank's share of gate_up's rows (fewer than one GPU's 5760): one 16-row tile
@@ -1077,7 +1087,7 @@ extern "C" int tinyoss_gate_up_mma(const void* x, int x_div, const int* ids, int
   auto run = pairs > 8             ? launch_stream<TINYOSS_GATE_UP_STREAM>
              : pairs > 4 && share  ? launch<TINYOSS_GATE_UP_SHARE_FEW>
              : pairs > 4           ? launch<TINYOSS_GATE_UP_FEW>
-             : !share              ? launch<TINYOSS_GATE_UP>
+             : !share              ? launch_stream<TINYOSS_GATE_UP_ONE>
              : N >= 2880           ? launch<TINYOSS_GATE_UP_SHARE>
                                    : launch<TINYOSS_GATE_UP_SHARE_NARROW>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
@@ -1172,7 +1182,7 @@ extern "C" int tinyoss_sort_pairs(const int* ids, int pairs, int* sorted_ids, in
 // 0 when the kernels load on this GPU and driver (a toolkit newer than the driver, say, fails
 // here rather than at the first launch), else the CUDA error.
 extern "C" int tinyoss_mma_ready(void) {
-  const void* kernels[] = {(const void*)pair_gemv_mma<TINYOSS_GATE_UP>,
+  const void* kernels[] = {(const void*)pair_gemv_stream<TINYOSS_GATE_UP_ONE>,
                            (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>,
                            (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,

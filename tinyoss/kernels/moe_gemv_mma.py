@@ -17,7 +17,9 @@ The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These ker
 codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
 about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
 (2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
-pairs gate_up streams its rows through shared memory (bench/results/2026-11-25_h100_mma_tiles.md).
+pairs, and at one token on one GPU's rows, gate_up streams its rows through shared memory
+(bench/results/2026-11-25_h100_mma_tiles.md; at one token with the L2 fetching 256 bytes a
+miss, bench/results/2026-11-28_session33.md).
 Above GEMV_MAX_TOKENS the pairs are sorted by expert and cut into groups of up to 8 pairs of one
 expert (one launch, `sort_pairs`); a program takes a group, one pair a column of the MMA,
 reading the expert's rows once for them: faster than the grouped GEMMs (which dequantize to

@@ -16,6 +16,12 @@
   X(24, false, 18, 5, 1) X(25, false, 10, 3, 2) X(26, false, 9, 10, 1) X(27, false, 45, 2, 1) \
   X(28, false, 5, 3, 2) X(29, false, 9, 2, 2)
 
+// the streamed pair kernel with an L2 prefetch hint on its copies (HINT: 1 = L2::128B, 2 =
+// L2::256B; the product's 1-token gate_up is 2): (variant, swiglu, C, S, W, HINT). The register
+// kernel with the hint (ld.global.nc.L2::128B / 256B, and 256B without an L1 line) measured no
+// faster at any shape (bench/results/2026-11-28_h100_pair_l2_hint.txt) and was not kept
+#define TINYOSS_SHINTED(X) X(90, true, 10, 3, 4, 1) X(91, true, 10, 3, 4, 2)
+
 // streamed (pair_gemv_stream): (variant, swiglu, C blocks a stage, S stages, W warps); 46-49 and
 // 56-59 keep a whole 16-row tile (9 stages of 10 blocks, 5 of 18) or half of it in flight from
 // the start: at 1 token every load is requested at once (one round trip, not 5-9), not yet run
@@ -46,6 +52,12 @@ extern "C" int tinyoss_pair_variant(int variant, const void* x, int x_div, const
         x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
         alpha, limit, static_cast<cudaStream_t>(stream));
     TINYOSS_STREAMED(TINYOSS_SCASE)
+#define TINYOSS_SHCASE(V, SW, C, S, W, H)                                                     \
+  case V:                                                                                     \
+    return launch_stream<SW, C, S, W, std::conditional_t<SW, __nv_bfloat16, float>, H>(      \
+        x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
+        alpha, limit, static_cast<cudaStream_t>(stream));
+    TINYOSS_SHINTED(TINYOSS_SHCASE)
   }
   return -1;
 }
@@ -60,6 +72,10 @@ extern "C" const char* tinyoss_pair_variant_name(int variant) {
   case V:                             \
     return SW ? "gate_up streamed C" #C " S" #S " W" #W : "down streamed C" #C " S" #S " W" #W;
     TINYOSS_STREAMED(TINYOSS_SNAME)
+#define TINYOSS_SHNAME(V, SW, C, S, W, H) \
+  case V:                                 \
+    return SW ? "gate_up streamed C" #C " S" #S " W" #W " H" #H : "down streamed C" #C " H" #H;
+    TINYOSS_SHINTED(TINYOSS_SHNAME)
   }
   return nullptr;
 }

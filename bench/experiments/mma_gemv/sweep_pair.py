@@ -120,7 +120,7 @@ def main() -> None:
     if args.grouped:
         sweep_grouped(lib, mma, [int(t) for t in args.tokens.split(",")], args.only)
         return
-    variants = [v for v in range(64) if lib.tinyoss_pair_variant_name(v)]
+    variants = [v for v in range(128) if lib.tinyoss_pair_variant_name(v)]
     if args.only:
         variants = [v for v in variants if any(o in lib.tinyoss_pair_variant_name(v).decode()
                                                for o in args.only.split(","))]
