@@ -1066,6 +1066,10 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 #define TINYOSS_GATE_UP_SHARE_BELOW 5760
 #define TINYOSS_DOWN false, 15, 1, 4, float
 #define TINYOSS_DOWN_FEW false, 9, 2, 2, float
+// down streamed through shared memory at 8 pairs (2 tokens) and from 32 (8 tokens), where it
+// measured faster than the register tiles (bench/results/2026-11-28_session33.md), K in whole
+// stages only (one GPU's 2880)
+#define TINYOSS_DOWN_STREAM false, 10, 3, 4, float
 // grouped by expert: 192 gate_up and 320 down rows a program, down streamed (192 rows a program)
 // above 64 pairs (sweep_pair.py --grouped)
 #define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
@@ -1099,7 +1103,10 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 const float* wts, float* out, int N, int K, long stride_qe,
                                 int stride_q, long stride_se, float alpha, float limit,
                                 void* stream) {
-  auto run = pairs > 8 ? launch<TINYOSS_DOWN> : launch<TINYOSS_DOWN_FEW>;
+  const bool streamed = (K / 32) % 10 == 0 && (pairs == 8 || pairs >= 32);
+  auto run = streamed    ? launch_stream<TINYOSS_DOWN_STREAM>
+             : pairs > 8 ? launch<TINYOSS_DOWN>
+                         : launch<TINYOSS_DOWN_FEW>;
   return run(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,
              alpha, limit, static_cast<cudaStream_t>(stream));
 }
@@ -1185,6 +1192,7 @@ extern "C" int tinyoss_mma_ready(void) {
   const void* kernels[] = {(const void*)pair_gemv_stream<TINYOSS_GATE_UP_ONE>,
                            (const void*)pair_gemv_mma<TINYOSS_GATE_UP_FEW>,
                            (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
+                           (const void*)pair_gemv_stream<TINYOSS_DOWN_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN, true>,
