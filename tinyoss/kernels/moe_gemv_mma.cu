@@ -1066,7 +1066,7 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 #define TINYOSS_GATE_UP_SHARE_BELOW 5760
 #define TINYOSS_DOWN false, 15, 1, 4, float
 #define TINYOSS_DOWN_FEW false, 9, 2, 2, float
-// down streamed through shared memory at 8 pairs (2 tokens) and from 32 (8 tokens), where it
+// down streamed through shared memory at 8 pairs (2 tokens) and from 20 (5 tokens), where it
 // measured faster than the register tiles (bench/results/2026-11-28_session33.md), K in whole
 // stages only (one GPU's 2880)
 #define TINYOSS_DOWN_STREAM false, 10, 3, 4, float
@@ -1103,7 +1103,7 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 const float* wts, float* out, int N, int K, long stride_qe,
                                 int stride_q, long stride_se, float alpha, float limit,
                                 void* stream) {
-  const bool streamed = (K / 32) % 10 == 0 && (pairs == 8 || pairs >= 32);
+  const bool streamed = (K / 32) % 10 == 0 && (pairs == 8 || pairs >= 20);
   auto run = streamed    ? launch_stream<TINYOSS_DOWN_STREAM>
              : pairs > 8 ? launch<TINYOSS_DOWN>
                          : launch<TINYOSS_DOWN_FEW>;
