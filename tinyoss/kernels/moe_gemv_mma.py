@@ -19,7 +19,8 @@ about half the instructions. gate_up runs here from 1 token a step, down from DO
 (2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
 pairs, and at one token on one GPU's rows, gate_up streams its rows through shared memory
 (bench/results/2026-11-25_h100_mma_tiles.md; at one token with the L2 fetching 256 bytes a
-miss, bench/results/2026-11-28_session33.md).
+miss), and so does down at 2 and at 5-8 tokens on one GPU's K (bench/results/
+2026-11-28_session33.md).
 Above GEMV_MAX_TOKENS the pairs are sorted by expert and cut into groups of up to 8 pairs of one
 expert (one launch, `sort_pairs`); a program takes a group, one pair a column of the MMA,
 reading the expert's rows once for them: faster than the grouped GEMMs (which dequantize to
