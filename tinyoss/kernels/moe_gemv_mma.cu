@@ -581,8 +581,8 @@ __global__ void __launch_bounds__(TILES * 32)
 
 // The grouped kernel with the streamed weight path (issue_stage, stream_rows), W warps a program
 // sharing the group's staged x: down above 16 tokens, where it keeps more bytes in flight than
-// group_gemv_mma's register loads.
-template <bool SWIGLU, int C, int S, int W, typename XT>
+// group_gemv_mma's register loads. HINT: cp_async16's L2 fetch size.
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
 __global__ void __launch_bounds__(W * 32)
     group_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
                       const int* __restrict__ sorted_ids, const int* __restrict__ order,
@@ -613,15 +613,15 @@ __global__ void __launch_bounds__(W * 32)
   for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < nst) issue_stage<SWIGLU, C, S>(ring, src, stride_q, st);
+    if (st < nst) issue_stage<SWIGLU, C, S, HINT>(ring, src, stride_q, st);
     cp_commit();
   }
   stage_group<SPLIT, W>(x, x_div, order + start, count, K, xs, xl, cpre);
   __syncthreads();
   const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // thread column g's x: B's column g is pair g's
-  stream_rows<SWIGLU, C, S>(ring, src, stride_q, nst, xs + g * KP, xl + g * KP, ss, nblk, ca,
-                            cb, acc);
+  stream_rows<SWIGLU, C, S, HINT>(ring, src, stride_q, nst, xs + g * KP, xl + g * KP, ss, nblk,
+                                  ca, cb, acc);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * t + i;
@@ -705,7 +705,7 @@ int launch_grouped(const void* x, int x_div, const int* groups, int G, const int
   return (int)cudaGetLastError();
 }
 
-template <bool SWIGLU, int C, int S, int W, typename XT>
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
 int launch_grouped_stream(const void* x, int x_div, const int* groups, int G,
                           const int* sorted_ids, const int* order, const uint8_t* q,
                           const uint8_t* s, const void* bias, const float* wts, float* out,
@@ -714,7 +714,7 @@ int launch_grouped_stream(const void* x, int x_div, const int* groups, int G,
   if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * 8 * (K / 8 + 1) * 16 +
                    W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
-  auto kernel = group_gemv_stream<SWIGLU, C, S, W, XT>;
+  auto kernel = group_gemv_stream<SWIGLU, C, S, W, XT, HINT>;
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;
