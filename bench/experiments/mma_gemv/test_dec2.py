@@ -1,0 +1,49 @@
+"""pair_tiles.cu's cheaper decode (`dec2::decode_word` and `stage_x2`'s order), its bit logic
+emulated on the host: every word's 8 E2M1 codes, decoded into fp16 pairs and multiplied by x in
+the staged order, give the dot product of the codes' values and x (CPU).
+
+    python -m pytest bench/experiments/mma_gemv/test_dec2.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def byte_perm(x: int, y: int, s: int) -> int:
+    """CUDA's __byte_perm without the sign-replicate mode (the selectors here never set it)."""
+    src = [(x >> 8 * i) & 0xFF for i in range(4)] + [(y >> 8 * i) & 0xFF for i in range(4)]
+    return sum(src[(s >> 4 * n) & 7] << 8 * n for n in range(4))
+
+
+def decode_word(q: int) -> list[int]:
+    """dec2::decode_word: codes (0, 2), (4, 6), (1, 3), (5, 7) as fp16 pairs times 2**-14."""
+    h = (q & 0x80808080) | ((q >> 3) & 0x0E0E0E0E)
+    l = ((q << 4) & 0x80808080) | ((q << 1) & 0x0E0E0E0E)
+    return [byte_perm(l, 0, 0x1404), byte_perm(l, 0, 0x3424), byte_perm(h, 0, 0x1404),
+            byte_perm(h, 0, 0x3424)]
+
+
+def fp16_pair(r: int) -> tuple[float, float]:
+    lo, hi = np.array([r & 0xFFFF, r >> 16], dtype=np.uint16).view(np.float16)
+    return float(lo), float(hi)
+
+
+def test_decoded_pairs_times_staged_x_give_the_dot_product() -> None:
+    rng = np.random.default_rng(0)
+    words = [0, 0xFFFFFFFF, 0x88888888, 0x77777777] + [int(w) for w in
+                                                       rng.integers(0, 2**32, 3000)]
+    for q in words:
+        codes = [(q >> 4 * j) & 0xF for j in range(8)]  # code 2i: byte i's lo nibble
+        values = [-E2M1[c & 7] if c & 8 else E2M1[c & 7] for c in codes]
+        x = rng.standard_normal(8)
+        r = decode_word(q)
+        # the MMAs: r[0] against x (0, 2), r[2] against (1, 3), r[1] (4, 6), r[3] (5, 7)
+        got = 0.0
+        for reg, (i, j) in ((r[0], (0, 2)), (r[2], (1, 3)), (r[1], (4, 6)), (r[3], (5, 7))):
+            a, b = fp16_pair(reg)
+            got += a * x[i] + b * x[j]
+        want = float(np.dot(values, x))
+        assert abs(got * 2.0**14 - want) <= 1e-9 * (1 + abs(want)), hex(q)
