@@ -175,15 +175,17 @@ __device__ __forceinline__ void store(float acc_a, float acc_b, float pre, int r
   }
 }
 
-// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernel
-// HINT: 0 none, 1 the L2 fetching the 128 bytes around a miss from DRAM, 2 the 256 bytes
+// cp.async (16 bytes, global to shared) and ldmatrix, for the streamed kernels. HINT: 0 none,
+// 1 the L2 fetching the 128 bytes around a miss from DRAM, 2 the 256 bytes.
 template <int HINT = 0>
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
   if (HINT == 1) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(d), "l"(src)
+                 : "memory");
   } else if (HINT == 2) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src)
+                 : "memory");
   } else {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
   }
@@ -198,7 +200,6 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"((uint32_t)__cvta_generic_to_shared(p)));
 }
-
 
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
@@ -374,8 +375,8 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
 }
 
 // The streamed pair kernel, for gate_up at more than 8 pairs and at one token (there with the
-// L2 fetching 256 bytes a miss: HINT 2): W warps a program share the pair's x, each streams its
-// 16 rows; the tile's scales come with the first stage.
+// L2 fetching 256 bytes a miss: HINT 2), and down at 8 and from 20 pairs: W warps a program share
+// the pair's x, each streams its 16 rows; the tile's scales come with the first stage.
 template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
 __global__ void __launch_bounds__(W * 32)
     pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
