@@ -674,6 +674,23 @@ def test_continuous_usage_stats(srv):
         "prompt_tokens": 5, "completion_tokens": 16}  # each prompt once, as vLLM
 
 
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": HI, "max_tokens": 3, "ignore_eos": True}),
+    (CMPL, {"prompt": "a", "max_tokens": 3, "ignore_eos": True}),
+])  # fmt: skip
+def test_stream_options_include_the_usage_unless_told_not_to(srv, path, body):
+    """As vLLM's StreamOptions: given at all, include_usage defaults to true (tinyoss had
+    defaulted it to false, so `stream_options: {}` sent no usage chunk)."""
+    body = {**body, "stream": True}
+    for options in ({}, {"continuous_usage_stats": True}):
+        chunks = events(post(srv, path, {**body, "stream_options": options}))
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all(c["usage"] for c in chunks) == bool(options)  # continuous: on every chunk
+    for options in ({"include_usage": False}, None):
+        chunks = events(post(srv, path, {**body, "stream_options": options}))
+        assert all(c["choices"] and not c.get("usage") for c in chunks), chunks
+
+
 def test_an_empty_model_name_is_the_served_model(srv):
     """As vLLM: "" (as null or left out) asks for the served model (it was a 404)."""
     body = {"messages": HI, "max_tokens": 1, "model": "", "user": "u1", "store": False,

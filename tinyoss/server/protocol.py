@@ -557,7 +557,8 @@ def refuse_unsupported(body: dict, names: tuple[str, ...] = tuple(_UNSUPPORTED))
 def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool, bool]:
     """stream, include_usage (a last chunk of usage), continuous_usage_stats (usage on every
     chunk: vLLM's, which its benchmarks use to count each chunk's tokens; as in vLLM, only
-    with include_usage)."""
+    with include_usage). As vLLM reads them, stream_options given at all (`{}` too) include
+    the usage unless include_usage is false: clients written for vLLM count on that chunk."""
     stream, options = bool(req.stream), req.stream_options
     _require(stream or options is None, "stream_options",
              "stream_options is only allowed with stream: true")

@@ -279,8 +279,12 @@ StructuredOutputs = _object(
 
 
 class StreamOptions(_Body):
+    """A stream's options. Given at all, they send the usage unless include_usage is false, as
+    vLLM's StreamOptions do (OpenAI's API leaves it out unless true)."""
+
     include_usage: StrictBool = Field(
-        False, description="Send a last chunk with the usage (and no choices)."
+        True, description="Send a last chunk with the usage (and no choices); true unless "
+        "given false, as in vLLM."
     )
     continuous_usage_stats: StrictBool = Field(
         False, description="vLLM: every chunk carries the usage so far."
