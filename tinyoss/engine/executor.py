@@ -67,6 +67,8 @@ class SamplerState:
         self.generator: torch.Generator | None = None
         if new.params.seed is not None:  # a seeded request samples the same tokens in any batch
             self.generator = torch.Generator(device=device)
+            # choice i, 1,000,003 seeds on: seeds closer than that share no choice's stream
+            # (vLLM's seed + i gives seed 1's first choice seed 0's second)
             self.generator.manual_seed(new.params.seed + new.index * 1_000_003)
         self.grammar: Matcher | None = None
         self.error: tuple[str, str] | None = None  # why this sequence cannot go on: code, text

@@ -330,7 +330,9 @@ class _Sampling(_Request):
         _DEFAULT.min_p, description="vLLM: drop tokens less likely than min_p x the top one's."
     )
     seed: StrictInt | None = Field(
-        None, description="Makes sampling reproducible; choice i uses seed + i."
+        None, description="Makes sampling reproducible; choice i (of n) samples with seed + i x "
+        "1,000,003, so seeds less than that apart share no choice (vLLM's: "
+        "seed + i, so seed 1's first choice is seed 0's second)."
     )
     presence_penalty: StrictFloat | None = Field(
         _DEFAULT.presence_penalty, description="Penalizes tokens already generated, once each."
