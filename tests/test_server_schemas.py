@@ -199,6 +199,17 @@ def events(r: httpx.Response) -> list[dict]:
          "structured_outputs.whitespace_pattern is not supported: structured_outputs has no "
          "field 'whitespace_pattern'"),
         (CHAT, {"messages": HI, "guided_json": {}}, "guided_json", "give structured_outputs"),
+        # the last two guided_* names had been ignored (a 200 without what they asked for)
+        (CHAT, {"messages": HI, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+         "takes no whitespace pattern"),
+        (CMPL, {"prompt": "a", "guided_whitespace_pattern": ""}, "guided_whitespace_pattern",
+         "guided_* fields are gone"),
+        (CHAT, {"messages": HI, "guided_options_request": {"guided_json": {}}},
+         "guided_options_request", "give structured_outputs"),
+        (CMPL, {"prompt": "a", "guided_options_request": {}}, "guided_options_request",
+         "give structured_outputs"),
+        ("/v1/responses", {"input": "hi", "guided_options_request": {}}, "guided_options_request",
+         "give structured_outputs"),
         (CHAT, {"messages": HI, "skip_special_tokens": False}, "skip_special_tokens",
          "/v1/completions returns them as text"),
         (CMPL, {"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids", "token ids"),

@@ -73,7 +73,11 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                             "and completions, which take it)"),
     **{f"guided_{kind}": ((), "vLLM's guided_* fields are gone: give structured_outputs (json, "
                               "regex, choice, grammar) or response_format")
-       for kind in ("json", "regex", "choice", "grammar", "decoding_backend")},
+       for kind in ("json", "regex", "choice", "grammar", "decoding_backend",
+                    "options_request")},
+    "guided_whitespace_pattern": ((), "vLLM's guided_* fields are gone, and tinyoss takes no "
+                                      "whitespace pattern: its JSON has one space after ',' and "
+                                      "':' and no other whitespace"),
     # vLLM's sampling and output fields
     "bad_words": (([],), "the Responses API takes none (chat completions and completions do)"),
     "allowed_token_ids": ((), "the Responses API takes none (vLLM's field of chat completions "
