@@ -469,6 +469,22 @@ def test_vllm_fields_tinyoss_does_not_serve_are_refused(path, field, asks, defau
     assert e.value.message.count("leave") == 1, e.value.message  # verbosity's did
 
 
+def test_priority_0_is_taken_and_any_other_is_refused(srv):
+    """vLLM's priority: it was ignored (a 200 for a priority never applied); vLLM refuses any
+    but 0 unless its priority scheduling is on, which tinyoss has none of."""
+    for path, body in ((CHAT, {"messages": HI, "max_tokens": 1}),
+                       (CMPL, {"prompt": "a", "max_tokens": 1}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
+        ok(post(srv, path, {**body, "priority": 0}))
+        for bad in (1, -5, 10**6):
+            err = error(post(srv, path, {**body, "priority": bad}))
+            assert err["param"] == "priority" and f"priority={bad} is not supported" in (
+                err["message"]) and "first come, first served" in err["message"], err
+        for bad in ("high", 0.0, True, [0]):
+            err = error(post(srv, path, {**body, "priority": bad}))
+            assert err["param"] == "priority" and "must be an integer" in err["message"], err
+
+
 def system_text(body: dict) -> str:
     """The system message of the chat prompt `body` renders to."""
     segments = parse_chat({"messages": HI, **body}, INFO).sources[0]

@@ -86,6 +86,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                                    "completions and completions, which take it)"),
     "use_beam_search": ((False,), "tinyoss has no beam search: n samples choices "
                                   "independently"),
+    "priority": ((0,), "tinyoss schedules first come, first served, as vLLM does without "
+                       "--scheduling-policy priority: only 0 is taken"),
     "logits_processors": (([],), "tinyoss runs no custom logits processors"),
     "return_tokens_as_token_ids": ((False,), "logprobs give each token's text and bytes"),
     "structural_tag": ((), "tinyoss enforces no structural tags: give structured_outputs or "
@@ -104,7 +106,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
                          "message"),
 }  # fmt: skip
 _VLLM_SAMPLING = ("use_beam_search", "logits_processors", "return_tokens_as_token_ids",
-                  "structural_tag")
+                  "structural_tag", "priority")
 _COMPLETION_UNSUPPORTED = (*_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
 # chat and completions take them

@@ -412,6 +412,9 @@ class _Sampling(_Request):
     structural_tag: Any = Field(
         None, description="vLLM: not supported (give structured_outputs or response_format)."
     )
+    priority: StrictInt | None = Field(
+        0, description="vLLM: 0 only; tinyoss schedules first come, first served."
+    )
 
 
 class ChatTemplateKwargs(_Body):
@@ -828,6 +831,9 @@ class ResponseCreateRequest(_Request):
         None, description="Echoed; the prefix cache needs no key."
     )
     safety_identifier: StrictStr | None = Field(None, description="Echoed.")
+    priority: StrictInt | None = Field(
+        0, description="vLLM: 0 only; tinyoss schedules first come, first served."
+    )
 
 
 # ---------------------------------------------------------------- responses
