@@ -860,6 +860,30 @@ def test_echo_of_a_truncated_prompt_is_the_kept_prompt(srv, client):
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
 
 
+def test_truncation_side_picks_the_end_kept(srv):
+    """vLLM's truncation_side (it was ignored: the last tokens were always kept): "left", the
+    default, keeps the prompt's last k tokens, "right" its first k; echo repeats those."""
+    prompt = "one two three four five six seven"
+    ids = srv.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "echo": True, "truncate_prompt_tokens": 3, "max_tokens": 1,
+            "return_token_ids": True}
+    for side, kept in (("left", ids[-3:]), ("right", ids[:3]), (None, ids[-3:])):
+        answer = ok_json(post(srv, "/v1/completions", {**body, "truncation_side": side}))
+        choice = answer["choices"][0]
+        assert answer["usage"]["prompt_tokens"] == 3 and choice["prompt_token_ids"] == kept
+        assert choice["text"].startswith(srv.tokenizer.decode(kept)), (side, choice["text"])
+    assert srv.tokenizer.decode(ids[:3]) == "one two three"  # (the ends differ, as meant)
+    # chat: the rendered harmony prompt's first k tokens
+    chat = {"messages": user("hello " * 20), "max_tokens": 1, "truncate_prompt_tokens": 8,
+            "truncation_side": "right", "return_token_ids": True}
+    rendered = ok_json(post(srv, "/tokenize", {"messages": chat["messages"]}))["tokens"]
+    assert ok_json(post(srv, "/v1/chat/completions", chat))["prompt_token_ids"] == rendered[:8]
+    for bad in ("middle", "LEFT", 1):
+        for path, what in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            err = error(post(srv, path, {**what, "truncation_side": bad}), 400)
+            assert err["param"] == "truncation_side" and "'left' or 'right'" in err["message"]
+
+
 # ---------------------------------------------------------------- disconnects and load
 
 

@@ -116,10 +116,11 @@ class CoreStats:
 
 
 def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams,
-                    max_model_len: int) -> list[int]:
+                    max_model_len: int, side: str = "left") -> list[int]:
     """The prompt as the engine takes it: its last `truncate_prompt_tokens` tokens when that
     is set (vLLM's left truncation; -1: the longest tail that leaves room for max_tokens, or
-    for one token without it), else whole."""
+    for one token without it), else whole. `side` "right" (vLLM's truncation_side) keeps the
+    first tokens instead; cutting a prompt already cut changes nothing either way."""
     keep = params.truncate_prompt_tokens
     if keep is None:
         return prompt_token_ids
@@ -132,7 +133,7 @@ def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams,
     elif keep >= max_model_len:
         raise ValueError(f"truncate_prompt_tokens={keep} is not below max_model_len "
                          f"({max_model_len}): keep fewer tokens, so that one can be generated")
-    return prompt_token_ids[-keep:]
+    return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]
 
 
 def check_prompt(

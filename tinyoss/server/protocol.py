@@ -189,6 +189,8 @@ class Prepared:
     # chat: the channel of the assistant message the prompt leaves open (continue_final_message),
     # whose text the reply goes on with
     channel: str | None = None
+    # the end truncate_prompt_tokens cuts (vLLM's truncation_side): "left" keeps the last tokens
+    truncation_side: str = "left"
 
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
@@ -256,6 +258,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
                     length_note=note,
                     channel=harmony.continued_channel(body["messages"]) if continued else None,
                     content_stop_kept=params.include_stop_str_in_output,
+                    truncation_side=req.truncation_side or "left",
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning,
                     max_tokens_field="max_tokens" if max_tokens is None
                     else "max_completion_tokens")
@@ -405,7 +408,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
                     echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
-                    prompt_only=prompt_only,
+                    prompt_only=prompt_only, truncation_side=req.truncation_side or "left",
                     return_token_ids=bool(req.return_token_ids), special_names=True)
 
 
@@ -458,7 +461,8 @@ async def tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> No
     """Encodes `prep`'s prompts into `prep.prompts`, in pieces of a few ms each with the event
     loop running between them; refuses a prompt as soon as it cannot fit the context, unless
     its request truncates it (vLLM's truncate_prompt_tokens: then it is encoded whole, within
-    --max-request-bytes, and cut to its last tokens)."""
+    --max-request-bytes, and cut to its last tokens, or its first with truncation_side
+    "right")."""
     with _noted(prep.length_note):
         await _tokenize(prep, tokenizer, info)
 
@@ -501,7 +505,8 @@ async def _tokenize(prep: Prepared, tokenizer: Tokenizer, info: EngineInfo) -> N
                     await asyncio.sleep(0)
         if cut:
             try:
-                ids = truncate_prompt(ids, prep.params, info.max_model_len)
+                ids = truncate_prompt(ids, prep.params, info.max_model_len,
+                                      prep.truncation_side)
             except ValueError as e:
                 raise APIError(400, str(e), param="truncate_prompt_tokens") from e
         _check_length(len(ids), prep.params.max_tokens, info.max_model_len, prep.what,

@@ -397,8 +397,13 @@ class _Sampling(_Request):
         None, description="vLLM: only these token ids may be sampled (not with a grammar)."
     )
     truncate_prompt_tokens: StrictInt | None = Field(
-        None, description="vLLM: only the prompt's last k tokens are used (-1: as many as "
-        "leave room for max_tokens); a prompt too long is otherwise a 400."
+        None, description="vLLM: only the prompt's last k tokens are used (its first k with "
+        "truncation_side right; -1: as many as leave room for max_tokens); a prompt too long "
+        "is otherwise a 400."
+    )  # fmt: skip
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="vLLM: which end truncate_prompt_tokens cuts: left (the default) keeps "
+        "the prompt's last tokens, right its first."
     )  # fmt: skip
     use_beam_search: StrictBool | None = Field(
         False, description="vLLM: beam search is not supported; false only."
