@@ -1171,6 +1171,70 @@ def test_every_answer_carries_a_request_id(srv, client):
     assert long.headers["x-request-id"].startswith("req_")
 
 
+def sse(r: httpx.Response) -> list[dict]:
+    """A stream's chunks (its events but [DONE], which it must end with)."""
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and data[-1] == "[DONE]", r.text
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_request_id_names_the_answer_and_every_chunk(srv):
+    """vLLM's request_id and X-Request-Id name the answer chatcmpl-<id> / cmpl-<id>, the
+    header's before the body's (vLLM's _base_request_id); the body's had been dropped as an
+    unknown field and the header only echoed."""
+    chat = {"messages": user("hi"), "max_tokens": 3}
+    cmpl = {"prompt": "a", "max_tokens": 3}
+    header = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-7"}
+    assert ok_json(post(srv, "/v1/chat/completions", {**chat, "request_id": "abc"}))[
+        "id"] == "chatcmpl-abc"
+    assert ok_json(post(srv, "/v1/completions", {**cmpl, "request_id": "a b/1"}))[
+        "id"] == "cmpl-a b/1"  # printable ASCII, spaces too
+    r = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=header, timeout=30)
+    assert ok_json(r)["id"] == "chatcmpl-trace-7" and r.headers["x-request-id"] == "trace-7"
+    for path, body, prefix in (("/v1/chat/completions", chat, "chatcmpl-"),
+                               ("/v1/completions", cmpl, "cmpl-")):
+        streamed = {**body, "stream": True, "stream_options": {}, "request_id": "body-id"}
+        chunks = sse(httpx.post(srv.url + path, json=streamed, headers=header, timeout=30))
+        assert len(chunks) > 2 and {c["id"] for c in chunks} == {prefix + "trace-7"}  # it wins
+        chunks = sse(post(srv, path, streamed))
+        assert {c["id"] for c in chunks} == {prefix + "body-id"}
+    # a header the server does not echo (over 128 characters) names nothing either
+    long = {**header, "X-Request-Id": "x" * 129}
+    r = httpx.post(srv.url + "/v1/completions", json={**cmpl, "request_id": "mine"},
+                   headers=long, timeout=30)
+    assert ok_json(r)["id"] == "cmpl-mine" and r.headers["x-request-id"].startswith("req_")
+    r = httpx.post(srv.url + "/v1/completions", json=cmpl, headers=long, timeout=30)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", ok_json(r)["id"])
+    assert ok_json(post(srv, "/v1/completions", {**cmpl, "request_id": "x" * 256}))["id"] == (
+        "cmpl-" + "x" * 256)
+    for bad in ("", "x" * 257, "caf\u00e9", "a\nb", "tab\there", 5, ["a"]):
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", cmpl)):
+            err = error(post(srv, path, {**body, "request_id": bad}), 400)
+            assert err["param"] == "request_id", err
+
+
+def test_requests_in_flight_may_share_a_request_id(srv):
+    """Two requests with one id both run and each gets its own text (the engine keys them by
+    an id of the server's own: the client's, had it been the key, would have collided)."""
+    header = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "same"}
+    bodies = [{"prompt": f"{SLOW} {word}", "max_tokens": 8, "seed": seed, "ignore_eos": True,
+               "request_id": "same"} for word, seed in (("one", 1), ("two", 2))]
+    alone = [ok_json(post(srv, "/v1/completions", b))["choices"][0]["text"] for b in bodies]
+    assert alone[0] != alone[1]
+    for headers in ({"Authorization": f"Bearer {KEY}"}, header):  # by the body, by the header
+        with contextlib.ExitStack() as stack:  # both open, so both are in the engine at once
+            streams = [stack.enter_context(httpx.stream(
+                "POST", srv.url + "/v1/completions", json={**b, "stream": True},
+                headers=headers, timeout=30)) for b in bodies]
+            texts = []
+            for r in streams:
+                r.read()
+                chunks = sse(r)
+                assert {c["id"] for c in chunks} == {"cmpl-same"}
+                texts.append("".join(c["choices"][0]["text"] for c in chunks))
+        assert texts == alone
+
+
 def test_stream_events_never_hold_a_line_break_that_splitlines_sees():
     from tinyoss.server.app import _sse
 

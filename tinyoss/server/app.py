@@ -147,8 +147,10 @@ _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # what a client's X-Request-Id 
 class RequestIdHeader:
     """Every answer carries `x-request-id`, as OpenAI's do (its SDKs show it as `_request_id`,
     and apps log it): the client's own X-Request-Id (up to 128 printable characters, as vLLM's
-    --enable-request-id-headers echoes it), else a new `req_...`. An ASGI middleware: it adds
-    a header to the response's start and leaves streamed bodies as they are."""
+    --enable-request-id-headers echoes it), else a new `req_...`. The client's own also names
+    chat and completions answers (chatcmpl-<id>, as vLLM's `_base_request_id` takes it); one
+    this rule refuses is neither echoed nor used. An ASGI middleware: it adds a header to the
+    response's start and leaves streamed bodies as they are."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -157,9 +159,11 @@ class RequestIdHeader:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
-        rid = (given if _REQUEST_ID.fullmatch(given.decode("latin-1")) else
-               f"req_{uuid.uuid4().hex}".encode())
-        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # for the log line
+        mine = _REQUEST_ID.fullmatch(given.decode("latin-1")) is not None
+        rid = given if mine else f"req_{uuid.uuid4().hex}".encode()
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid.decode("latin-1")  # for the log line
+        state["client_request_id"] = state["request_id"] if mine else None  # names the answer
 
         async def tagged(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -230,14 +234,18 @@ class Run:
         choices: list[Choice],
         top: dict | None = None,
         keep_logprobs: bool = True,
+        client_id: str | None = None,
     ) -> None:
         """`top`: more fields of the answer, and of a stream's first chunk. `keep_logprobs`:
-        the choices keep the logprobs they send (False: a stream's, which keep none)."""
+        the choices keep the logprobs they send (False: a stream's, which keep none).
+        `client_id`: the client's id for it (X-Request-Id, vLLM's request_id), which names
+        the answer; requests in flight may share one, so the engine keys it by `rid`."""
         self.state, self.prep, self.kind, self.choices = state, prep, kind, choices
         self.top = top or {}
         prefix = {"chat.completion": "chatcmpl-", "response": "resp_"}.get(kind, "cmpl-")
-        self.rid = prefix + uuid.uuid4().hex  # a response's is its id
-        self.head = {"id": self.rid, "object": kind, "created": int(time.time())}
+        self.rid = prefix + uuid.uuid4().hex  # unique: the engine's key; a response's id
+        self.id = self.rid if client_id is None else prefix + client_id  # what the client sees
+        self.head = {"id": self.id, "object": kind, "created": int(time.time())}
         self.head["model"] = state.model_name
         if kind != "response":  # chat and completions objects have it (OpenAI's)
             self.head["system_fingerprint"] = state.fingerprint
@@ -374,7 +382,7 @@ class Run:
                                       room if most is None else min(most, room), self.times[i])
             (metrics.finished if self.done else metrics.aborted).inc()
             if not self.done:  # one line, as vLLM's "Aborted request": to match a balancer's
-                log.info("aborted request %s: %s", self.rid, why)
+                log.info("aborted request %s: %s", self.id, why)
 
     @property
     def done(self) -> bool:
@@ -437,7 +445,7 @@ class Run:
             if self.prep.include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage()})
         except Exception as e:  # the status line is sent: report in the stream
-            log.warning("stream %s failed: %s", self.rid, e)
+            log.warning("stream %s failed: %s", self.id, e)
             yield _sse(_error(e).body())
         yield "data: [DONE]\n\n"
 
@@ -975,6 +983,11 @@ def create_app(
         _check_limits(prep, limits, client.info.max_model_len, keep_logprobs=not prep.stream)
         return client, prep
 
+    def client_id(request: Request, prep: Prepared) -> str | None:
+        """The id the client gave its request, the X-Request-Id header's before the body's
+        request_id (as vLLM's `_base_request_id` orders them); None: the server names it."""
+        return getattr(request.state, "client_request_id", None) or prep.request_id
+
     async def respond(request: Request, run: Run) -> Response:
         request.state.run = run  # for the request's log line
         if run.prep.stream:
@@ -1000,7 +1013,8 @@ def create_app(
             for i in range(prep.params.n)
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None
-        run = Run(state, prep, "chat.completion", choices, top, keep_logprobs=keep)
+        run = Run(state, prep, "chat.completion", choices, top, keep_logprobs=keep,
+                  client_id=client_id(request, prep))
         return await respond(request, run)
 
     async def completions(request: Request) -> Response:
@@ -1015,7 +1029,8 @@ def create_app(
             for p in range(len(prep.prompts))
             for i in range(n)
         ]
-        run = Run(state, prep, "text_completion", choices, keep_logprobs=keep)
+        run = Run(state, prep, "text_completion", choices, keep_logprobs=keep,
+                  client_id=client_id(request, prep))
         return await respond(request, run)
 
     async def responses(request: Request) -> Response:

@@ -51,6 +51,8 @@ _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in
 _SAMPLING += ("skip_special_tokens", "cache_salt")  # the last six: vLLM's extensions
 _SAMPLING += ("bad_words", "truncate_prompt_tokens")  # vLLM's too
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
+MAX_REQUEST_ID_CHARS = 256  # of a body's request_id, which names the answer (chatcmpl-<id>)
+_REQUEST_ID = re.compile(rf"[\x20-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")  # printable ASCII
 _MESSAGE_TOKENS = 4  # the fewest tokens a message renders to: <|start|>role<|message|><|end|>
 _PROBE_CHARS = 1 << 19  # of a longer uncut text, encoded first (~1 s): refused if it is too long
 _CUT_SLACK = 64  # tokens a head encoded alone may have more than in the whole text (its cut)
@@ -191,6 +193,9 @@ class Prepared:
     channel: str | None = None
     # the end truncate_prompt_tokens cuts (vLLM's truncation_side): "left" keeps the last tokens
     truncation_side: str = "left"
+    # vLLM's request_id: the id the answer shows (after chatcmpl- or cmpl-), unless the
+    # X-Request-Id header gives one; never the engine's key, which stays unique
+    request_id: str | None = None
 
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
@@ -259,6 +264,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
                     channel=harmony.continued_channel(body["messages"]) if continued else None,
                     content_stop_kept=params.include_stop_str_in_output,
                     truncation_side=req.truncation_side or "left",
+                    request_id=_request_id(req.request_id),
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning,
                     max_tokens_field="max_tokens" if max_tokens is None
                     else "max_completion_tokens")
@@ -409,6 +415,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
                     echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
                     prompt_only=prompt_only, truncation_side=req.truncation_side or "left",
+                    request_id=_request_id(req.request_id),
                     return_token_ids=bool(req.return_token_ids), special_names=True)
 
 
@@ -563,6 +570,16 @@ def refuse_unsupported(body: dict, names: tuple[str, ...] = tuple(_UNSUPPORTED))
             name,
             f"{name}={harmony.short_repr(value)} is not supported: {why}; leave the field out",
         )
+
+
+def _request_id(given: str | None) -> str | None:
+    """vLLM's request_id, checked: it goes into the answer's id, chunks and log lines, so it
+    is short, printable ASCII text (no line break to forge a log line with)."""
+    _require(given is None or _REQUEST_ID.fullmatch(given), "request_id",
+             f"request_id={harmony.short_repr(given)} is invalid: must be 1 to "
+             f"{MAX_REQUEST_ID_CHARS} printable ASCII characters (the answer's id is "
+             "chatcmpl-<request_id>, or cmpl-<request_id> on /v1/completions)")
+    return given
 
 
 def _streaming(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool, bool]:

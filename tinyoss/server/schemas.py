@@ -420,6 +420,11 @@ class _Sampling(_Request):
     priority: StrictInt | None = Field(
         0, description="vLLM: 0 only; tinyoss schedules first come, first served."
     )
+    request_id: StrictStr | None = Field(
+        None, description="vLLM: the answer's and every chunk's id is chatcmpl-<request_id> "
+        "(cmpl-<request_id> on /v1/completions); an X-Request-Id header wins over it. 1 to 256 "
+        "printable ASCII characters; requests may share one."
+    )  # fmt: skip
 
 
 class ChatTemplateKwargs(_Body):
