@@ -6,7 +6,9 @@ a well-formed OpenAPI 3.1 document of the routes and their fields."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 from typing import Any, get_args
 
 import httpx
@@ -19,7 +21,7 @@ from tests.test_server import KEY, TINY, TOOLS, Served, environ, post, user, wai
 from tests.test_structured_outputs import INFO
 from tinyoss import harmony
 from tinyoss.engine.core_process import HOOK_ENV
-from tinyoss.server import schemas
+from tinyoss.server import protocol, schemas
 from tinyoss.server.app import create_app
 from tinyoss.server.protocol import APIError, parse_chat, parse_completion
 
@@ -331,6 +333,48 @@ def test_null_is_not_given_and_unknown_fields_are_ignored(srv):
     r = ok(post(srv, CMPL, body))
     assert r["usage"]["completion_tokens"] == 16  # the documented default
     assert schemas.CompletionRequest.model_fields["max_tokens"].default == 16
+
+
+def test_unknown_fields_are_logged_once_a_name(srv, caplog):
+    """vLLM logs the fields a request carries that it ignores; tinyoss dropped them in silence.
+    A WARNING names each the first time, DEBUG after, so a typo shows once and traffic that
+    repeats it cannot flood the log; fields it reads, or refuses, are never said ignored."""
+    caplog.set_level("DEBUG", logger="tinyoss.server")
+    name = f"x_{uuid.uuid4().hex[:12]}"  # new to this process whatever ran before
+    known = {"request_id": "r", "priority": 0, "truncation_side": "left"}
+    for path, body in ((CHAT, {"messages": HI, "max_tokens": 1, **known}),
+                       (CMPL, {"prompt": "a", "max_tokens": 1, **known}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+                       ("/tokenize", {"prompt": "a"})):
+        ok(post(srv, path, {**body, name: [1], "x_null": None}))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if name in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING] + [logging.DEBUG] * 3, said
+    assert said[0][1].startswith("ignored fields of a request to /v1/chat/completions, which "
+                                 f"tinyoss does not read: '{name}'; each name is logged once")
+    assert [m.split(":")[0] for _, m in said[1:]] == [
+        f"ignored fields of a request to {p}" for p in (CMPL, "/v1/responses", "/tokenize")]
+    lines = [r.getMessage() for r in caplog.records if "ignored fields" in r.getMessage()]
+    assert not any(f"'{k}'" in m for m in lines for k in [*known, "x_null"]), lines
+    error(post(srv, CHAT, {"messages": HI, "guided_json": {}, name + "2": 1}))  # refused
+    assert not any(name + "2" in r.getMessage() for r in caplog.records)
+
+
+def test_made_up_field_names_cannot_flood_the_log(monkeypatch, caplog):
+    """At most 16 names a line and _MAX_WARNED in all at WARNING; a name is escaped (no line
+    break forges a log line) and clipped."""
+    monkeypatch.setattr(protocol, "_warned", set())
+    monkeypatch.setattr(protocol, "_MAX_WARNED", 20)
+    caplog.set_level("DEBUG", logger="tinyoss.server")
+    body = {"prompt": "a", **{f"f{i:03}": 1 for i in range(50)}, "a\nb" + "x" * 1000: 1}
+    for _ in range(3):
+        parse_completion(body, INFO)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and "(and 35 more: at DEBUG)" in warned[0], warned
+    assert warned[0].split("read: ")[1].startswith("'a\\nb" + "x" * 61 + "...', 'f000'")
+    assert "read: 'f015', 'f016', 'f017', 'f018' (and 47 more" in warned[1]  # 4 more: 20
+    assert "later ones only at DEBUG" in warned[1]
+    assert not any("\n" in r.getMessage() for r in caplog.records)
+    assert len(protocol._warned) == 20
 
 
 def test_the_request_models_mirror_the_code():

@@ -5,8 +5,9 @@ request is a 400 naming the field and never an engine error. Types are checked f
 pydantic models of `schemas.py` (`validate`: the error names the field's path); what values
 mean is checked after, where they are used (SamplingParams' ranges, harmony's rules for
 messages, the grammar's for schemas). Unknown fields are ignored, as OpenAI-compatible servers
-do, but fields whose meaning tinyoss does not implement are refused by name (`_UNSUPPORTED`): a
-client must never get a 200 for something it asked for and did not get. `response_format`,
+do (and logged, as vLLM logs them: `note_ignored`), but fields whose meaning tinyoss does not
+implement are refused by name (`_UNSUPPORTED`): a client must never get a 200 for something it
+asked for and did not get. `response_format`,
 vLLM's `structured_outputs`, `tool_choice` "required" or named, and `thinking_token_budget`
 become one grammar over the reply (`harmony_grammar.py`); on /v1/completions the grammar is the
 raw text's.
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -50,6 +53,7 @@ _SAMPLING += ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _SAMPLING += ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
 _SAMPLING += ("skip_special_tokens", "cache_salt")  # the last six: vLLM's extensions
 _SAMPLING += ("bad_words", "truncate_prompt_tokens")  # vLLM's too
+log = logging.getLogger("tinyoss.server")
 MAX_TOKEN_CHARS = 128  # the longest o200k token: a text needs at least len / 128 tokens
 MAX_REQUEST_ID_CHARS = 256  # of a body's request_id, which names the answer (chatcmpl-<id>)
 _REQUEST_ID = re.compile(rf"[\x20-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")  # printable ASCII
@@ -259,6 +263,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     if not _truncates(body):
         with _noted(note):
             _check_chars([segments], info.max_model_len, "messages")
+    note_ignored(req, "/v1/chat/completions")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
                     length_note=note,
                     channel=harmony.continued_channel(body["messages"]) if continued else None,
@@ -412,6 +417,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     if not _truncates(body):
         _check_chars(sources, info.max_model_len, "prompt")
     texts = [s[0] if isinstance(s[0], str) else None for s in sources] if req.echo else None
+    note_ignored(req, "/v1/completions")
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
                     echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
                     prompt_only=prompt_only, truncation_side=req.truncation_side or "left",
@@ -439,18 +445,21 @@ def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:
     _check_chars([segments], info.max_model_len, what)
     prep = Prepared([segments], what, SamplingParams(max_tokens=None),
                     special_names=what == "prompt")
+    note_ignored(req, "/tokenize")
     return prep, bool(req.return_token_strs)
 
 
 def parse_detokenize(body: dict, info: EngineInfo) -> list[int]:
     """/detokenize's body: {"tokens": [ids]}, each id in the vocabulary."""
-    tokens = validate(DetokenizeRequest, body).tokens
+    req = validate(DetokenizeRequest, body)
+    tokens = req.tokens
     bad = next((t for t in tokens if not 0 <= t < info.vocab_size), None)
     _require(
         bad is None,
         "tokens",
         f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
     )
+    note_ignored(req, "/detokenize")
     return tokens
 
 
@@ -551,6 +560,46 @@ def validate(model: type[Model], body: dict) -> Model:
     must = "must be " + _MUST[kind].format(**ctx) if kind in _MUST else msg
     text = f"{path}={harmony.short_repr(err['input'])} is invalid: {must[0].lower()}{must[1:]}"
     raise APIError(400, text, param=path)
+
+
+# Unknown top-level fields are logged as vLLM warns of them ("present in the request but
+# ignored"): a WARNING the first time a name is seen in this process, DEBUG after, so that a
+# client's typo shows once and traffic repeating it cannot flood the log. Names made up by the
+# thousand cannot either: at most _MAX_WARNED names are ever warned of, _MAX_LISTED a request,
+# each clipped to _MAX_NAME_CHARS.
+_MAX_WARNED, _MAX_LISTED, _MAX_NAME_CHARS = 1024, 16, 64
+_warned: set[str] = set()
+_warned_lock = threading.Lock()  # bodies that can carry a grammar are parsed in worker threads
+
+
+def note_ignored(req: BaseModel, where: str) -> None:
+    """Logs the top-level fields of `req` (a request to `where`) that nothing reads."""
+    extra = req.model_extra
+    if not extra:
+        return
+    names = sorted({_field_name(k) for k in extra})
+    with _warned_lock:
+        room = min(_MAX_LISTED, _MAX_WARNED - len(_warned))
+        new = [n for n in names if n not in _warned][:max(0, room)]
+        _warned.update(new)
+        full = len(_warned) >= _MAX_WARNED
+    shown = ", ".join(names)
+    if not new:
+        log.debug("ignored fields of a request to %s: %s", where, shown)
+        return
+    rest = f" (and {len(names) - len(new)} more: at DEBUG)" if len(names) > len(new) else ""
+    log.warning("ignored fields of a request to %s, which tinyoss does not read: %s%s; each "
+                "name is logged once at this level%s", where, ", ".join(new), rest,
+                f" (the first {_MAX_WARNED} names: later ones only at DEBUG)" if full else "")
+    if rest:
+        log.debug("ignored fields of a request to %s: %s", where, shown)
+
+
+def _field_name(name: str) -> str:
+    """A client's field name as the log shows it: quoted, escaped (no line break can forge a
+    log line) and clipped."""
+    clipped = name if len(name) <= _MAX_NAME_CHARS else name[:_MAX_NAME_CHARS] + "..."
+    return ascii(clipped)
 
 
 def _require(ok: object, param: str, message: str) -> None:

@@ -26,7 +26,7 @@ from tinyoss.engine.core_client import OutputStream
 from tinyoss.engine.output_processor import CompletionOutput
 from tinyoss.engine.step import TokenLogprob
 from tinyoss.server.choices import release, token_logprob
-from tinyoss.server.protocol import APIError, refuse_unsupported, validate
+from tinyoss.server.protocol import APIError, note_ignored, refuse_unsupported, validate
 from tinyoss.server.schemas import ResponseCreateRequest
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -226,6 +226,7 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
         "safety_identifier": req.safety_identifier,
     }
     stream, store = bool(req.stream), echo["store"]
+    note_ignored(req, "/v1/responses")
     return ResponsesRequest(chat, origins, call_origins, [item for _, item in conversation], echo,
                             stream, store)
 

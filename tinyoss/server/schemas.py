@@ -4,9 +4,10 @@ Requests are validated against these models (`protocol.validate`), so a wrong ty
 naming the field's path. They are strict: JSON `true` is not an int and "1" is not 1, because
 a client that sends the wrong type has a bug we should tell it about rather than guess around.
 `null` at the top level means "not given", so the defaults below apply. Unknown fields are
-kept and ignored, as OpenAI-compatible servers do. The models check types (and a few ranges
-that only the API has); what a value means (SamplingParams' ranges, which roles may omit
-content, whether a schema can be enforced) stays with the code that uses it.
+kept and ignored, as OpenAI-compatible servers do (`protocol.note_ignored` logs their names).
+The models check types (and a few ranges that only the API has); what a value means
+(SamplingParams' ranges, which roles may omit content, whether a schema can be enforced) stays
+with the code that uses it.
 
 The response models document what `app.py`, `choices.py` and `responses_api.py` send; the
 tests validate live responses against them with extra fields forbidden, so the two cannot
