@@ -342,11 +342,15 @@ def test_vllms_inert_arguments_are_taken_and_the_others_refused(tiny_llm):
     outs = tiny_llm.generate(["a", "b"], GREEDY, bar, lora_request=None, priority=None,
                              tokenization_kwargs={})
     assert len(outs) == 2 and made == [2]
+    # vLLM's default priority, 0 a prompt, is the order tinyoss serves in anyway
+    assert len(tiny_llm.generate(["a", "b"], GREEDY, False, priority=[0, 0])) == 2
     assert tiny_llm.chat(HI, GREEDY, False, lora_request=None, chat_template=None,
                          chat_template_content_format="openai", mm_processor_kwargs=None)
     for call, kw, words in [
         (tiny_llm.generate, {"lora_request": object()}, "lora_request=.* no LoRA"),
         (tiny_llm.generate, {"priority": [1]}, "priority=.* first come, first served"),
+        (tiny_llm.generate, {"priority": [0, 2]}, "priority=.* only None or 0"),
+        (tiny_llm.generate, {"priority": [False]}, "priority=.* first come, first served"),
         (tiny_llm.chat, {"chat_template": "{{ x }}"}, "chat_template=.* rendered in harmony"),
     ]:
         with pytest.raises(ValueError, match=words):

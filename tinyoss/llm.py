@@ -51,7 +51,7 @@ EFFORTS = ("low", "medium", "high")
 VLLM_INERT: dict[str, tuple[tuple[object, ...], str]] = {
     "lora_request": ((None,), "tinyoss serves no LoRA adapters"),
     "priority": ((None,), "tinyoss schedules first come, first served (as vLLM without its "
-                 "priority policy)"),
+                 "priority policy): only None or 0 for every prompt"),
     "tokenization_kwargs": ((None, {}), "give the prompt's token ids instead"),
     "chat_template": ((None,), "gpt-oss prompts are rendered in harmony, not by a template: "
                       "render your own prompt and give it to generate"),
@@ -773,5 +773,8 @@ def _check_vllm_args(method: str, given: dict[str, Any]) -> None:
         if name not in VLLM_ARGS[method]:
             raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
         inert, why = VLLM_INERT[name]
+        if name == "priority" and isinstance(value, list) and value and all(
+                type(p) is int and p == 0 for p in value):
+            continue  # vLLM's default priority for each prompt: the order it has anyway
         if not any(value is x or type(value) is type(x) and value == x for x in inert):
             raise ValueError(f"{name}={_given(value)} is not supported: {why}")
