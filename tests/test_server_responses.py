@@ -537,6 +537,8 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         ({"input": "hi", "top_logprobs": 21}, "top_logprobs", "20"),
         ({"input": "hi", "ignore_eos": True}, "ignore_eos", "harmony's end tokens"),
         ({"input": "hi", "bad_words": ["x"]}, "bad_words", "chat completions and completions do"),
+        ({"input": "hi", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids",
+         "chat completions and completions do"),
         ({"input": "hi", "use_beam_search": True}, "use_beam_search", "beam search"),
         ({"input": "hi", "echo": True}, "echo", "not supported"),
         ({"input": "hi", "logit_bias": {"1": 2}}, "logit_bias", "not supported"),

@@ -489,8 +489,7 @@ def test_an_assistant_message_refusal_field_is_its_text():
 
 
 # vLLM's fields that change the result, as a value that asks for it and one that does not
-VLLM_SAMPLING = [("use_beam_search", True, False),
-                 ("logits_processors", ["m.P"], []), ("return_tokens_as_token_ids", True, False),
+VLLM_SAMPLING = [("use_beam_search", True, False), ("logits_processors", ["m.P"], []),
                  ("structural_tag", '{"structures": []}', None)]
 VLLM_CHAT = [("chat_template", "{{ messages }}", None), ("echo", True, False),
              ("documents", [{"title": "a", "text": "b"}], [])]
@@ -511,6 +510,24 @@ def test_vllm_fields_tinyoss_does_not_serve_are_refused(path, field, asks, defau
     assert f"{field}=" in e.value.message and "is not supported" in e.value.message
     assert e.value.message.count("not supported") == 1, e.value.message  # said it twice
     assert e.value.message.count("leave") == 1, e.value.message  # verbosity's did
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL])
+def test_return_tokens_as_token_ids_is_taken(path):
+    """vLLM's return_tokens_as_token_ids (a 400 before): true reaches the choices, false and
+    null are the default; anything else is a 400 naming it."""
+    parse, body = (parse_chat, {"messages": HI}) if path == CHAT else (parse_completion,
+                                                                        {"prompt": "a"})
+    field = "return_tokens_as_token_ids"
+    assert parse({**body, "logprobs": 1 if path == CMPL else True, field: True},
+                 INFO).tokens_as_ids is True
+    assert parse({**body, field: True}, INFO).tokens_as_ids is True  # no logprobs: no effect
+    for default in (False, None):
+        assert parse({**body, field: default}, INFO).tokens_as_ids is False
+    assert parse(body, INFO).tokens_as_ids is False
+    with pytest.raises(APIError) as e:
+        parse({**body, field: "yes"}, INFO)
+    assert (e.value.status, e.value.param) == (400, field)
 
 
 def test_priority_0_is_taken_and_any_other_is_refused(srv):

@@ -1009,7 +1009,7 @@ def create_app(
         # tool call ids are random even under a seed: ids a client keys history by are unique
         choices: list[Choice] = [
             ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep, prep.reasoning,
-                       prep.content_stop_kept, prep.channel)
+                       prep.content_stop_kept, prep.channel, prep.tokens_as_ids)
             for i in range(prep.params.n)
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None
@@ -1025,7 +1025,7 @@ def create_app(
                        prep.prompts[p] if prep.return_token_ids else None,
                        prep.params.skip_special_tokens, keep,
                        prep.prompts[p] if prep.echo and lp is not None else None, lp,
-                       prep.prompt_only)
+                       prep.prompt_only, prep.tokens_as_ids)
             for p in range(len(prep.prompts))
             for i in range(n)
         ]

@@ -29,6 +29,13 @@ def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
+def _name(tokenizer: Tokenizer, token_id: int, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids
+    "token_id:<id>", which tells apart a token that is part of a character ("\ufffd" alone)
+    or whose text another token has too."""
+    return f"token_id:{token_id}" if as_id else _token(tokenizer, token_id)[0]
+
+
 def _lp(value: float) -> float:
     return max(value, _FLOOR)
 
@@ -43,10 +50,18 @@ def prompt_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob | None]) ->
         for t, v in e.items()} for e in entries]
 
 
-def token_logprob(tokenizer: Tokenizer, e: TokenLogprob) -> dict:
-    """A token's logprob entry as chat's logprobs.content and Responses' output_text give it."""
+def token_logprob(tokenizer: Tokenizer, e: TokenLogprob, as_ids: bool = False) -> dict:
+    """A token's logprob entry as chat's logprobs.content and Responses' output_text give it.
+    `as_ids` (chat's return_tokens_as_token_ids) names tokens "token_id:<id>", as vLLM does:
+    the token's bytes stay its own, so they still join to the content, and a top token's are
+    those of its name (vLLM's, which clients of that mode read)."""
     token, raw = _token(tokenizer, e.token_id)
-    top = [_token(tokenizer, t) + (lp,) for t, lp in e.top]
+    if as_ids:
+        token = _name(tokenizer, e.token_id, True)
+        names = [(_name(tokenizer, t, True), lp) for t, lp in e.top]
+        top = [(name, list(name.encode()), lp) for name, lp in names]
+    else:
+        top = [_token(tokenizer, t) + (lp,) for t, lp in e.top]
     return {
         "token": token,
         "logprob": _lp(e.logprob),
@@ -101,12 +116,14 @@ class ChatChoice:
         reasoning: bool = True,
         stop_kept: bool = False,
         channel: str | None = None,
+        as_ids: bool = False,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `reasoning`:
         send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons).
         `stop_kept`: the answer keeps the stop string that ended it (include_stop_str_in_output).
-        `channel`: that of the message the prompt left open (continue_final_message)."""
-        self.index, self.tokenizer = index, tokenizer
+        `channel`: that of the message the prompt left open (continue_final_message).
+        `as_ids`: logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)."""
+        self.index, self.tokenizer, self.as_ids = index, tokenizer, as_ids
         self.reasoning, self.stop_kept = reasoning, stop_kept
         self.keep_logprobs = keep_logprobs
         self.ids = _TokenIds() if token_ids else None
@@ -158,7 +175,7 @@ class ChatChoice:
         lps = []
         if self.logprobs is not None and out.logprobs is not None:
             while self.held and self.held[0][0] < self.shown:
-                lps += [token_logprob(self.tokenizer, out.logprobs[at])
+                lps += [token_logprob(self.tokenizer, out.logprobs[at], self.as_ids)
                         for at in self.held.popleft()[1]]  # fmt: skip
             if self.keep_logprobs:
                 self.logprobs += lps
@@ -293,13 +310,17 @@ class TextChoice:
         prompt: list[int] | None = None,
         top: int | None = None,
         prompt_only: bool = False,
+        as_ids: bool = False,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `prompt`:
         the prompt's ids, whose logprobs come first (echo with logprobs), each with at most
         `top` alternatives (the request's logprobs; its prompt_logprobs may ask for more).
         `prompt_only`: echo with max_tokens 0, the echo (and its logprobs) alone: the engine's
-        one token is left out and the choice ends at it ("length")."""
-        self.index, self.tokenizer = index, tokenizer
+        one token is left out and the choice ends at it ("length"). `as_ids`: logprobs name
+        tokens "token_id:<id>" (return_tokens_as_token_ids), `tokens` and the `top_logprobs`
+        keys alike (tokens of one text no longer share a key); `text_offset` still indexes
+        the text."""
+        self.index, self.tokenizer, self.as_ids = index, tokenizer, as_ids
         self.keep_logprobs = keep_logprobs
         self.prompt_ids, self.opened = prompt_ids, False  # opened: a chunk carried them
         self.ids = None if prompt_ids is None else _TokenIds()
@@ -342,8 +363,8 @@ class TextChoice:
             if self.prompt is not None:
                 self._prompt_entries(lps)
             for e in out.logprobs[start : self.num_tokens]:
-                token = _token(self.tokenizer, e.token_id)[0]
-                top = {_token(self.tokenizer, t)[0]: _lp(lp) for t, lp in e.top}
+                token = _name(self.tokenizer, e.token_id, self.as_ids)
+                top = {_name(self.tokenizer, t, self.as_ids): _lp(lp) for t, lp in e.top}
                 top.setdefault(token, _lp(e.logprob))
                 self.held.append((token, _lp(e.logprob), top, self.offset))
                 self.offset += len(self.detok.add((e.token_id,)))
@@ -386,12 +407,13 @@ class TextChoice:
         entries, ids, self.prompt = self.prompt_logprobs or [], self.prompt, None
         detok, at = IncrementalDetokenizer(self.tokenizer), 0
         for i, token_id in enumerate(ids):
-            token = _token(self.tokenizer, token_id)[0]
+            token = _name(self.tokenizer, token_id, self.as_ids)
             e = entries[i] if i < len(entries) else None
             lp = top = None
             if e is not None:
                 lp = _lp(e.logprob)
-                top = {_token(self.tokenizer, t)[0]: _lp(v) for t, v in e.top[: self.top]}
+                top = {_name(self.tokenizer, t, self.as_ids): _lp(v)
+                       for t, v in e.top[: self.top]}
                 top.setdefault(token, lp)
             for key, value in zip(lps, (token, lp, top, at)):
                 lps[key].append(value)

@@ -95,7 +95,8 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "priority": ((0,), "tinyoss schedules first come, first served, as vLLM does without "
                        "--scheduling-policy priority: only 0 is taken"),
     "logits_processors": (([],), "tinyoss runs no custom logits processors"),
-    "return_tokens_as_token_ids": ((False,), "logprobs give each token's text and bytes"),
+    "return_tokens_as_token_ids": ((False,), "the Responses API takes none (chat completions "
+                                             "and completions do)"),
     "structural_tag": ((), "tinyoss enforces no structural tags: give structured_outputs or "
                            "response_format"),
     # chat only: its text is the harmony parser's, its prompt harmony's
@@ -111,13 +112,12 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": (([],), "gpt-oss's chat template reads no documents: put their text in a "
                          "message"),
 }  # fmt: skip
-_VLLM_SAMPLING = ("use_beam_search", "logits_processors", "return_tokens_as_token_ids",
-                  "structural_tag", "priority")
+_VLLM_SAMPLING = ("use_beam_search", "logits_processors", "structural_tag", "priority")
 _COMPLETION_UNSUPPORTED = (*_VLLM_SAMPLING,
                            *(name for name in _UNSUPPORTED if name.startswith("guided_")))
 # chat and completions take them
 _TOKEN_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "return_tokens_as_token_ids")
 _ENDING_FIELDS = ("add_generation_prompt", "continue_final_message")  # chat and /tokenize
 _CHAT_UNSUPPORTED = tuple(name for name in _UNSUPPORTED
                           if name not in _TOKEN_FIELDS + _ENDING_FIELDS)
@@ -182,6 +182,9 @@ class Prepared:
     # (the engine samples one token, which the answer leaves out)
     prompt_only: bool = False
     return_token_ids: bool = False  # answer with the prompts' and the choices' token ids
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>", not by its
+    # text, which may be part of a character or another token's text too
+    tokens_as_ids: bool = False
     content_stop: list[str] = field(default_factory=list)  # chat: stop strings, on the answer
     content_stop_kept: bool = False  # chat: the answer keeps the stop string that ended it
     reasoning: bool = True  # chat: the answer carries the reasoning (vLLM's include_reasoning)
@@ -271,6 +274,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
                     truncation_side=req.truncation_side or "left",
                     request_id=_request_id(req.request_id),
                     return_token_ids=bool(req.return_token_ids), reasoning=req.include_reasoning,
+                    tokens_as_ids=bool(req.return_tokens_as_token_ids),
                     max_tokens_field="max_tokens" if max_tokens is None
                     else "max_completion_tokens")
 
@@ -422,7 +426,8 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
                     echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
                     prompt_only=prompt_only, truncation_side=req.truncation_side or "left",
                     request_id=_request_id(req.request_id),
-                    return_token_ids=bool(req.return_token_ids), special_names=True)
+                    return_token_ids=bool(req.return_token_ids), special_names=True,
+                    tokens_as_ids=bool(req.return_tokens_as_token_ids))
 
 
 def parse_tokenize(body: dict, info: EngineInfo) -> tuple[Prepared, bool]:

@@ -413,7 +413,8 @@ class _Sampling(_Request):
         None, description="vLLM: not supported, refused unless empty."
     )
     return_tokens_as_token_ids: StrictBool | None = Field(
-        False, description="vLLM: not supported; false only."
+        False, description="vLLM: with logprobs, each token and top token is named "
+        "'token_id:<id>' instead of its text (chat: a top token's bytes are that name's)."
     )
     structural_tag: Any = Field(
         None, description="vLLM: not supported (give structured_outputs or response_format)."
