@@ -296,3 +296,71 @@ def test_an_empty_answer_is_an_empty_string_as_streamed(tok, ids, finish):
     assert chunks[0]["delta"]["content"] == "" == streamed
     assert final["message"]["content"] == "" and final["finish_reason"] == finish
     assert final["logprobs"] == {"content": [], "refusal": None}
+
+
+# ---------------------------------------------------------------- return_tokens_as_token_ids
+
+
+def parrot_ids(tok) -> tuple[list[int], int, int]:
+    """"Hi 🦜!" as a final answer's ids, and the ids of 🦜's second and third tokens: both
+    decode to U+FFFD alone, so by text they are one token."""
+    ids = harmony_ids(tok, *FINAL, "Hi 🦜!", RETURN)
+    a, b = (t for t in ids if tok.token_bytes(t) in (b"\xa6", b"\x9c"))
+    return ids, a, b
+
+
+def test_chat_tokens_as_ids_name_tokens_by_id_as_vllm_does(tok):
+    """Each token and top token is "token_id:<id>"; the token's bytes stay its own (they join
+    to the content), a top token's are its name's, as vLLM gives them; streamed alike."""
+    ids, a, b = parrot_ids(tok)
+    choices = [ChatChoice(0, tok, [], logprobs=True, as_ids=as_ids) for as_ids in (False, True)]
+    out = CompletionOutput(0, logprobs=[])
+    chunks: list[list[dict]] = [[], []]
+    for at, token in enumerate(ids):
+        out.token_ids.append(token)
+        top = [(token, logprob(at)), (a, -7.0), (b, -8.0)]
+        out.logprobs.append(TokenLogprob(token, logprob(at), top))
+        out.finish_reason = "stop" if at == len(ids) - 1 else None
+        for choice, mine in zip(choices, chunks):
+            if (chunk := choice.update(out)) is not None:
+                mine.append(chunk)
+    plain, named = (c.final()["logprobs"]["content"] for c in choices)
+    answer = ids[len(ids) - 6 : -1]  # the answer's tokens, before <|return|>
+    assert [e["token"] for e in named] == [f"token_id:{t}" for t in answer]
+    assert [e["bytes"] for e in named] == [e["bytes"] for e in plain]
+    assert text_of(named) == "Hi 🦜!"
+    assert [e["logprob"] for e in named] == [e["logprob"] for e in plain]
+    for e, t in zip(named, answer):
+        names = [f"token_id:{t}", f"token_id:{a}", f"token_id:{b}"]
+        assert e["top_logprobs"] == [{"token": n, "logprob": lp, "bytes": list(n.encode())}
+                                     for n, lp in zip(names, (e["logprob"], -7.0, -8.0))]
+    assert streamed_entries(chunks[1]) == named
+    assert [c["delta"] for c in chunks[1]] == [c["delta"] for c in chunks[0]]
+
+
+def test_completion_tokens_as_ids_keep_tokens_of_one_text_apart(tok):
+    """`tokens` and the top_logprobs keys are "token_id:<id>": two tokens that decode to the
+    same text (U+FFFD) no longer share a key; text and text_offset are the text's, as without."""
+    ids, a, b = parrot_ids(tok)
+    finals = []
+    for as_ids in (False, True):
+        processor = OutputProcessor(tok)
+        processor.add("r", None, [1], SamplingParams(logprobs=2))
+        choice = TextChoice(0, tok, None, logprobs=True, as_ids=as_ids)
+        for at, token in enumerate(ids):
+            end = "stop" if at == len(ids) - 1 else None
+            lp = TokenLogprob(token, logprob(at), [(a, -7.0), (b, -8.0)])
+            for out in processor.process([SeqDelta("r", 0, [token], [lp], finish_reason=end)])[0]:
+                choice.update(out.outputs[0])
+        finals.append(choice.final())
+    plain, named = finals
+    assert named["text"] == plain["text"] == "finalHi 🦜!"
+    lps, was = named["logprobs"], plain["logprobs"]
+    assert lps["text_offset"] == was["text_offset"] == [0, 0, 5, 5, 7, 8, 8, 9, 10]
+    assert lps["tokens"] == [f"token_id:{t}" for t in ids]
+    assert lps["token_logprobs"] == was["token_logprobs"]
+    for at, (t, top, was_top) in enumerate(zip(ids, lps["top_logprobs"], was["top_logprobs"])):
+        want = {f"token_id:{a}": -7.0, f"token_id:{b}": -8.0}
+        want.setdefault(f"token_id:{t}", logprob(at))  # the token's own, as without
+        assert top == want
+        assert len(was_top) == len(want) - 1  # by text, a and b were one key
