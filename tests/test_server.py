@@ -643,6 +643,124 @@ def test_prompt_logprobs_as_vllm_gives_them(srv):
     assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in lps[1:])
 
 
+# ---------------------------------------------------------------- return_tokens_as_token_ids
+
+TOKEN_ID = re.compile(r"token_id:(\d+)")
+CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
+
+
+def token_id_of(name: str) -> int:
+    """The id a "token_id:<id>" name gives (the test fails on any other name)."""
+    named = TOKEN_ID.fullmatch(name)
+    assert named, f"not a token_id:<id> name: {name!r}"
+    return int(named.group(1))
+
+
+def text_of_id(srv, token_id: int) -> str:
+    """A token's text as logprobs give it without the flag: its bytes, U+FFFD for part of a
+    character."""
+    return srv.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def test_chat_return_tokens_as_token_ids(srv):
+    """vLLM's return_tokens_as_token_ids (a 400 before): each logprobs token and top token is
+    "token_id:<id>", the ids the answer's token_ids hold, with the logprobs the same request
+    gets without it; a token's bytes stay its own (they join to the content), a top token's
+    are its name's, as vLLM gives them. Streamed alike."""
+    body = {"messages": user("tell me"), "max_tokens": 20, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3, "return_token_ids": True}
+    plain = ok_json(post(srv, CHAT, body))["choices"][0]
+    named = ok_json(post(srv, CHAT, {**body, "return_tokens_as_token_ids": True}))["choices"][0]
+    assert named["message"] == plain["message"] and named["token_ids"] == plain["token_ids"]
+    entries, was = named["logprobs"]["content"], plain["logprobs"]["content"]
+    assert entries and len(entries) == len(was)
+    ids = [token_id_of(e["token"]) for e in entries]
+    generated = iter(named["token_ids"])
+    assert all(t in generated for t in ids)  # the answer's tokens, in order
+    assert [text_of_id(srv, t) for t in ids] == [e["token"] for e in was]
+    assert [e["bytes"] for e in entries] == [e["bytes"] for e in was]
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == named["message"]["content"]
+    for e, w in zip(entries, was):
+        assert e["logprob"] == pytest.approx(w["logprob"], abs=1e-4)
+        assert len(e["top_logprobs"]) == len(w["top_logprobs"]) == 3
+        for top, top_was in zip(e["top_logprobs"], w["top_logprobs"]):
+            assert text_of_id(srv, token_id_of(top["token"])) == top_was["token"]
+            assert top["bytes"] == list(top["token"].encode())
+            assert top["logprob"] == pytest.approx(top_was["logprob"], abs=1e-4)
+    chunks = sse(post(srv, CHAT, {**body, "return_tokens_as_token_ids": True, "stream": True}))
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert [e for c in choices for e in (c["logprobs"] or {}).get("content") or ()] == entries
+    assert [t for c in choices for t in c.get("token_ids") or ()] == named["token_ids"]
+
+
+def test_completions_return_tokens_as_token_ids(srv):
+    """`tokens` and the top_logprobs keys are "token_id:<id>" (tokens of one text no longer
+    share a key), the generated ids; text, text_offset and the logprobs are those without it.
+    Streamed alike."""
+    body = {"prompt": "Once upon", "max_tokens": 6, "temperature": 0, "logprobs": 3,
+            "return_token_ids": True}
+    plain = ok_json(post(srv, CMPL, body))["choices"][0]
+    named = ok_json(post(srv, CMPL, {**body, "return_tokens_as_token_ids": True}))["choices"][0]
+    assert named["text"] == plain["text"] and named["token_ids"] == plain["token_ids"]
+    lp, was = named["logprobs"], plain["logprobs"]
+    assert [token_id_of(t) for t in lp["tokens"]] == named["token_ids"]
+    assert lp["text_offset"] == was["text_offset"]
+    assert lp["token_logprobs"] == pytest.approx(was["token_logprobs"], abs=1e-4)
+    for top, top_was in zip(lp["top_logprobs"], was["top_logprobs"], strict=True):
+        texts = [text_of_id(srv, token_id_of(name)) for name in top]
+        assert set(texts) == set(top_was) and len(top) >= 3
+        for text, value in zip(texts, top.values()):
+            if texts.count(text) == 1:  # else one key held them all
+                assert value == pytest.approx(top_was[text], abs=1e-4)
+    chunks = sse(post(srv, CMPL, {**body, "return_tokens_as_token_ids": True, "stream": True}))
+    joined = {key: [x for c in chunks for x in c["choices"][0]["logprobs"][key]] for key in lp}
+    assert joined == lp
+
+
+def test_completions_echo_return_tokens_as_token_ids(srv):
+    """With echo the prompt's entries are named by id too (the first still has no logprob),
+    as vLLM names them; vLLM's prompt_logprobs (its own decoded_token) and text_offset are
+    as without the flag."""
+    prompt = "The cat sat on the"
+    body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0,
+            "return_token_ids": True}
+    plain = ok_json(post(srv, CMPL, {**body, "prompt_logprobs": 1}))["choices"][0]
+    named = ok_json(post(srv, CMPL, {**body, "prompt_logprobs": 1,
+                                     "return_tokens_as_token_ids": True}))["choices"][0]
+    lp, was = named["logprobs"], plain["logprobs"]
+    ids = named["prompt_token_ids"] + named["token_ids"]
+    assert named["text"] == plain["text"] and named["text"].startswith(prompt)
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == was["text_offset"]
+    assert lp["token_logprobs"][1:] == pytest.approx(was["token_logprobs"][1:], abs=1e-4)
+    for i, top in enumerate(lp["top_logprobs"][1:], 1):
+        assert lp["tokens"][i] in top
+        assert {text_of_id(srv, token_id_of(name)) for name in top} == set(was["top_logprobs"][i])
+    assert [e and {t: v["decoded_token"] for t, v in e.items()}
+            for e in named["prompt_logprobs"]] == [
+        e and {t: v["decoded_token"] for t, v in e.items()} for e in plain["prompt_logprobs"]]
+    chunks = sse(post(srv, CMPL, {**body, "return_tokens_as_token_ids": True, "stream": True}))
+    joined = {key: [x for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for x in c["choices"][0]["logprobs"][key]] for key in lp}
+    assert joined == lp
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": [{"role": "user", "content": "tell me"}]}),
+    (CMPL, {"prompt": "Once upon", "echo": True}),
+])  # fmt: skip
+def test_return_tokens_as_token_ids_without_logprobs_changes_nothing(srv, path, body):
+    """Without logprobs there are no tokens to name: the answer is the one without the flag
+    (false and null are the default)."""
+    body = {**body, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    plain = ok_json(post(srv, path, body))
+    for flag in (True, False, None):
+        named = ok_json(post(srv, path, {**body, "return_tokens_as_token_ids": flag}))
+        for a, b in zip(named["choices"], plain["choices"], strict=True):
+            assert a == b and a["logprobs"] is None
+
+
 def test_choices_carry_vllms_stop_reason(srv, client):
     """vLLM's stop_reason on every choice (it was missing): the stop string or stop token id
     that ended it, null for the model's own end or a length cut; in a stream on the last
