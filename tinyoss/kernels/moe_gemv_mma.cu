@@ -9,10 +9,11 @@
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
 // position stands for as long as x uses the same, so thread t loads word t (8 codes) of a
-// 32-code scale block for its two rows, and one block is two MMAs: codes (0, 4), (1, 5), then
-// (2, 6), (3, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
+// 32-code scale block for its two rows, and one block is two MMAs: codes (0, 2), (1, 3), then
+// (4, 6), (5, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
 // to bits 11..9, which is the code's value times 2**-14 (E2M1 subnormals land on fp16
-// subnormals, which the tensor cores take). The block's E8M0 scale multiplies the MMA's fp32
+// subnormals, which the tensor cores take); the high nibbles of a word's four bytes are copied
+// at once, then the low ones, and a byte permute puts two of them in a register. The block's E8M0 scale multiplies the MMA's fp32
 // result, so an MMA never mixes blocks. x is staged once a program in shared memory as fp16
 // pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
 // 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
@@ -32,12 +33,18 @@ namespace {
 
 constexpr int KMAX = 2880;  // K the launch takes at most (gpt-oss's hidden and intermediate)
 
-template <int J>
-__device__ __forceinline__ uint32_t pair16(uint32_t q) {
-  // codes J (low half) and J + 4 (high half) of a word of 8 as fp16 bits, value * 2**-14
-  constexpr int A = 9 - 4 * J, B = 12 - 4 * J;
-  const uint32_t em = A >= 0 ? (q << A) : (q >> -A);
-  return (em & 0x0E000E00u) | ((q << B) & 0x80008000u);
+// q's 8 codes (code 2i the low nibble of byte i, 2i + 1 its high nibble) as fp16 pairs times
+// 2**-14: r[0] codes (0, 2), r[1] (4, 6), r[2] (1, 3), r[3] (5, 7). Each byte's high nibble has
+// its sign at bit 7 already and its exponent and mantissa shifted to bits 3..1: an fp16's high
+// byte. 11 instructions a word, against 16 for pairs (J, J + 4) built one at a time
+// (bench/results/2026-11-28_session34.md).
+__device__ __forceinline__ void decode_word(uint32_t q, uint32_t (&r)[4]) {
+  const uint32_t h = (q & 0x80808080u) | ((q >> 3) & 0x0E0E0E0Eu);
+  const uint32_t l = ((q << 4) & 0x80808080u) | ((q << 1) & 0x0E0E0E0Eu);
+  r[0] = __byte_perm(l, 0u, 0x1404);
+  r[1] = __byte_perm(l, 0u, 0x3424);
+  r[2] = __byte_perm(h, 0u, 0x1404);
+  r[3] = __byte_perm(h, 0u, 0x3424);
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -74,13 +81,14 @@ __device__ __forceinline__ uint32_t fp8x2(uint32_t q) {
 template <bool SPLIT>
 __device__ __forceinline__ void block_mma(float (&d)[4], uint32_t qa, uint32_t qb, uint4 xv,
                                           uint4 xl) {
-  const uint32_t a0 = pair16<0>(qa), a1 = pair16<0>(qb), a2 = pair16<1>(qa), a3 = pair16<1>(qb);
-  const uint32_t c0 = pair16<2>(qa), c1 = pair16<2>(qb), c2 = pair16<3>(qa), c3 = pair16<3>(qb);
-  mma(d, a0, a1, a2, a3, xv.x, xv.y);
-  mma(d, c0, c1, c2, c3, xv.z, xv.w);
+  uint32_t a[4], b[4];
+  decode_word(qa, a);
+  decode_word(qb, b);
+  mma(d, a[0], b[0], a[2], b[2], xv.x, xv.y);  // codes 0-3: x (0, 2), (1, 3)
+  mma(d, a[1], b[1], a[3], b[3], xv.z, xv.w);  // codes 4-7: x (4, 6), (5, 7)
   if (SPLIT) {
-    mma(d, a0, a1, a2, a3, xl.x, xl.y);
-    mma(d, c0, c1, c2, c3, xl.z, xl.w);
+    mma(d, a[0], b[0], a[2], b[2], xl.x, xl.y);
+    mma(d, a[1], b[1], a[3], b[3], xl.z, xl.w);
   }
 }
 
@@ -140,10 +148,10 @@ __device__ __forceinline__ float stage_x(const XT* __restrict__ xr, int K, uint4
         h[j] = __float2half_rn(v[i][j] * pre);
         l[j] = __float2half_rn(v[i][j] * pre - __half2float(h[j]));
       }
-      xs[w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]), pack(h[3], h[7]));
+      xs[w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]), pack(h[5], h[7]));
       if (SPLIT) {
-        xl[w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
-                           pack(l[3], l[7]));
+        xl[w] = make_uint4(pack(l[0], l[2]), pack(l[1], l[3]), pack(l[4], l[6]),
+                           pack(l[5], l[7]));
       }
     }
   }
@@ -461,10 +469,10 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
         h[k] = __float2half_rn(v[k]);
         l[k] = __float2half_rn(v[k] - __half2float(h[k]));
       }
-      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
-                                  pack(h[3], h[7]));
-      xl[j * KP + w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
-                                  pack(l[3], l[7]));
+      xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]),
+                                  pack(h[5], h[7]));
+      xl[j * KP + w] = make_uint4(pack(l[0], l[2]), pack(l[1], l[3]), pack(l[4], l[6]),
+                                  pack(l[5], l[7]));
     }
   } else {
     for (int j = warp; j < count; j += W) {
@@ -484,8 +492,8 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
         __half h[8];
 #pragma unroll
         for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
-        xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
-                                    pack(h[3], h[7]));
+        xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]),
+                                    pack(h[5], h[7]));
       }
     }
   }

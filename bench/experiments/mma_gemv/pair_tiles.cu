@@ -7,196 +7,6 @@
 
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
 
-// ---- The streamed pair kernel with a cheaper decode (variants 92-99; not yet run) ----
-// The product decodes a word's codes J and J + 4 into one fp16 pair with two shifts and two
-// masks (pair16, ~4 instructions a register, ~73% of the streamed kernel's loop). Here the
-// hi nibbles of all four bytes are decoded at once (sign already at bit 7 of its byte, em shifted
-// down 3: fp16 high bytes in place), the lo nibbles likewise after a shift of 4, and byte_perm
-// puts two of them in the high bytes of a register: 11 instructions a word against 16. The
-// registers pair codes (0, 2), (4, 6), (1, 3), (5, 7), so x is staged in that order
-// (stage_x2). Same products, same fp32 sums per block; only the order inside an MMA differs.
-namespace dec2 {
-
-// q's 8 codes (code 2i the lo nibble of byte i, 2i + 1 its hi nibble) as fp16 pairs times
-// 2**-14: r[0] codes (0, 2), r[1] (4, 6), r[2] (1, 3), r[3] (5, 7)
-__device__ __forceinline__ void decode_word(uint32_t q, uint32_t (&r)[4]) {
-  const uint32_t h = (q & 0x80808080u) | ((q >> 3) & 0x0E0E0E0Eu);
-  const uint32_t l = ((q << 4) & 0x80808080u) | ((q << 1) & 0x0E0E0E0Eu);
-  r[0] = __byte_perm(l, 0u, 0x1404);
-  r[1] = __byte_perm(l, 0u, 0x3424);
-  r[2] = __byte_perm(h, 0u, 0x1404);
-  r[3] = __byte_perm(h, 0u, 0x3424);
-}
-
-template <bool SPLIT>
-__device__ __forceinline__ void block_mma2(float (&d)[4], uint32_t qa, uint32_t qb, uint4 xv,
-                                           uint4 xl) {
-  uint32_t a[4], b[4];
-  decode_word(qa, a);
-  decode_word(qb, b);
-  mma(d, a[0], b[0], a[2], b[2], xv.x, xv.y);  // codes 0-3: x (0, 2), (1, 3)
-  mma(d, a[1], b[1], a[3], b[3], xv.z, xv.w);  // codes 4-7: x (4, 6), (5, 7)
-  if (SPLIT) {
-    mma(d, a[0], b[0], a[2], b[2], xl.x, xl.y);
-    mma(d, a[1], b[1], a[3], b[3], xl.z, xl.w);
-  }
-}
-
-// stage_x with each word's pairs in decode_word's order
-template <bool SPLIT, int XWORDS, int NWARPS, typename XT>
-__device__ __forceinline__ float stage_x2(const XT* __restrict__ xr, int K, uint4* xs, uint4* xl,
-                                          float* xmax) {
-  const int lane = threadIdx.x & 31;
-  float v[XWORDS][8];
-#pragma unroll
-  for (int i = 0; i < XWORDS; ++i) {
-    const int w = threadIdx.x + i * blockDim.x;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[i][j] = w < K / 8 ? to_f(xr[8 * w + j]) : 0.f;
-  }
-  float pre = 1.f;
-  if (!SPLIT) {
-    float m = 0.f;
-#pragma unroll
-    for (int i = 0; i < XWORDS; ++i) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) xmax[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = 0.f;
-#pragma unroll
-    for (int w = 0; w < NWARPS; ++w) m = fmaxf(m, xmax[w]);
-    pre = stage_scale(m);
-  }
-#pragma unroll
-  for (int i = 0; i < XWORDS; ++i) {
-    const int w = threadIdx.x + i * blockDim.x;
-    if (w < K / 8) {
-      __half h[8], l[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        h[j] = __float2half_rn(v[i][j] * pre);
-        l[j] = __float2half_rn(v[i][j] * pre - __half2float(h[j]));
-      }
-      xs[w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]), pack(h[5], h[7]));
-      if (SPLIT) {
-        xl[w] = make_uint4(pack(l[0], l[2]), pack(l[1], l[3]), pack(l[4], l[6]),
-                           pack(l[5], l[7]));
-      }
-    }
-  }
-  return pre;
-}
-
-// stream_rows with block_mma2
-template <bool SWIGLU, int C, int S, int HINT>
-__device__ __forceinline__ void stream_rows2(uint8_t* ring, const uint8_t* __restrict__ src,
-                                             int stride_q, int nst, const uint4* xs,
-                                             const uint4* xl, const uint8_t* ss, int nblk,
-                                             int ca, int cb, float (&acc)[4]) {
-  constexpr bool SPLIT = !SWIGLU;
-  constexpr int RU = C + 1;
-  const int lane = threadIdx.x & 31, t = lane & 3;
-  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
-  for (int st = 0; st < nst; ++st) {
-    cp_wait<S - 2>();
-    __syncwarp();
-    if (st + S - 1 < nst) issue_stage<SWIGLU, C, S, HINT>(ring, src, stride_q, st + S - 1);
-    cp_commit();
-    const uint8_t* w = ring + (st % S) * 16 * RU * 16 + (lrow * RU + lblk) * 16;
-#pragma unroll
-    for (int j = 0; j < C / 2; ++j) {
-      uint32_t r[4];
-      ldsm4(r, w + 32 * j);
-      const int b = st * C + 2 * j;
-      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      block_mma2<SPLIT>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
-      block_mma2<SPLIT>(d1, r[2], r[3], xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
-      const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
-      const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
-      const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
-      const float sb1 = __uint_as_float((uint32_t)ss[cb * nblk + b + 1] << 23);
-      acc[0] = fmaf(d1[0], sa1, fmaf(d0[0], sa0, acc[0]));
-      acc[1] = fmaf(d1[1], sa1, fmaf(d0[1], sa0, acc[1]));
-      acc[2] = fmaf(d1[2], sb1, fmaf(d0[2], sb0, acc[2]));
-      acc[3] = fmaf(d1[3], sb1, fmaf(d0[3], sb0, acc[3]));
-    }
-  }
-}
-
-// pair_gemv_stream with the decode above
-template <bool SWIGLU, int C, int S, int W, typename XT, int HINT>
-__global__ void __launch_bounds__(W * 32)
-    pair_gemv_stream2(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
-                      const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
-                      const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
-                      float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
-                      long stride_se, float alpha, float limit) {
-  constexpr bool SPLIT = !SWIGLU;
-  constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);
-  constexpr int STAGE = 16 * (C + 1) * 16;
-  extern __shared__ uint4 smem[];
-  __shared__ float xmax[W];
-  const int nblk = K / 32, nst = nblk / C;
-  uint4* xs = smem;
-  uint4* xl = smem + K / 8;
-  uint8_t* base = (uint8_t*)(smem + (SPLIT ? 2 : 1) * (K / 8));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  uint8_t* ring = base + warp * (S * STAGE + 16 * nblk);
-  uint8_t* ss = ring + S * STAGE;
-  const int pair = blockIdx.x;
-  const long e = ids[pair];
-  if (e < 0) return;
-  const int row0 = (blockIdx.y * W + warp) * 16;
-  const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
-  const uint8_t* sg = s + e * stride_se + (long)row0 * nblk;
-  for (int i = lane; i < nblk; i += 32) cp_async16(ss + i * 16, sg + i * 16);
-#pragma unroll
-  for (int st = 0; st < S - 1; ++st) {
-    if (st < nst) issue_stage<SWIGLU, C, S, HINT>(ring, src, stride_q, st);
-    cp_commit();
-  }
-  const float pre = stage_x2<SPLIT, XWORDS, W>(x + (long)(pair / x_div) * K, K, xs, xl, xmax);
-  __syncthreads();
-  const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  stream_rows2<SWIGLU, C, S, HINT>(ring, src, stride_q, nst, xs, xl, ss, nblk, ca, cb, acc);
-  if (t == 0) {
-    store<SWIGLU>(acc[0], acc[2], pre, row0 + ca, row0 + cb, pair, e, bias, wts, out, N, alpha,
-                  limit);
-  }
-}
-
-template <bool SWIGLU, int C, int S, int W, typename XT, int HINT>
-int launch_stream2(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
-                   const uint8_t* s, const void* bias, const float* wts, float* out, int N,
-                   int K, long stride_qe, int stride_q, long stride_se, float alpha, float limit,
-                   cudaStream_t stream) {
-  if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
-  const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
-  auto kernel = pair_gemv_stream2<SWIGLU, C, S, W, XT, HINT>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return (int)err;
-  }
-  kernel<<<dim3(pairs, N / (16 * W)), W * 32, smem, stream>>>(
-      static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
-      out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
-  return (int)cudaGetLastError();
-}
-
-}  // namespace dec2
-
-// (variant, swiglu, C, S, W, HINT) of pair_gemv_stream2
-#define TINYOSS_DEC2(X)                                                                       \
-  X(92, true, 10, 3, 4, 2) X(93, true, 10, 3, 4, 0) X(94, true, 10, 4, 4, 2)                  \
-  X(95, false, 10, 3, 4, 0) X(96, false, 10, 3, 4, 2) X(97, false, 10, 4, 4, 0)
-
 #define TINYOSS_VARIANTS(X)                                                                   \
   X(0, true, 9, 2, 4) X(1, true, 15, 3, 2) X(2, true, 9, 5, 1) X(3, true, 15, 2, 1)           \
   X(4, true, 45, 2, 2) X(5, true, 15, 3, 1) X(6, true, 9, 2, 2) X(7, true, 9, 1, 4)           \
@@ -248,12 +58,6 @@ extern "C" int tinyoss_pair_variant(int variant, const void* x, int x_div, const
         x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
         alpha, limit, static_cast<cudaStream_t>(stream));
     TINYOSS_SHINTED(TINYOSS_SHCASE)
-#define TINYOSS_D2CASE(V, SW, C, S, W, H)                                                     \
-  case V:                                                                                     \
-    return dec2::launch_stream2<SW, C, S, W, std::conditional_t<SW, __nv_bfloat16, float>, H>( \
-        x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q, stride_se,     \
-        alpha, limit, static_cast<cudaStream_t>(stream));
-    TINYOSS_DEC2(TINYOSS_D2CASE)
   }
   return -1;
 }
@@ -272,11 +76,6 @@ extern "C" const char* tinyoss_pair_variant_name(int variant) {
   case V:                                 \
     return SW ? "gate_up streamed C" #C " S" #S " W" #W " H" #H : "down streamed C" #C " H" #H;
     TINYOSS_SHINTED(TINYOSS_SHNAME)
-#define TINYOSS_D2NAME(V, SW, C, S, W, H)                                                   \
-  case V:                                                                                   \
-    return SW ? "gate_up streamed C" #C " S" #S " W" #W " H" #H " dec2"                     \
-              : "down streamed C" #C " S" #S " W" #W " H" #H " dec2";
-    TINYOSS_DEC2(TINYOSS_D2NAME)
   }
   return nullptr;
 }
@@ -297,7 +96,8 @@ extern "C" const char* tinyoss_pair_variant_name(int variant) {
   X(180, false, 10, 3, 12) X(181, false, 6, 3, 12) X(182, false, 10, 2, 12)                   \
   X(183, false, 6, 4, 9) X(184, false, 10, 3, 6) X(185, false, 6, 3, 6)
 // ... with the L2 fetching 128 (H1) or 256 bytes (H2) a miss: (variant, swiglu, C, S, W, HINT);
-// not yet run (session 33 prepared them; the 1-token pair gate_up gained 0.8 us from H2)
+// measured at 16-64 tokens (bench/results/2026-11-28_h100_grouped_hint.txt): within 1-3 us of
+// the same tile without the hint, never ahead of the product's tiles: not kept
 #define TINYOSS_GROUPED_STREAM_HINTED(X)                                                      \
   X(176, true, 10, 3, 4, 2) X(177, true, 10, 3, 6, 2) X(178, true, 10, 3, 4, 1)               \
   X(186, false, 10, 2, 12, 2) X(187, false, 10, 3, 12, 2) X(188, false, 10, 2, 12, 1)

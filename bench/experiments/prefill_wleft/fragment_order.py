@@ -2,8 +2,9 @@
 
 In an mma.m16n8k16 (and per warp in wgmma's register A operand), lane (g, t) holds, for rows g
 and g + 8, the k positions {2t, 2t + 1, 2t + 8, 2t + 9} of each k16 step. The decode kernels
-(`moe_gemv_mma.cu`, `block_mma`) give lane t word t of a 32-code scale block, take codes (0, 4),
-(1, 5) into one MMA and (2, 6), (3, 7) into the next, and stage x permuted to match. Permuting
+(`moe_gemv_mma.cu`, `block_mma`, until session 34) gave lane t word t of a 32-code scale block,
+took codes (0, 4), (1, 5) into one MMA and (2, 6), (3, 7) into the next, and staged x permuted
+to match (now (0, 2), (1, 3), then (4, 6), (5, 7): SLOT below is the older order). Permuting
 the 32 codes of every block once, at load, so that code j of word t is the code at the natural
 k position `SLOT[t][j]` makes the same register decode meet x in its natural order: x could then
 go from global to shared memory untouched (a prefill GEMM with the weights as wgmma's left

@@ -1,8 +1,7 @@
-"""pair_tiles.cu's cheaper decode (`dec2::decode_word` and `stage_x2`'s order), its bit logic
-emulated on the host: every word's 8 E2M1 codes, decoded into fp16 pairs and multiplied by x in
-the staged order, give the dot product of the codes' values and x (CPU).
-
-    python -m pytest bench/experiments/mma_gemv/test_dec2.py
+"""The MXFP4 decode of the tensor-core MoE GEMVs (`moe_gemv_mma.cu`: `decode_word` and the
+order `stage_x` and `stage_group` stage x in), its bit logic emulated on the host: every word's
+8 E2M1 codes, decoded into fp16 pairs and multiplied by x in the staged order, give the dot
+product of the codes' values and x. The kernels themselves run in test_moe_gemv_mma.py (GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ def byte_perm(x: int, y: int, s: int) -> int:
 
 
 def decode_word(q: int) -> list[int]:
-    """dec2::decode_word: codes (0, 2), (4, 6), (1, 3), (5, 7) as fp16 pairs times 2**-14."""
+    """decode_word: codes (0, 2), (4, 6), (1, 3), (5, 7) as fp16 pairs times 2**-14."""
     h = (q & 0x80808080) | ((q >> 3) & 0x0E0E0E0E)
     l = ((q << 4) & 0x80808080) | ((q << 1) & 0x0E0E0E0E)
     return [byte_perm(l, 0, 0x1404), byte_perm(l, 0, 0x3424), byte_perm(h, 0, 0x1404),
