@@ -9,12 +9,12 @@
 // A warp takes 16 weight rows. In an mma.sync.m16n8k16, thread (g = lane / 4, t = lane % 4)
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
 // position stands for as long as x uses the same, so thread t loads word t (8 codes) of a
-// 32-code scale block for its two rows, and one block is two MMAs: codes (0, 2), (1, 3), then
-// (4, 6), (5, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
+// 32-code scale block for its two rows, and one block is two MMAs: codes (0, 2), (4, 6), then
+// (1, 3), (5, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
 // to bits 11..9, which is the code's value times 2**-14 (E2M1 subnormals land on fp16
-// subnormals, which the tensor cores take); the high nibbles of a word's four bytes are copied
-// at once, then the low ones, and a byte permute puts two of them in a register. The block's E8M0 scale multiplies the MMA's fp32
-// result, so an MMA never mixes blocks. x is staged once a program in shared memory as fp16
+// subnormals, which the tensor cores take), a word's four low nibbles at once, then its four
+// high ones (decode_half). The block's E8M0 scale multiplies the MMA's fp32 result, so an MMA
+// never mixes blocks. x is staged once a program in shared memory as fp16
 // pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
 // 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
 // hi + lo, two more MMAs, ~22 bits. In the pair kernels every column of B holds the same x, so
@@ -33,18 +33,17 @@ namespace {
 
 constexpr int KMAX = 2880;  // K the launch takes at most (gpt-oss's hidden and intermediate)
 
-// q's 8 codes (code 2i the low nibble of byte i, 2i + 1 its high nibble) as fp16 pairs times
-// 2**-14: r[0] codes (0, 2), r[1] (4, 6), r[2] (1, 3), r[3] (5, 7). Each byte's high nibble has
-// its sign at bit 7 already and its exponent and mantissa shifted to bits 3..1: an fp16's high
-// byte. 11 instructions a word, against 16 for pairs (J, J + 4) built one at a time
-// (bench/results/2026-11-28_session34.md).
-__device__ __forceinline__ void decode_word(uint32_t q, uint32_t (&r)[4]) {
-  const uint32_t h = (q & 0x80808080u) | ((q >> 3) & 0x0E0E0E0Eu);
-  const uint32_t l = ((q << 4) & 0x80808080u) | ((q << 1) & 0x0E0E0E0Eu);
-  r[0] = __byte_perm(l, 0u, 0x1404);
-  r[1] = __byte_perm(l, 0u, 0x3424);
-  r[2] = __byte_perm(h, 0u, 0x1404);
-  r[3] = __byte_perm(h, 0u, 0x3424);
+// Codes (0, 2) and (4, 6) of q (EVEN; code 2i is the low nibble of byte i) or (1, 3) and (5, 7)
+// as two fp16 pairs times 2**-14. A nibble moved to the top of its byte has its sign at bit 7
+// and its exponent and mantissa, shifted to bits 3..1, where an fp16's high byte holds them;
+// one byte permute then takes two of the four bytes. A word in 11 instructions, where building
+// pairs (J, J + 4) one at a time took 16 (bench/results/2026-11-28_session34.md).
+template <bool EVEN>
+__device__ __forceinline__ void decode_half(uint32_t q, uint32_t& r0, uint32_t& r1) {
+  const uint32_t n = EVEN ? ((q << 4) & 0x80808080u) | ((q << 1) & 0x0E0E0E0Eu)
+                          : (q & 0x80808080u) | ((q >> 3) & 0x0E0E0E0Eu);
+  r0 = __byte_perm(n, 0u, 0x1404);
+  r1 = __byte_perm(n, 0u, 0x3424);
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -81,15 +80,15 @@ __device__ __forceinline__ uint32_t fp8x2(uint32_t q) {
 template <bool SPLIT>
 __device__ __forceinline__ void block_mma(float (&d)[4], uint32_t qa, uint32_t qb, uint4 xv,
                                           uint4 xl) {
-  uint32_t a[4], b[4];
-  decode_word(qa, a);
-  decode_word(qb, b);
-  mma(d, a[0], b[0], a[2], b[2], xv.x, xv.y);  // codes 0-3: x (0, 2), (1, 3)
-  mma(d, a[1], b[1], a[3], b[3], xv.z, xv.w);  // codes 4-7: x (4, 6), (5, 7)
-  if (SPLIT) {
-    mma(d, a[0], b[0], a[2], b[2], xl.x, xl.y);
-    mma(d, a[1], b[1], a[3], b[3], xl.z, xl.w);
-  }
+  uint32_t a0, a1, b0, b1;
+  decode_half<true>(qa, a0, a1);  // the even codes first, then the odd: fewer registers live
+  decode_half<true>(qb, b0, b1);
+  mma(d, a0, b0, a1, b1, xv.x, xv.y);  // x (0, 2), (4, 6)
+  if (SPLIT) mma(d, a0, b0, a1, b1, xl.x, xl.y);
+  decode_half<false>(qa, a0, a1);
+  decode_half<false>(qb, b0, b1);
+  mma(d, a0, b0, a1, b1, xv.z, xv.w);  // x (1, 3), (5, 7)
+  if (SPLIT) mma(d, a0, b0, a1, b1, xl.z, xl.w);
 }
 
 __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
@@ -148,9 +147,9 @@ __device__ __forceinline__ float stage_x(const XT* __restrict__ xr, int K, uint4
         h[j] = __float2half_rn(v[i][j] * pre);
         l[j] = __float2half_rn(v[i][j] * pre - __half2float(h[j]));
       }
-      xs[w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]), pack(h[5], h[7]));
+      xs[w] = make_uint4(pack(h[0], h[2]), pack(h[4], h[6]), pack(h[1], h[3]), pack(h[5], h[7]));
       if (SPLIT) {
-        xl[w] = make_uint4(pack(l[0], l[2]), pack(l[1], l[3]), pack(l[4], l[6]),
+        xl[w] = make_uint4(pack(l[0], l[2]), pack(l[4], l[6]), pack(l[1], l[3]),
                            pack(l[5], l[7]));
       }
     }
@@ -469,9 +468,9 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
         h[k] = __float2half_rn(v[k]);
         l[k] = __float2half_rn(v[k] - __half2float(h[k]));
       }
-      xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]),
+      xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[4], h[6]), pack(h[1], h[3]),
                                   pack(h[5], h[7]));
-      xl[j * KP + w] = make_uint4(pack(l[0], l[2]), pack(l[1], l[3]), pack(l[4], l[6]),
+      xl[j * KP + w] = make_uint4(pack(l[0], l[2]), pack(l[4], l[6]), pack(l[1], l[3]),
                                   pack(l[5], l[7]));
     }
   } else {
@@ -492,7 +491,7 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
         __half h[8];
 #pragma unroll
         for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
-        xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[1], h[3]), pack(h[4], h[6]),
+        xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[4], h[6]), pack(h[1], h[3]),
                                     pack(h[5], h[7]));
       }
     }
@@ -506,8 +505,10 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
 // once for all of them. A program takes a group's ROWS rows; TILES 16-row tiles a program
 // amortize staging its columns of x. TAIL: K's blocks need not divide into load groups of U (a
 // tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
+// The product's 12-tile gate_up is held to 3 programs an SM (56 registers), as it ran before
+// the decode of session 34 (62 registers, 2 programs; batch 64 3% slower).
 template <bool SWIGLU, int U, int TILES, typename XT, bool TAIL = false>
-__global__ void __launch_bounds__(TILES * 32)
+__global__ void __launch_bounds__(TILES * 32, TILES == 12 ? 3 : 1)
     group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
                    const int* __restrict__ sorted_ids, const int* __restrict__ order,
                    const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,

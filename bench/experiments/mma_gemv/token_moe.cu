@@ -140,7 +140,7 @@ __global__ void __launch_bounds__((NG + ND) * 32, 1)
           const float up = fminf(fmaxf(hb, -limit), limit);
           const float v = (up + 1.f) * gate / (1.f + expf(-alpha * gate));
           const int i = row0 / 2 + g, w = i >> 3, k = i & 7;  // stage_x's pair order
-          const long pos = (long)pg * 2 * I + w * 8 + (k & 4) + ((k & 1) << 1) + ((k >> 1) & 1);
+          const long pos = (long)pg * 2 * I + w * 8 + (k >> 1) + ((k & 1) << 2);
           const __half hi = __float2half_rn(v);
           act[pos] = hi;
           act[pos + I] = __float2half_rn(v - __half2float(hi));

@@ -9,13 +9,13 @@
 //           them with ldmatrix and do the real tensor-core work (decode, mma, scales)
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a stream_bw.cu -o stream_bw
-// (it takes mma, decode_word and ldsm4 from the product's tensor-core GEMV)
+// (it takes mma, decode_half and ldsm4 from the product's tensor-core GEMV)
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
-#include "../../../tinyoss/kernels/moe_gemv_mma.cu"  // mma, decode_word, ldsm4
+#include "../../../tinyoss/kernels/moe_gemv_mma.cu"  // mma, decode_half, ldsm4
 
 #define CK(x)                                                                   \
   do {                                                                          \
@@ -165,15 +165,19 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1)
       uint32_t r[4];
       ldsm4(r, w + b * 16);
       float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      uint32_t qa[4], qb[4], qc[4], qd[4];
-      decode_word(r[0], qa);
-      decode_word(r[1], qb);
-      decode_word(r[2], qc);
-      decode_word(r[3], qd);
-      mma(d0, qa[0], qb[0], qa[2], qb[2], b0, b1);
-      mma(d0, qa[1], qb[1], qa[3], qb[3], b1, b0);
-      mma(d1, qc[0], qd[0], qc[2], qd[2], b0, b1);
-      mma(d1, qc[1], qd[1], qc[3], qd[3], b1, b0);
+      uint32_t a0, a1, c0, c1;
+      decode_half<true>(r[0], a0, a1);
+      decode_half<true>(r[1], c0, c1);
+      mma(d0, a0, c0, a1, c1, b0, b1);
+      decode_half<false>(r[0], a0, a1);
+      decode_half<false>(r[1], c0, c1);
+      mma(d0, a0, c0, a1, c1, b1, b0);
+      decode_half<true>(r[2], a0, a1);
+      decode_half<true>(r[3], c0, c1);
+      mma(d1, a0, c0, a1, c1, b0, b1);
+      decode_half<false>(r[2], a0, a1);
+      decode_half<false>(r[3], c0, c1);
+      mma(d1, a0, c0, a1, c1, b1, b0);
       const float sa0 = __uint_as_float((uint32_t)sc[g * NBLK + b] << 23);
       const float sb0 = __uint_as_float((uint32_t)sc[(g + 8) * NBLK + b] << 23);
       const float sa1 = __uint_as_float((uint32_t)sc[g * NBLK + b + 1] << 23);
