@@ -10,10 +10,10 @@
 // holds rows g and g + 8 at four k positions; a dot product does not care which physical k a
 // position stands for as long as x uses the same, so thread t loads word t (8 codes) of a
 // 32-code scale block for its two rows, and one block is two MMAs: codes (0, 2), (4, 6), then
-// (1, 3), (5, 7) as fp16 pairs. Decoding is a bit copy: sign to bit 15, exponent and mantissa
-// to bits 11..9, which is the code's value times 2**-14 (E2M1 subnormals land on fp16
-// subnormals, which the tensor cores take), a word's four low nibbles at once, then its four
-// high ones (decode_half). The block's E8M0 scale multiplies the MMA's fp32 result, so an MMA
+// (1, 3), (5, 7) as fp16 pairs in the pair kernels ((0, 4), (1, 5), then (2, 6), (3, 7) in the
+// grouped ones: block_mma). Decoding is a bit copy: sign to bit 15, exponent and mantissa to
+// bits 11..9, which is the code's value times 2**-14 (E2M1 subnormals land on fp16 subnormals,
+// which the tensor cores take). The block's E8M0 scale multiplies the MMA's fp32 result, so an MMA
 // never mixes blocks. x is staged once a program in shared memory as fp16
 // pairs in that order: bf16 x times a power of two that puts its largest magnitude just under
 // 2**15 (exact; values below 2**-24 of the largest round), fp32 x (the SwiGLU output) as fp16
@@ -44,6 +44,15 @@ __device__ __forceinline__ void decode_half(uint32_t q, uint32_t& r0, uint32_t& 
                           : (q & 0x80808080u) | ((q >> 3) & 0x0E0E0E0Eu);
   r0 = __byte_perm(n, 0u, 0x1404);
   r1 = __byte_perm(n, 0u, 0x3424);
+}
+
+// Codes J (low half) and J + 4 (high half) of q as an fp16 pair times 2**-14, one pair at a
+// time: the grouped kernels' decode (block_mma's STRIDED).
+template <int J>
+__device__ __forceinline__ uint32_t pair16(uint32_t q) {
+  constexpr int A = 9 - 4 * J, B = 12 - 4 * J;
+  const uint32_t em = A >= 0 ? (q << A) : (q >> -A);
+  return (em & 0x0E000E00u) | ((q << B) & 0x80008000u);
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -77,9 +86,26 @@ __device__ __forceinline__ uint32_t fp8x2(uint32_t q) {
 
 // One scale block of rows g and g + 8: their words qa, qb (8 codes each) against x's fp16 pairs
 // xv (and the fp32 remainder xl when SPLIT), summed into d (rows g, g + 8 x columns 2t, 2t + 1).
-template <bool SPLIT>
+// The pair kernels take codes (0, 2), (4, 6), then (1, 3), (5, 7) (decode_half); the grouped
+// ones (STRIDED) (0, 4), (1, 5), then (2, 6), (3, 7) (pair16): with decode_half their gate_up
+// needs 62 registers where it had 56 (2 programs an SM, not 3), and batch 16 ran 2% slower,
+// batch 64 0.7-3% (bench/results/2026-11-28_session34.md). x is staged in the same order.
+template <bool SPLIT, bool STRIDED = false>
 __device__ __forceinline__ void block_mma(float (&d)[4], uint32_t qa, uint32_t qb, uint4 xv,
                                           uint4 xl) {
+  if constexpr (STRIDED) {
+    const uint32_t a0 = pair16<0>(qa), a1 = pair16<0>(qb), a2 = pair16<1>(qa),
+                   a3 = pair16<1>(qb);
+    const uint32_t c0 = pair16<2>(qa), c1 = pair16<2>(qb), c2 = pair16<3>(qa),
+                   c3 = pair16<3>(qb);
+    mma(d, a0, a1, a2, a3, xv.x, xv.y);
+    mma(d, c0, c1, c2, c3, xv.z, xv.w);
+    if (SPLIT) {
+      mma(d, a0, a1, a2, a3, xl.x, xl.y);
+      mma(d, c0, c1, c2, c3, xl.z, xl.w);
+    }
+    return;
+  }
   uint32_t a0, a1, b0, b1;
   decode_half<true>(qa, a0, a1);  // the even codes first, then the odd: fewer registers live
   decode_half<true>(qb, b0, b1);
@@ -345,7 +371,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* ring, const uint8_t* __rest
 // block_mma's order), after the first S - 1 stages were issued: sums of the warp's rows (g, g + 8
 // in MMA order) times columns (2t, 2t + 1) into acc, each block times its rows' scales (ss, the
 // tile's [16][nblk] in checkpoint row order: ca, cb the rows g and g + 8 stand for).
-template <bool SWIGLU, int C, int S, int HINT = 0>
+template <bool SWIGLU, int C, int S, int HINT = 0, bool STRIDED = false>
 __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __restrict__ src,
                                             int stride_q, int nst, const uint4* xs,
                                             const uint4* xl, const uint8_t* ss, int nblk,
@@ -367,8 +393,9 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
       ldsm4(r, w + 32 * j);
       const int b = st * C + 2 * j;
       float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      block_mma<SPLIT>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
-      block_mma<SPLIT>(d1, r[2], r[3], xs[4 * b + 4 + t], SPLIT ? xl[4 * b + 4 + t] : uint4{});
+      block_mma<SPLIT, STRIDED>(d0, r[0], r[1], xs[4 * b + t], SPLIT ? xl[4 * b + t] : uint4{});
+      block_mma<SPLIT, STRIDED>(d1, r[2], r[3], xs[4 * b + 4 + t],
+                                SPLIT ? xl[4 * b + 4 + t] : uint4{});
       const float sa0 = __uint_as_float((uint32_t)ss[ca * nblk + b] << 23);
       const float sb0 = __uint_as_float((uint32_t)ss[cb * nblk + b] << 23);
       const float sa1 = __uint_as_float((uint32_t)ss[ca * nblk + b + 1] << 23);
@@ -450,7 +477,7 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
 // shared memory for the grouped kernels by a program of W warps, column j at xs[j * (K/8 + 1)]
 // (padded against bank conflicts): fp32 x as fp16 hi + lo; bf16 x by warp j (no block barrier,
 // no shared atomics) times the power of two cpre[j] that puts its largest magnitude just under
-// 2**15, as stage_x does.
+// 2**15, as stage_x does; in block_mma's STRIDED order.
 template <bool SPLIT, int W, typename XT>
 __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
                                             const int* __restrict__ cols, int count, int K,
@@ -468,10 +495,10 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
         h[k] = __float2half_rn(v[k]);
         l[k] = __float2half_rn(v[k] - __half2float(h[k]));
       }
-      xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[4], h[6]), pack(h[1], h[3]),
-                                  pack(h[5], h[7]));
-      xl[j * KP + w] = make_uint4(pack(l[0], l[2]), pack(l[4], l[6]), pack(l[1], l[3]),
-                                  pack(l[5], l[7]));
+      xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
+                                  pack(h[3], h[7]));
+      xl[j * KP + w] = make_uint4(pack(l[0], l[4]), pack(l[1], l[5]), pack(l[2], l[6]),
+                                  pack(l[3], l[7]));
     }
   } else {
     for (int j = warp; j < count; j += W) {
@@ -491,8 +518,8 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
         __half h[8];
 #pragma unroll
         for (int c = 0; c < 8; ++c) h[c] = __float2half_rn(__bfloat162float(b[c]) * pre);
-        xs[j * KP + w] = make_uint4(pack(h[0], h[2]), pack(h[4], h[6]), pack(h[1], h[3]),
-                                    pack(h[5], h[7]));
+        xs[j * KP + w] = make_uint4(pack(h[0], h[4]), pack(h[1], h[5]), pack(h[2], h[6]),
+                                    pack(h[3], h[7]));
       }
     }
   }
@@ -505,10 +532,8 @@ __device__ __forceinline__ void stage_group(const XT* __restrict__ x, int x_div,
 // once for all of them. A program takes a group's ROWS rows; TILES 16-row tiles a program
 // amortize staging its columns of x. TAIL: K's blocks need not divide into load groups of U (a
 // tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
-// The product's 12-tile gate_up is held to 3 programs an SM (56 registers), as it ran before
-// the decode of session 34 (62 registers, 2 programs; batch 64 3% slower).
 template <bool SWIGLU, int U, int TILES, typename XT, bool TAIL = false>
-__global__ void __launch_bounds__(TILES * 32, TILES == 12 ? 3 : 1)
+__global__ void __launch_bounds__(TILES * 32)
     group_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ groups,
                    const int* __restrict__ sorted_ids, const int* __restrict__ order,
                    const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -560,8 +585,8 @@ __global__ void __launch_bounds__(TILES * 32, TILES == 12 ? 3 : 1)
       const int b = b0 + u;
       if (TAIL && b >= nblk) break;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      block_mma<SPLIT>(d, wa[u], wb[u], xs[g * KP + 4 * b + t],
-                       SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
+      block_mma<SPLIT, true>(d, wa[u], wb[u], xs[g * KP + 4 * b + t],
+                             SPLIT ? xl[g * KP + 4 * b + t] : uint4{});
       const float sa = __uint_as_float((uint32_t)ss[la * nblk + b] << 23);
       const float sb = __uint_as_float((uint32_t)ss[lb * nblk + b] << 23);
       acc[0] = fmaf(d[0], sa, acc[0]);
@@ -630,8 +655,8 @@ __global__ void __launch_bounds__(W * 32)
   __syncthreads();
   const int ca = SWIGLU ? 2 * g : g, cb = SWIGLU ? 2 * g + 1 : g + 8;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // thread column g's x: B's column g is pair g's
-  stream_rows<SWIGLU, C, S, HINT>(ring, src, stride_q, nst, xs + g * KP, xl + g * KP, ss, nblk,
-                                  ca, cb, acc);
+  stream_rows<SWIGLU, C, S, HINT, true>(ring, src, stride_q, nst, xs + g * KP, xl + g * KP, ss,
+                                        nblk, ca, cb, acc);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = 2 * t + i;
