@@ -13,9 +13,10 @@ every weight load of a warp in flight at once, faster there than the Triton GEMV
 shared-memory pipeline and cuBLAS (bench/results/2026-11-26_session18.md; FP8:
 bench/results/2026-11-27_h100_fp8_stream.md).
 
-The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode two
-codes into an fp16 pair with four integer operations and leave the products to `mma.sync`,
-about half the instructions. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
+The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These kernels decode a
+word of eight codes into four fp16 pairs with 11 integer operations in the pair kernels (16 in
+the grouped ones, where the cheaper decode needs more registers) and leave the products to
+`mma.sync`. gate_up runs here from 1 token a step, down from DOWN_MIN_TOKENS
 (2): at 1 token Gluon's down is faster. The library picks the tile by the step's pairs; above 8
 pairs, and at one token on one GPU's rows, gate_up streams its rows through shared memory
 (bench/results/2026-11-25_h100_mma_tiles.md; at one token with the L2 fetching 256 bytes a
