@@ -185,6 +185,21 @@ def test_more_prompts_than_the_server_ever_holds_is_a_400(api: Api) -> None:
     check_error(400, r.text, param="prompt", contains="more than the server ever holds")
 
 
+@pytest.mark.parametrize("form", ["texts", "token-lists"])
+def test_a_million_prompts_are_counted_before_any_is_read(api: Api, form: str) -> None:
+    """Checking and tokenizing every prompt first held the event loop for seconds (1,000,000
+    of them: /health unanswered for 6-25 s). The last prompt here is not a prompt at all: the
+    count's 400 names the count, so no prompt was read before it."""
+    item: object = "a" if form == "texts" else [1]
+    body = {"model": MODEL, "prompt": [item] * 1_000_000 + [{"not": "a prompt"}], "max_tokens": 1}
+    what = f"1,000,000 prompts ({form})"
+    with HealthWatch(api, limit=1.0) as health:
+        r = api.post(COMPLETIONS, body, what=what)
+    check_error(400, r.text, param="prompt", contains="1000001 prompts, more than", what=what)
+    assert not health.bad, f"{what}: GET /health meanwhile: {health.bad[:3]}"
+    api.ok_completion(what)
+
+
 def test_headers_beyond_max_header_bytes_get_431(api: Api) -> None:
     """A 1 MB header is refused with a JSON 431 and the connection closed (httptools took a
     100 MB one and held the event loop seconds joining it); headers just under the limit and

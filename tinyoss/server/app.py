@@ -59,6 +59,7 @@ from tinyoss.server.protocol import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    prompt_list,
     tokenize,
 )
 from tinyoss.server.choices import ChatChoice, TextChoice, prompt_logprobs, release
@@ -106,6 +107,10 @@ class ServerState:
                                lambda: self.client.restarts if self.client else 0)
         self.created = int(time.time())
         self.shutting_down = False  # set by `tinyoss serve` on SIGTERM / SIGINT
+
+    def capacity(self) -> int:
+        """The most engine requests the server holds at once, running and queued."""
+        return self.config.max_num_seqs + self.limits.max_queued_requests
 
     async def start(self) -> None:
         try:
@@ -257,15 +262,8 @@ class Run:
         self.cut: str | None = None  # how unfinished choices ended: "error", else "abort"
         client = state.ready()
         self.max_model_len = client.info.max_model_len
-        capacity = state.config.max_num_seqs + state.limits.max_queued_requests
-        if len(prep.prompts) > capacity:  # no retry can help: a 400, not a 429
-            raise APIError(
-                400,
-                f"prompt holds {len(prep.prompts)} prompts, more than the server ever holds at "
-                f"once ({capacity}: --max-num-seqs + --max-queued-requests); send fewer a request",
-                param="prompt",
-            )
-        if len(prep.prompts) > capacity - client.num_requests:
+        # more than it ever holds was refused before parsing (_refuse_many_prompts)
+        if len(prep.prompts) > state.capacity() - client.num_requests:
             raise APIError(
                 429,
                 f"the server is at capacity ({client.num_requests} requests running or queued); "
@@ -707,6 +705,21 @@ def _path_to(body: Any, target: object) -> str:
     return ""
 
 
+def _refuse_many_prompts(body: dict, capacity: int) -> None:
+    """A 400 for a completions body of more prompts than the server ever holds at once, counted
+    before any prompt is read: checking and tokenizing a million of them held the event loop
+    for seconds. No retry can help, so not a 429."""
+    prompt = body.get("prompt")
+    count = len(prompt_list(prompt)) if isinstance(prompt, list) else 1
+    if count > capacity:
+        raise APIError(
+            400,
+            f"prompt holds {count} prompts, more than the server ever holds at once "
+            f"({capacity}: --max-num-seqs + --max-queued-requests); send fewer a request",
+            param="prompt",
+        )
+
+
 def _check_limits(
     prep: Prepared, limits: ServerLimits, max_model_len: int, keep_logprobs: bool,
     stream_helps: bool = True,
@@ -978,6 +991,7 @@ def create_app(
         """Chat's or completions' request, checked (a stream keeps no logprobs it has sent)."""
         client = state.ready()
         body = await body_of(request)
+        _refuse_many_prompts(body, state.capacity())
         prep = await _parse(parse, body, client.info, request.state.body_bytes)
         await tokenize(prep, client.tokenizer, client.info)
         _check_limits(prep, limits, client.info.max_model_len, keep_logprobs=not prep.stream)

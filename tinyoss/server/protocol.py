@@ -412,7 +412,7 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
         f"best_of={req.best_of} is not supported: only best_of equal to n",
     )
     sources: list[list[harmony.Segment]] = []
-    for p in _prompt_list(req.prompt):
+    for p in prompt_list(req.prompt):
         _require(p, "prompt", "prompt is empty: give at least one token")
         if isinstance(p, list) and (min(p) < 0 or max(p) >= info.vocab_size):
             bad = next(t for t in p if not 0 <= t < info.vocab_size)
@@ -700,7 +700,7 @@ def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest,
     return echoed if req.prompt_logprobs is None else req.prompt_logprobs
 
 
-def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
     """The prompts: a string or token ids is one, a list of them is each (types checked)."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return [prompt]
