@@ -320,9 +320,13 @@ CASES: list[Case] = [
     Case("delete-models", NOBODY, 405, method="DELETE", path="/v1/models"),
     Case("post-models", cmpl(), 405, path="/v1/models"),
     # -------------------------------------------------------------- content type and oddities
-    C("content-type-text-plain", chat(), None, ctype="text/plain"),
-    C("content-type-form", chat(), None, ctype="application/x-www-form-urlencoded"),
-    C("content-type-missing", chat(), None, ctype=None),
+    # browsers send these to any origin without a preflight: refused, as FastAPI (vLLM) does
+    C("content-type-text-plain", chat(), 415, ctype="text/plain"),
+    C("content-type-form", chat(), 415, ctype="application/x-www-form-urlencoded"),
+    C("content-type-multipart", chat(), 415, ctype="multipart/form-data; boundary=x"),
+    C("content-type-missing", chat(), 200, ctype=None),
+    C("content-type-json-charset", chat(), 200, ctype="application/json; charset=utf-8"),
+    C("content-type-json-suffix", chat(), 200, ctype="application/vnd.api+json"),
     C("json-utf8-bom", b"\xef\xbb\xbf" + json.dumps(chat()).encode(), None),
     C("json-duplicate-keys", b'{"messages": 5, ' + json.dumps(chat()).encode()[1:], None),
     C("unknown-field-ignored", chat(user="u", whatever=[1]), 200),

@@ -705,6 +705,24 @@ def _path_to(body: Any, target: object) -> str:
     return ""
 
 
+def _refuse_non_json(content_type: str | None) -> None:
+    """A 415 for a body declared as anything but JSON (none declared is read as JSON, as
+    FastAPI reads it): browsers send text/plain and form bodies to any origin without asking
+    first, so a web page could otherwise start generations on a server without an API key."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and
+                                       media.endswith("+json")):
+        return
+    raise APIError(
+        415,
+        f"Content-Type {_clip(content_type)} is not JSON: send the body as application/json "
+        "(curl: -H 'Content-Type: application/json')",
+        code="unsupported_media_type",
+    )
+
+
 def _refuse_many_prompts(body: dict, capacity: int) -> None:
     """A 400 for a completions body of more prompts than the server ever holds at once, counted
     before any prompt is read: checking and tokenizing a million of them held the event loop
@@ -960,6 +978,7 @@ def create_app(
         return b"".join(chunks)
 
     async def body_of(request: Request) -> dict:
+        _refuse_non_json(request.headers.get("content-type"))
         data = await read_body(request)
         request.state.body_bytes = len(data)
         try:
