@@ -196,6 +196,9 @@ def events(r: httpx.Response) -> list[dict]:
         (CHAT, {"messages": HI, "structured_outputs": {"choice": [1, 2]}},
          "structured_outputs.choice[0]", "structured_outputs.choice[0]=1 is invalid: must be a "
          "string"),
+        # json is an object or its text: the path had named pydantic's type (json.dict[str,any])
+        (CHAT, {"messages": HI, "structured_outputs": {"json": 5}}, "structured_outputs.json",
+         "must be a JSON schema: an object, or its JSON text"),
         (CMPL, {"prompt": "a", "structured_outputs": {"json": {}, "whitespace_pattern": " *"}},
          "structured_outputs.whitespace_pattern",
          "structured_outputs.whitespace_pattern is not supported: structured_outputs has no "

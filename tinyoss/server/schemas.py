@@ -262,9 +262,9 @@ class StructuredOutputsSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    json_: dict[str, Any] | StrictStr | None = Field(
-        None, alias="json", description="A JSON schema (an object, or its JSON text)."
-    )
+    json_: _either(
+        dict[str, Any] | StrictStr | None, "a JSON schema: an object, or its JSON text"
+    ) = Field(None, alias="json", description="A JSON schema (an object, or its JSON text).")
     json_object: StrictBool | None = Field(None, description="true: any JSON object.")
     regex: StrictStr | None = Field(None, description="A regular expression.")
     choice: list[StrictStr] | None = Field(None, description="One of these strings.")
