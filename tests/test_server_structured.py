@@ -239,7 +239,10 @@ def test_a_grammar_beyond_the_parsers_limits_is_a_400(srv):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "invalid_grammar" and "max is 2000" in err["message"], err
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "invalid_request_error" and err["param"] == "structured_outputs", err
+    r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 5, "stream": True, **many})
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    assert events[-1]["error"]["param"] == "structured_outputs", events  # streamed: the same
     r = post(srv, "/v1/completions", {"prompt": "Pick:", "max_tokens": 5,
                                       "structured_outputs": {"choice": ["left", "right"]}})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("left", "right")

@@ -444,7 +444,7 @@ class Run:
                 yield _sse({**head, "choices": [], "usage": self.usage()})
         except Exception as e:  # the status line is sent: report in the stream
             log.warning("stream %s failed: %s", self.id, e)
-            yield _sse(_error(e).body())
+            yield _sse(_error(e, self.prep).body())
         yield "data: [DONE]\n\n"
 
 
@@ -526,7 +526,8 @@ def _unavailable(message: str) -> APIError:
 _MAX_FAULT_CHARS = 200  # of a request's own fault, in its answer; all of it goes to the log
 
 
-def _error(e: Exception) -> APIError:
+def _error(e: Exception, prep: Prepared | None = None) -> APIError:
+    """The answer to what failed a request; `prep`, the request's, if it got that far."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ShuttingDown):
@@ -540,7 +541,8 @@ def _error(e: Exception) -> APIError:
             message = (message.splitlines()[0][:_MAX_FAULT_CHARS].rstrip()
                        + " ... (the server log has the rest)")
         status = {"out_of_memory": 503, "invalid_grammar": 400}.get(e.code, 500)
-        return APIError(status, message, code=e.code)
+        param = prep.grammar_field if prep and e.code == "invalid_grammar" else None
+        return APIError(status, message, param=param, code=e.code)
     log.error("request failed", exc_info=e)
     return APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
 
@@ -923,7 +925,8 @@ def create_app(
                 state.metrics.aborted.inc()
                 response = Response(status_code=499)
             except Exception as e:  # a bad request must never take the server down
-                response = _error_response(_error(e))
+                run = getattr(request.state, "run", None)  # set once the request is running
+                response = _error_response(_error(e, run.prep if run else None))
             if request.url.path.startswith(_API_PATHS):  # not probes and scrapes
                 state.metrics.responded(response.status_code)
             if logged and state.request_log is not None:

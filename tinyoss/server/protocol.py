@@ -203,6 +203,9 @@ class Prepared:
     # vLLM's request_id: the id the answer shows (after chatcmpl- or cmpl-), unless the
     # X-Request-Id header gives one; never the engine's key, which stays unique
     request_id: str | None = None
+    # the field whose constraint made the grammar, named by a grammar that fails only once the
+    # engine follows it (a schema no value can satisfy, found expanding it)
+    grammar_field: str | None = None
 
 
 def parse_chat(body: dict, info: EngineInfo) -> Prepared:
@@ -269,6 +272,7 @@ def parse_chat(body: dict, info: EngineInfo) -> Prepared:
     note_ignored(req, "/v1/chat/completions")
     return Prepared([segments], "messages", params, *_streaming(req), content_stop=stops,
                     length_note=note,
+                    grammar_field=None if grammar is None else _constraint_field(body),
                     channel=harmony.continued_channel(body["messages"]) if continued else None,
                     content_stop_kept=params.include_stop_str_in_output,
                     truncation_side=req.truncation_side or "left",
@@ -425,6 +429,9 @@ def parse_completion(body: dict, info: EngineInfo) -> Prepared:
     return Prepared(sources, "prompt", params, *_streaming(req), echo=texts,
                     echo_scores=req.prompt_logprobs is None and params.prompt_logprobs is not None,
                     prompt_only=prompt_only, truncation_side=req.truncation_side or "left",
+                    grammar_field=None if grammar is None else (
+                        "structured_outputs" if body.get("structured_outputs") is not None
+                        else "response_format"),
                     request_id=_request_id(req.request_id),
                     return_token_ids=bool(req.return_token_ids), special_names=True,
                     tokens_as_ids=bool(req.return_tokens_as_token_ids))
