@@ -9,13 +9,13 @@
 //           them with ldmatrix and do the real tensor-core work (decode, mma, scales)
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a stream_bw.cu -o stream_bw
-// (it takes mma, decode_half and ldsm4 from the product's tensor-core GEMV)
+// (it takes mma, block_mma and ldsm4 from the product's tensor-core GEMV)
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
-#include "../../../tinyoss/kernels/moe_gemv_mma.cu"  // mma, decode_half, ldsm4
+#include "../../../tinyoss/kernels/moe_gemv_mma.cu"  // mma, block_mma, ldsm4
 
 #define CK(x)                                                                   \
   do {                                                                          \
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1)
   const int g = lane >> 2, t = lane & 3;
   // ldmatrix: lanes 0-7 rows 0-7 block b, 8-15 rows 8-15 block b, 16-31 the same at b + 1
   const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
-  const uint32_t b0 = 0x3C003C00u, b1 = 0x38003800u;  // a constant x
+  const uint4 xv = make_uint4(0x3C003C00u, 0x38003800u, 0x38003800u, 0x3C003C00u);  // any x
   int k = warp;
   for (int item = blockIdx.x + warp * gridDim.x; item < total; item += CONS * gridDim.x,
            k += CONS) {
@@ -165,19 +165,8 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1)
       uint32_t r[4];
       ldsm4(r, w + b * 16);
       float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-      uint32_t a0, a1, c0, c1;
-      decode_half<true>(r[0], a0, a1);
-      decode_half<true>(r[1], c0, c1);
-      mma(d0, a0, c0, a1, c1, b0, b1);
-      decode_half<false>(r[0], a0, a1);
-      decode_half<false>(r[1], c0, c1);
-      mma(d0, a0, c0, a1, c1, b1, b0);
-      decode_half<true>(r[2], a0, a1);
-      decode_half<true>(r[3], c0, c1);
-      mma(d1, a0, c0, a1, c1, b0, b1);
-      decode_half<false>(r[2], a0, a1);
-      decode_half<false>(r[3], c0, c1);
-      mma(d1, a0, c0, a1, c1, b1, b0);
+      block_mma<false>(d0, r[0], r[1], xv, uint4{});
+      block_mma<false>(d1, r[2], r[3], xv, uint4{});
       const float sa0 = __uint_as_float((uint32_t)sc[g * NBLK + b] << 23);
       const float sb0 = __uint_as_float((uint32_t)sc[(g + 8) * NBLK + b] << 23);
       const float sa1 = __uint_as_float((uint32_t)sc[g * NBLK + b + 1] << 23);
