@@ -464,13 +464,36 @@ def test_structured_output_and_tool_choice_reach_parse_chat(srv, extra):
         assert r.json()["text"]["format"]["name"] == "out"
 
 
+def test_hosted_tools_are_left_out_and_logged(srv, caplog):
+    """Codex offers web_search beside its function tools; OpenAI's servers run it, this one
+    cannot: the prompt carries the functions alone, the answer echoes them, and the log names
+    the type once (it had been a 400 on every turn)."""
+    tools = [{"type": "web_search", "external_web_access": False}, *TOOLS,
+             {"type": "code_interpreter", "container": {"type": "auto"}}]
+    with caplog.at_level("DEBUG", logger="tinyoss.server"):
+        for _ in range(2):
+            r = httpx.post(srv.url + "/v1/responses", json={
+                "input": WEATHER, "tools": tools, "max_output_tokens": 8},
+                headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert [t["type"] for t in r.json()["tools"]] == ["function"] * len(TOOLS)
+            prompt = srv.prompts()[-1]
+            assert "get_weather" in prompt and "web_search" not in prompt
+    warned = [m for m in caplog.messages if "left out of a /v1/responses prompt" in m]
+    assert len(warned) <= 1 and "hosted tools left out: web_search, code_interpreter" in (
+        caplog.text)  # fmt: skip
+
+
 # ---------------------------------------------------------------- errors
 
 
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+        # tools the client runs but this server cannot offer (hosted ones are left out)
+        ({"input": "hi", "tools": [{"type": "local_shell"}]}, "tools[0].type", "'function'"),
+        ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type",
+         "hosted ones such as web_search are left out"),
         ({"input": "hi", "background": True}, "background", "not supported"),
         # chat spellings were ignored: max_tokens left the answer unbounded
         ({"input": "hi", "max_tokens": 5}, "max_tokens", "give max_output_tokens"),

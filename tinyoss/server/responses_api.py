@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -29,6 +30,8 @@ from tinyoss.server.choices import release, token_logprob
 from tinyoss.server.protocol import APIError, note_ignored, refuse_unsupported, validate
 from tinyoss.server.schemas import ResponseCreateRequest
 from tinyoss.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("tinyoss.server")
 
 _EFFORTS = ("low", "medium", "high")
 # `include` values naming items this server never produces: asking for them is harmless.
@@ -169,8 +172,10 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
     _check_include(req.include or [])
     effort, summary = _reasoning(body.get("reasoning") or {})
     fmt = _text_format(body.get("text") or {})
+    _note_hosted([t.type for t in req.tools or () if t.type != "function"])
     tools = [{"type": "function", "name": t.name, "description": t.description,
-              "parameters": t.parameters, "strict": t.strict} for t in req.tools or ()]  # fmt: skip
+              "parameters": t.parameters, "strict": t.strict}
+             for t in req.tools or () if t.type == "function"]  # fmt: skip
     choice = _tool_choice(body.get("tool_choice"), tools)
 
     items = [(f"input[{i}]", item) for i, item in enumerate(_input(body["input"]))]
@@ -229,6 +234,22 @@ def translate(body: dict, previous: Callable[[str], list[dict]]) -> ResponsesReq
     note_ignored(req, "/v1/responses")
     return ResponsesRequest(chat, origins, call_origins, [item for _, item in conversation], echo,
                             stream, store)
+
+
+_hosted_noted: set[str] = set()  # hosted tool types logged at WARNING (each once a process)
+
+
+def _note_hosted(types: list[str]) -> None:
+    """Logs the hosted tools a request offered, which the prompt leaves out (schemas'
+    HOSTED_TOOLS): at WARNING once a type, then at DEBUG."""
+    new = sorted(set(types) - _hosted_noted)
+    _hosted_noted.update(new)
+    if new:
+        log.warning("tools of types %s left out of a /v1/responses prompt: hosted tools are not "
+                    "served here (only function tools); each type is logged once at this level",
+                    ", ".join(new))
+    elif types:
+        log.debug("hosted tools left out: %s", ", ".join(types))
 
 
 def _check_include(include: list[str]) -> None:

@@ -682,10 +682,8 @@ InputItem = _by_type(
 _TOOL = '{"type": "function", "name": N, "parameters": SCHEMA}'
 
 
-class ResponsesTool(_Body):
-    type: _either(
-        Literal["function"], f"'function': this server runs function tools only, {_TOOL}"
-    ) = Field(description="function: other tools are not supported.")
+class ResponsesFunctionTool(_Body):
+    type: Literal["function"] = Field(description="A function the client runs.")
     name: StrictStr = Field(min_length=1, description="The name the model calls it by.")
     description: StrictStr | None = Field(None, description="What it does, for the model.")
     parameters: Annotated[_either(dict[str, Any] | None, "a JSON schema object"),
@@ -694,6 +692,30 @@ class ResponsesTool(_Body):
         "tool_choice forces a call)."
     )  # fmt: skip
     strict: StrictBool | None = Field(None, description="Accepted; calls follow the schema.")
+
+
+# tools OpenAI's servers run themselves: gpt-oss cannot call them here (`--tool-server` is not
+# served), so they are left out of the prompt, as vLLM leaves them without a tool server, and
+# a client that offers one (Codex's web_search) still works. Tools a client runs (local_shell,
+# custom) are a 400: left out, the model would lack them unseen.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
+                "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+                "image_generation", "mcp")
+
+
+class ResponsesHostedTool(_Body):
+    type: Literal[HOSTED_TOOLS] = Field(  # type: ignore[valid-type]
+        description="A tool a hosted server runs: left out (logged), as gpt-oss cannot call it "
+        "here."
+    )
+
+
+ResponsesTool = _by_type(
+    ResponsesFunctionTool | ResponsesHostedTool,
+    f"'function' (the tools this server runs; hosted ones such as web_search are left out), "
+    f"{_TOOL}",
+    at_type=True,
+)
 
 
 class ResponsesNamedTool(_Body):
@@ -770,7 +792,9 @@ class ResponseCreateRequest(_Request):
     previous_response_id: StrictStr | None = Field(
         None, description="A stored response this one continues (its input and output first)."
     )
-    tools: list[ResponsesTool] | None = Field(None, description="Functions the model may call.")
+    tools: list[ResponsesTool] | None = Field(
+        None, description="Functions the model may call (hosted tools: left out, logged)."
+    )
     tool_choice: ResponsesToolChoice | None = Field(
         None, description="auto (left out): the model decides; none: no tools; required or a "
         "named function: the reply is such a call (enforced by a grammar).",
