@@ -484,6 +484,35 @@ def test_hosted_tools_are_left_out_and_logged(srv, caplog):
         caplog.text)  # fmt: skip
 
 
+def test_a_codex_turn_streams_to_completed(srv):
+    """The body Codex sends (openai/codex, codex-api's ResponsesApiRequest): developer and user
+    items, a strict-false function tool beside web_search, reasoning summary "none" (an older
+    Codex's spelling), include [], store false, prompt_cache_key; max_output_tokens is tiny's."""
+    shell = {"type": "function", "name": "shell", "description": "Runs a command.",
+             "strict": False, "parameters": {
+                 "type": "object", "properties": {"command": {"type": "array", "items": {
+                     "type": "string"}}}, "required": ["command"],
+                 "additionalProperties": False}}
+    body = {"model": "tiny", "instructions": "You are a coding agent.", "input": [
+        {"type": "message", "role": "developer", "content": [
+            {"type": "input_text", "text": "<environment_context>cwd</environment_context>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ls"}]}],
+        "tools": [shell, {"type": "web_search"}], "tool_choice": "auto",
+        "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "none"},
+        "store": False, "stream": True, "include": [], "prompt_cache_key": "k",
+        "max_output_tokens": 8}
+    r = httpx.post(srv.url + "/v1/responses", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert events[0]["type"] == "response.created", events[0]
+    done = events[-1]
+    assert done["type"] in ("response.completed", "response.incomplete"), done
+    assert done["response"]["reasoning"]["summary"] == "none"
+    assert [t["name"] for t in done["response"]["tools"]] == ["shell"]
+    assert "usage" in done["response"] and done["response"]["store"] is False
+
+
 # ---------------------------------------------------------------- errors
 
 

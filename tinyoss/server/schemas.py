@@ -739,10 +739,11 @@ class ResponsesReasoning(_Body):
     effort: StrictStr | None = Field(
         None, description="low, medium (left out) or high: gpt-oss's efforts; others: 400."
     )
-    summary: Literal["auto", "concise", "detailed"] | None = Field(
-        None, description="Accepted and echoed; reasoning comes whole, as content."
+    summary: Literal["auto", "concise", "detailed", "none"] | None = Field(
+        None, description="Accepted and echoed; reasoning comes whole, as content (none: Codex's "
+        "spelling of no summary)."
     )
-    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(
+    generate_summary: Literal["auto", "concise", "detailed", "none"] | None = Field(
         None, description="The deprecated name of summary."
     )
 
@@ -1197,7 +1198,7 @@ class IncompleteDetails(_Out):
 
 class ReasoningOut(_Out):
     effort: Literal["low", "medium", "high"]
-    summary: Literal["auto", "concise", "detailed"] | None
+    summary: Literal["auto", "concise", "detailed", "none"] | None
 
 
 class TextOut(_Out):
