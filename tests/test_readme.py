@@ -57,6 +57,8 @@ def kind(lang: str, code: str) -> str:
         return "openai-client"
     if lang == "python" and "from tinyoss import LLM" in code:
         return "python-api"
+    if lang == "toml" and "[model_providers." in code:
+        return "codex-config"
     return "unknown"
 
 
@@ -69,6 +71,23 @@ def test_every_block_is_covered():
     assert not unknown, f"code blocks no test runs or checks: {unknown}"
     for k in ("install", "curl", "openai-client", "python-api", "serve-commands", "cli"):
         assert of_kind(k), f"no {k} block left: update this test"
+
+
+def test_codex_config_names_the_served_model():
+    """docs/serve.md's Codex provider (Codex cannot run here: test_server_responses'
+    test_a_codex_turn_streams_to_completed replays its request): valid TOML, its model the name
+    the command before it serves (starting gpt-oss, as Codex picks gpt-oss settings by it), the
+    Responses wire API on the server's /v1."""
+    import tomllib
+
+    (code,) = of_kind("codex-config")
+    config = tomllib.loads(code)
+    text = (REPO / "docs/serve.md").read_text()
+    served = re.search(r"--served-model-name (\S+?)`", text).group(1)
+    provider = config["model_providers"][config["model_provider"]]
+    assert config["model"] == served and served.startswith("gpt-oss"), (config, served)
+    assert provider["base_url"] == "http://localhost:8000/v1" and provider["wire_api"] == (
+        "responses")
 
 
 def test_install_commands_match_ci():
