@@ -621,6 +621,32 @@ def test_context_length_names_the_responses_fields(srv):
     assert "in the input" in err["message"] and "messages" not in err["message"]
 
 
+def test_a_streamed_input_beyond_the_context_is_a_failed_response(srv, client):
+    """Streamed, the same refusal comes as a response that failed with that code, which Codex
+    reads as a full context window (it compacts the conversation; a 400 it reads as an error
+    it cannot fix); the openai client parses every event; nothing is stored."""
+    body = {"input": "hi " * MAX_LEN, "stream": True, "max_output_tokens": 8}
+    r = httpx.post(srv.url + "/v1/responses", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    names = [ln[7:] for ln in r.text.splitlines() if ln.startswith("event: ")]
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert names == [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
+    assert events[2]["param"] == "input"
+    assert "reduce the length of the input" in events[2]["message"]
+    with client.responses.create(model="tiny", stream=True, max_output_tokens=8,
+                                 input="hi " * MAX_LEN) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[-1] == "response.failed"
+    assert httpx.get(srv.url + f"/v1/responses/{failed['id']}",
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    assert error(srv, {"input": "hi " * MAX_LEN})["code"] == "context_length_exceeded"  # 400
+
+
 # ---------------------------------------------------------------- without a server
 
 

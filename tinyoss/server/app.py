@@ -65,7 +65,13 @@ from tinyoss.server.protocol import (
 from tinyoss.server.choices import ChatChoice, TextChoice, prompt_logprobs, release
 from tinyoss.server.response_store import ResponseStore
 from tinyoss.server.schemas import openapi_json
-from tinyoss.server.responses_api import Cancelled, Output, ResponseRun, translate
+from tinyoss.server.responses_api import (
+    Cancelled,
+    Output,
+    ResponseRun,
+    refused_events,
+    translate,
+)
 
 log = logging.getLogger("tinyoss.server")
 _API_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what tinyoss_http_responses counts
@@ -492,6 +498,19 @@ async def _merge(gens: list[OutputStream]) -> AsyncIterator[tuple[int, Any]]:
 # breaks: escaped, so that no client splits an event inside a string.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 _LINE_BREAK = re.compile("[\x85\u2028\u2029]")
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _sse_of(events: AsyncIterator[dict] | list[dict]) -> AsyncIterator[str]:
+    """Responses API events as server-sent events, each named by its type."""
+    if isinstance(events, list):
+        for e in events:
+            yield _sse(e, e["type"])
+        return
+    async for e in events:
+        yield _sse(e, e["type"])
 
 
 def _sse(obj: dict, event: str | None = None) -> str:
@@ -1027,7 +1046,7 @@ def create_app(
     async def respond(request: Request, run: Run) -> Response:
         request.state.run = run  # for the request's log line
         if run.prep.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers = _SSE_HEADERS
             return EventStream(run.events(), run.close, headers=headers)
         try:
             if not await _drain_unless_gone(request, run):
@@ -1096,7 +1115,11 @@ def create_app(
             _check_limits(prep, limits, client.info.max_model_len, keep_logprobs=True,
                           stream_helps=False)  # fmt: skip
         except APIError as e:
-            raise req.renamed(e) from None
+            err = req.renamed(e)
+            if req.stream and err.code == "context_length_exceeded":
+                return EventStream(_sse_of(refused_events(req, state.model_name, err)),
+                                   lambda: None, headers=_SSE_HEADERS)
+            raise err from None
         output = Output(client.tokenizer, prep.params.logprobs is not None)
         run = request.state.run = Run(state, prep, "response", [output])
         try:
@@ -1104,9 +1127,7 @@ def create_app(
             if req.store:
                 store.put(resp, request.state.footprint + inherited)
             if req.stream:
-                events = (_sse(e, e["type"]) async for e in resp.events())
-                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                return EventStream(events, run.close, headers=headers)
+                return EventStream(_sse_of(resp.events()), run.close, headers=_SSE_HEADERS)
             answer = await resp.drain(lambda: _drain_unless_gone(request, run))
             if answer is None:
                 run.close()

@@ -575,6 +575,44 @@ class EngineRun(Protocol):
     def usage(self) -> dict: ...
 
 
+def _response(id: str, created_at: int, model: str, echo: dict, status: str = "in_progress",
+              error: dict | None = None, output: list[dict] | None = None,
+              usage: dict | None = None, completed_at: int | None = None) -> dict:
+    """A response object (OpenAI's fields, in its order)."""
+    return {
+        "id": id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "completed_at": completed_at,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output or [],
+        "service_tier": "default",
+        "truncation": "disabled",
+        **echo,
+        "usage": usage,
+    }
+
+
+def refused_events(req: ResponsesRequest, model: str, err: APIError) -> list[dict]:
+    """A streamed response refused before it ran, as the events of one that failed: for an
+    input beyond the context, which agents act on only as a response.failed of that code
+    (Codex compacts the conversation; a 400 is an error it cannot fix). Nothing is stored."""
+    rid, now = _new_id("resp_"), int(time.time())
+    started = _response(rid, now, model, req.echo)
+    error = {"code": err.code, "message": err.message}
+    failed = _response(rid, now, model, req.echo, "failed", error)
+    events = [("response.created", {"response": started}),
+              ("response.in_progress", {"response": started}),
+              ("error", {**error, "param": err.param}),
+              ("response.failed", {"response": failed})]  # fmt: skip
+    return [{"type": kind, **fields, "sequence_number": i}
+            for i, (kind, fields) in enumerate(events)]
+
+
 class ResponseRun:
     """One response: its engine run while it lasts, then its items and usage (what the store
     keeps). `events` streams it; `drain` runs it to its end for a whole answer."""
@@ -614,23 +652,9 @@ class ResponseRun:
 
     def snapshot(self) -> dict:
         """The response object as it stands."""
-        incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": self.status,
-            "background": False,
-            "completed_at": self.completed_at,
-            "error": self.error,
-            "incomplete_details": incomplete,
-            "model": self.model,
-            "output": [item.render() for item in self.items],
-            "service_tier": "default",
-            "truncation": "disabled",
-            **self.echo,
-            "usage": self.usage,
-        }
+        return _response(self.id, self.created_at, self.model, self.echo, self.status,
+                         self.error, [item.render() for item in self.items], self.usage,
+                         self.completed_at)  # fmt: skip
 
     def conversation(self) -> list[dict]:
         """Input and output items, for a request that continues from this response."""
