@@ -623,8 +623,8 @@ def test_context_length_names_the_responses_fields(srv):
 
 def test_a_streamed_input_beyond_the_context_is_a_failed_response(srv, client):
     """Streamed, the same refusal comes as a response that failed with that code, which Codex
-    reads as a full context window (it compacts the conversation; a 400 it reads as an error
-    it cannot fix); the openai client parses every event; nothing is stored."""
+    reads as a full context window (a 400 it reports as an invalid request); the openai client
+    parses every event; nothing is stored."""
     body = {"input": "hi " * MAX_LEN, "stream": True, "max_output_tokens": 8}
     r = httpx.post(srv.url + "/v1/responses", json=body,
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30)

@@ -599,8 +599,9 @@ def _response(id: str, created_at: int, model: str, echo: dict, status: str = "i
 
 def refused_events(req: ResponsesRequest, model: str, err: APIError) -> list[dict]:
     """A streamed response refused before it ran, as the events of one that failed: for an
-    input beyond the context, which agents act on only as a response.failed of that code
-    (Codex compacts the conversation; a 400 is an error it cannot fix). Nothing is stored."""
+    input beyond the context, which agents read as a full context window only from a
+    response.failed of that code (Codex; a 400 it reports as an invalid request). Nothing is
+    stored."""
     rid, now = _new_id("resp_"), int(time.time())
     started = _response(rid, now, model, req.echo)
     error = {"code": err.code, "message": err.message}
