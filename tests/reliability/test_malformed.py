@@ -330,6 +330,8 @@ CASES: list[Case] = [
     C("json-utf8-bom", b"\xef\xbb\xbf" + json.dumps(chat()).encode(), None),
     C("json-duplicate-keys", b'{"messages": 5, ' + json.dumps(chat()).encode()[1:], None),
     C("unknown-field-ignored", chat(user="u", whatever=[1]), 200),
+    # completions' prompt count does not reach chat, where prompt is an unknown field
+    C("chat-prompt-list-ignored", chat(prompt=["x"] * 50), 200),
     C("content-text-parts-accepted", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]), 200),
     C("stream-accepted", chat(stream=True, stream_options={"include_usage": True}), 200),
     P("cmpl-best-of-equal-n-accepted", cmpl(n=2, best_of=2), 200),

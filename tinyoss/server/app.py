@@ -1032,7 +1032,8 @@ def create_app(
         """Chat's or completions' request, checked (a stream keeps no logprobs it has sent)."""
         client = state.ready()
         body = await body_of(request)
-        _refuse_many_prompts(body, state.capacity())
+        if parse is parse_completion:  # chat's one prompt is its messages
+            _refuse_many_prompts(body, state.capacity())
         prep = await _parse(parse, body, client.info, request.state.body_bytes)
         await tokenize(prep, client.tokenizer, client.info)
         _check_limits(prep, limits, client.info.max_model_len, keep_logprobs=not prep.stream)
