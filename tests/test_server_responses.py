@@ -210,6 +210,24 @@ def test_function_call_round_trip(srv, client):
     assert srv.prompts()[-1] == continued
 
 
+def test_an_image_a_tool_returns_is_a_line_saying_it_is_not_shown(srv):
+    """Codex's view_image and MCP tools return pictures in function_call_output: gpt-oss cannot
+    see them, and a 400 failed the agent's turn; the model reads a line saying so instead (an
+    image in a user message is still a 400: tests above)."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather",
+            "arguments": '{"city":"Paris"}'}
+    output = {"type": "function_call_output", "call_id": "c1", "output": [
+        {"type": "input_text", "text": "the map: "},
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=",
+         "detail": "auto"}]}
+    r = httpx.post(srv.url + "/v1/responses", json={
+        "input": [{"role": "user", "content": WEATHER}, call, output], "tools": TOOLS,
+        "max_output_tokens": 8}, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert ("<|message|>the map: [an image: not shown, this model reads text only]<|end|>"
+            in srv.prompts()[-1])
+
+
 def test_previous_response_continues_the_conversation(srv, client):
     first = create(client, input=ANSWER, max_output_tokens=64)
     second = create(

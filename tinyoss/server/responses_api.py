@@ -323,11 +323,16 @@ def _input(value: str | list[dict]) -> list[dict]:
     return value
 
 
+# what the model reads for an image a tool returned (schemas' ToolImagePart)
+IMAGE_NOT_SHOWN = "[an image: not shown, this model reads text only]"
+
+
 def _text(content: str | list[dict]) -> str:
     """The text of a string or of text parts (the model checked their types)."""
     if isinstance(content, str):
         return content
-    return "".join(p["refusal"] if p["type"] == "refusal" else p["text"] for p in content)
+    return "".join(p["refusal"] if p["type"] == "refusal" else
+                   IMAGE_NOT_SHOWN if p["type"] == "input_image" else p["text"] for p in content)
 
 
 def _messages(items: list[tuple[str, dict]]) -> tuple[list[dict], list[str], list[list[str]]]:

@@ -624,9 +624,17 @@ MessageContent = _text_or(
                   f"an input_text, output_text or refusal part: {_TEXT_ONLY}")],
     "a string or a list of input_text, output_text or refusal parts",
 )  # fmt: skip
+class ToolImagePart(_Body):
+    """An image a tool returned (Codex's view_image, an MCP tool's picture): gpt-oss cannot see
+    it, so the model reads a line saying so, where a 400 would fail the agent's turn."""
+
+    type: Literal["input_image"]
+
+
 OutputContent = _text_or(
-    list[_by_type(InputTextPart, f"an input_text or output_text part: {_TEXT_ONLY}")],
-    "a string or a list of input_text or output_text parts",
+    list[_by_type(InputTextPart | ToolImagePart,
+                  f"an input_text, output_text or input_image part: {_TEXT_ONLY}")],
+    "a string or a list of input_text, output_text or input_image parts",
 )
 
 
@@ -654,7 +662,10 @@ class InputFunctionCallOutput(_Body):
 
     type: Literal["function_call_output"]
     call_id: StrictStr = Field(description="The call it answers.")
-    output: OutputContent = Field(description="The result, a text or text parts.")
+    output: OutputContent = Field(
+        description="The result, a text or text parts (an image part: a line saying it is not "
+        "shown)."
+    )
 
 
 class InputReasoning(_Body):
