@@ -215,12 +215,27 @@ def test_reasoning_and_answer(srv, client):
     assert "Reasoning: high" in srv.prompts()[-1]
     msg = r.choices[0].message
     assert msg.content == "Hello there, Paris!"
-    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] == "Let me think."
+    # as reasoning alone, as vLLM sends it (the Agents SDK reads reasoning_content as another
+    # thing: it showed the reasoning twice and dropped it from the next turn)
+    assert msg.model_extra["reasoning"] == "Let me think."
+    assert "reasoning_content" not in msg.model_extra
     assert r.choices[0].finish_reason == "stop" and not msg.tool_calls
     joined, _ = stream_chat(client, messages=user(ANSWER), reasoning_effort="low", max_tokens=64)
     assert "Reasoning: low" in srv.prompts()[-1]
     assert joined["content"] == msg.content and joined["finish"] == "stop"
-    assert joined["reasoning"] == joined["reasoning_content"] == "Let me think."
+    assert joined["reasoning"] == "Let me think." and joined["reasoning_content"] == ""
+
+
+def test_reasoning_content_is_sent_too_when_asked(tmp_path):
+    """`--reasoning-content`: the reasoning under DeepSeek's name as well (LiteLLM, the Vercel
+    AI SDK read it), on the message and on every delta that carries it."""
+    with scripted_server(tmp_path, reasoning_content=True) as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=user(ANSWER), max_tokens=64)
+        extra = r.choices[0].message.model_extra
+        assert extra["reasoning"] == extra["reasoning_content"] == "Let me think."
+        joined, _ = stream_chat(client, messages=user(ANSWER), max_tokens=64)
+        assert joined["reasoning"] == joined["reasoning_content"] == "Let me think."
 
 
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
@@ -330,7 +345,7 @@ def test_include_reasoning_false_leaves_the_reasoning_out(client):
                                        **kw)
     msg = r.choices[0].message
     assert msg.content == "Hello there, Paris!" and r.choices[0].finish_reason == "stop"
-    assert msg.model_extra["reasoning"] is None and msg.model_extra["reasoning_content"] is None
+    assert msg.model_extra["reasoning"] is None and "reasoning_content" not in msg.model_extra
     assert r.usage.completion_tokens == whole.usage.completion_tokens
     joined, _ = stream_chat(client, extra_body={"include_reasoning": False}, **kw)
     assert joined["content"] == msg.content and joined["finish"] == "stop"

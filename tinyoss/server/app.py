@@ -914,13 +914,15 @@ def create_app(
     cors: Cors | None = None,
     max_stored_responses: int = 1000,
     request_log: RequestLog | None = None,
+    reasoning_content: bool = False,
 ) -> Starlette:
     """The server app; its engine core starts in a process of its own once the app starts.
     `on_fatal` is called when no core can run (a failed load, a failed restart). `cors`: None,
     no CORS headers at all. `max_stored_responses`: how many /v1/responses answers are kept
     (LRU) for GET and previous_response_id; 0 keeps none. `aliases`: more names clients may send
     for the model (vLLM's several --served-model-name); answers name `model_name`.
-    `request_log`: a line for each generation request once it has ended (None: none)."""
+    `request_log`: a line for each generation request once it has ended (None: none).
+    `reasoning_content`: chat answers carry the reasoning under that name too."""
     limits = limits or ServerLimits()
     state = ServerState(config, model_name, api_key, on_fatal, limits, aliases, request_log)
     store = ResponseStore(max_stored_responses)
@@ -1065,7 +1067,8 @@ def create_app(
         # tool call ids are random even under a seed: ids a client keys history by are unique
         choices: list[Choice] = [
             ChatChoice(i, tok, prep.content_stop, lp is not None, ids, keep, prep.reasoning,
-                       prep.content_stop_kept, prep.channel, prep.tokens_as_ids)
+                       prep.content_stop_kept, prep.channel, prep.tokens_as_ids,
+                       reasoning_content)
             for i in range(prep.params.n)
         ]
         top = {"prompt_token_ids": prep.prompts[0]} if ids else None

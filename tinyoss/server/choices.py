@@ -117,13 +117,16 @@ class ChatChoice:
         stop_kept: bool = False,
         channel: str | None = None,
         as_ids: bool = False,
+        reasoning_content: bool = False,
     ) -> None:
         """`keep_logprobs`: keep the entries sent for `final` (False: a stream's). `reasoning`:
         send the reasoning (False: vLLM's `include_reasoning: false`; the model still reasons).
         `stop_kept`: the answer keeps the stop string that ended it (include_stop_str_in_output).
         `channel`: that of the message the prompt left open (continue_final_message).
-        `as_ids`: logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)."""
+        `as_ids`: logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids).
+        `reasoning_content`: the reasoning goes under that name too (`--reasoning-content`)."""
         self.index, self.tokenizer, self.as_ids = index, tokenizer, as_ids
+        self.reasoning_content = reasoning_content
         self.reasoning, self.stop_kept = reasoning, stop_kept
         self.keep_logprobs = keep_logprobs
         self.ids = _TokenIds() if token_ids else None
@@ -185,6 +188,8 @@ class ChatChoice:
         if self.ids is not None:
             self.ids.all += out.token_ids[start : self.num_tokens]
         delta = _delta([d for d in deltas if self.reasoning or d.kind != "reasoning"])
+        if self.reasoning_content and "reasoning" in delta:
+            delta["reasoning_content"] = delta["reasoning"]
         if not (delta or self.finish_reason):
             return None
         lps_field = {"content": lps, "refusal": None} if lps else None
@@ -203,8 +208,9 @@ class ChatChoice:
             "refusal": None,
             "annotations": [],
             "reasoning": reasoning,
-            "reasoning_content": reasoning,
         }
+        if self.reasoning_content:
+            message["reasoning_content"] = reasoning
         if self.calls:
             message["tool_calls"] = self.calls
         logprobs = None
@@ -273,8 +279,6 @@ def _delta(deltas: list[harmony.Delta]) -> dict:
             calls.append({"index": d.index, "function": {"arguments": d.text}})
         elif d.text:
             delta[d.kind] = delta.get(d.kind, "") + d.text
-    if "reasoning" in delta:
-        delta["reasoning_content"] = delta["reasoning"]
     if calls:
         delta["tool_calls"] = calls
     return delta

@@ -93,6 +93,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="no line a request (health probes included), as vLLM's flag (default: off)",
     )
     p.add_argument(
+        "--reasoning-content", action="store_true",
+        help="chat answers carry the reasoning as reasoning_content too (DeepSeek's name, which "
+        "LiteLLM and the Vercel AI SDK read); off: as reasoning only, as vLLM sends it and "
+        "OpenAI's gpt-oss guide asks (the Agents SDK reads the two as different things)",
+    )
+    p.add_argument(
         "--enable-log-requests", action="store_true",
         help="log one line a generation request once it has ended: its x-request-id, "
         "endpoint, status and finish reasons, prompt, completion and cached tokens, time to "
@@ -323,6 +329,7 @@ def serve(args: argparse.Namespace) -> None:
         cors=cors_options,
         max_stored_responses=args.max_stored_responses,
         request_log=RequestLog(args.max_log_len) if args.enable_log_requests else None,
+        reasoning_content=args.reasoning_content,
     )
     log.info(
         "serving %r on %s (API key: %s); the model loads in the background, "

@@ -950,7 +950,9 @@ class AssistantMessage(_Out):
     refusal: None = Field(description="OpenAI's: always null (gpt-oss writes no refusals).")
     annotations: list[Any] = Field(description="OpenAI's: always empty.")
     reasoning: str | None = Field(description="gpt-oss's reasoning (its analysis channel).")
-    reasoning_content: str | None = Field(description="The same as reasoning.")
+    reasoning_content: str | None = Field(
+        None, description="The same as reasoning, with --reasoning-content (else left out)."
+    )
     tool_calls: list[ToolCallOut] | None = Field(None, description="Present when it calls.")
 
 
@@ -1012,7 +1014,9 @@ class ChatDelta(_Out):
     role: Literal["assistant"] | None = Field(None, description="On the first chunk.")
     content: str | None = None
     reasoning: str | None = None
-    reasoning_content: str | None = Field(None, description="The same as reasoning.")
+    reasoning_content: str | None = Field(
+        None, description="The same as reasoning, with --reasoning-content (else left out)."
+    )
     tool_calls: list[ToolCallDelta] | None = None
 
 
