@@ -203,7 +203,11 @@ class FunctionDef(_Body):
         None, description="A JSON schema of its arguments, of type object (shown to the model, "
         "and enforced when tool_choice forces a call)."
     )  # fmt: skip
-    strict: StrictBool | None = Field(None, description="Accepted; calls follow the schema.")
+    strict: StrictBool | None = Field(
+        None, description="Accepted either way: a call follows the schema when tool_choice "
+        "forces one (required, named) or a response_format is given; under auto alone it is not "
+        "enforced (nor by vLLM's gpt-oss path)."
+    )
 
 
 class Tool(_Body):
@@ -702,7 +706,11 @@ class ResponsesFunctionTool(_Body):
         None, description="A JSON schema of its arguments, of type object (enforced when "
         "tool_choice forces a call)."
     )  # fmt: skip
-    strict: StrictBool | None = Field(None, description="Accepted; calls follow the schema.")
+    strict: StrictBool | None = Field(
+        None, description="Accepted either way: a call follows the schema when tool_choice "
+        "forces one (required, named) or a response_format is given; under auto alone it is not "
+        "enforced (nor by vLLM's gpt-oss path)."
+    )
 
 
 # tools OpenAI's servers run themselves: gpt-oss cannot call them here (`--tool-server` is not
