@@ -29,6 +29,7 @@ from tinyoss.harmony import (
     ParsedCompletion,
     ToolCall,
     WindowDetokenizer,
+    check_messages,
     continued_channel,
     parse_completion,
     render_prompt,
@@ -749,6 +750,15 @@ ANALYSIS, FINAL = "<|start|>assistant<|channel|>analysis<|message|>", (
     "<|start|>assistant<|channel|>final<|message|>")
 
 
+def test_thinking_parts_are_left_out_of_assistant_messages_only():
+    """LiteLLM sends another provider's reasoning as thinking parts of assistant messages: left
+    out (it was a 400); in a user message such a part is still refused."""
+    check_messages([*HI, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "x"}, {"type": "text", "text": "a"}]}])
+    with pytest.raises(ValueError, match=r"content\[0\] of type 'thinking' is not supported"):
+        check_messages([{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}])
+
+
 @pytest.mark.parametrize("last, tail, channel", [
     ({"content": "Hello wor"}, FINAL + "Hello wor", "final"),
     ({"content": "Hello wor", "reasoning": "Greet."}, ANALYSIS + "Greet.<|end|>" + FINAL +
@@ -759,6 +769,10 @@ ANALYSIS, FINAL = "<|start|>assistant<|channel|>analysis<|message|>", (
     ({"content": None, "refusal": "I can"}, FINAL + "I can", "final"),
     ({"content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
      FINAL + "Hello", "final"),
+    # LiteLLM's blocks of another provider's reasoning (hosted_vllm): left out, not a 400
+    ({"content": [{"type": "thinking", "thinking": "Other.", "signature": "s"},
+                  {"type": "redacted_thinking", "data": "zz"}, {"type": "text", "text": "Hi"}]},
+     FINAL + "Hi", "final"),
 ])  # fmt: skip
 def test_continue_final_message_leaves_the_last_message_open(last, tail, channel):
     """The prompt ends inside the last message, its header and text without <|end|>: the

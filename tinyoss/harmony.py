@@ -146,6 +146,9 @@ def check_messages(messages: Any, where: str = "messages") -> None:
                           f"{at}.content[{j}].refusal{_given(part.get('refusal'))}: a refusal "
                           'part is {"type": "refusal", "refusal": str}')  # fmt: skip
                     continue
+                if kind in ("thinking", "redacted_thinking") and role == "assistant":
+                    continue  # LiteLLM's blocks of another provider's reasoning: left out, as
+                    # vLLM reads them (empty text); the reasoning gpt-oss reads is `reasoning`
                 _need(
                     kind in TEXT_PARTS,
                     f"{at}.content[{j}].type is missing: gpt-oss reads text parts "
