@@ -615,13 +615,13 @@ def _tensor_parallel_tokens(tiny_dir, all_reduce: str, eager: bool, prompts) -> 
 
 
 @two_gpus
-@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "flashinfer", "symm_mem"])
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "custom", "flashinfer", "symm_mem"])
 def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, all_reduce):
     """The fast kernels over two GPUs: decode and piecewise CUDA graphs, with the all-reduces
     and logit gathers captured in them, give the tokens of the same engine run eagerly; with
-    each all-reduce (NCCL, symmetric memory, FlashInfer's one-shot fused with the residual add
-    and RMSNorm after the experts, and whichever `auto` takes); and the fp32 CPU reference's
-    tokens, or part at a near tie."""
+    each all-reduce (NCCL, symmetric memory, tinyoss's and FlashInfer's one-shot fused with the
+    residual add and RMSNorm after the experts, and whichever `auto` takes); and the fp32 CPU
+    reference's tokens, or part at a near tie."""
     from tinyoss import LLM
 
     rng = random.Random(1)
@@ -632,6 +632,7 @@ def test_tensor_parallel_graphs_equal_eager_on_two_gpus(tiny_dir, all_reduce):
         assert run["graphs"] != eager
         if all_reduce != "auto":
             assert run["fast"] == {"nccl": None, "flashinfer": "flashinfer one-shot",
+                                   "custom": "custom one-shot",
                                    "symm_mem": "symm_mem one-shot"}[all_reduce]
         got[eager] = run["tokens"]
     assert got[True] == got[False]

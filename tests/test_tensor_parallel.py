@@ -306,8 +306,9 @@ def test_a_stopped_worker_is_named_and_the_engine_goes_on_once_resumed(tiny_dir,
 
 
 def test_the_all_reduce_choice(monkeypatch):
-    """`auto` takes FlashInfer's all-reduce where it is built, else symmetric memory, else NCCL;
-    both fast paths serve one engine a process (a second engine there hung in PyTorch's per-
+    """`auto` takes tinyoss's own one-shot all-reduce where its kernel builds (sm_90 with nvcc),
+    else FlashInfer's where it is built, else symmetric memory, else NCCL; the fast paths serve
+    one engine a process (a second engine there hung in PyTorch's per-
     process rendezvous count on the GPUs), so a later one takes NCCL, or, asked for a fast path
     by name, is told which works."""
     from tinyoss.engine import comm
@@ -324,10 +325,18 @@ def test_the_all_reduce_choice(monkeypatch):
         def __init__(self, group, dtype, hidden) -> None:
             comm._uses_symmetric_memory()
 
+    class Custom:
+        name, fuses_norm = "custom one-shot", True
+
+        def __init__(self, group, dtype, hidden) -> None:
+            comm._uses_symmetric_memory()
+
     monkeypatch.setattr(comm, "_SymmMemAllReduce", Symm)
     monkeypatch.setattr(comm, "_FlashInferAllReduce", FlashInfer)
-    built = [True]
+    monkeypatch.setattr(comm, "_CustomAllReduce", Custom)
+    built, loads = [True], [False]
     monkeypatch.setattr(comm, "_flashinfer_built", lambda: built[0])
+    monkeypatch.setattr(comm, "_custom_loads", lambda device: loads[0])
 
     no_peers: list[str | None] = [None]
 
@@ -336,16 +345,22 @@ def test_the_all_reduce_choice(monkeypatch):
         monkeypatch.setattr(comm, "_symmetric_memory_used", earlier_engine)
         group = comm.Group.__new__(comm.Group)  # as on GPUs, without starting NCCL
         group._nccl, group._fast, group.min = True, None, lambda v: v
+        group.device = torch.device("cpu")
         group._without_peer_access = lambda: no_peers[0]
         return group.use_fast_all_reduce(torch.bfloat16, 2880)
 
+    loads[0] = True
+    assert choose("auto") == ("custom one-shot up to 512 KiB, fused with the residual add and "
+                              "RMSNorm, nccl above")
+    assert choose("custom").startswith("custom one-shot")
+    loads[0] = False  # not sm_90, or no nvcc
     assert choose("auto").startswith("flashinfer one-shot up to 512 KiB, fused")
     assert choose("flashinfer").startswith("flashinfer") and choose("nccl") == "nccl"
     built[0] = False
     assert choose("auto").startswith("symm_mem one-shot")
     assert choose("auto").endswith("(minutes, once a machine)")
     assert choose("symm_mem").startswith("symm_mem one-shot")
-    for setting in ("auto", "symm_mem", "flashinfer"):
+    for setting in ("auto", "symm_mem", "custom", "flashinfer"):
         built[0] = setting == "auto"
         if setting == "auto":
             assert choose(setting, earlier_engine=True) == (
@@ -357,7 +372,7 @@ def test_the_all_reduce_choice(monkeypatch):
     # GPUs that cannot read each other's memory (no NVLink or PCIe peer-to-peer path)
     built[0], no_peers[0] = True, "GPU 0 cannot access GPU 1 peer to peer"
     assert choose("auto") == "nccl (GPU 0 cannot access GPU 1 peer to peer)"
-    for setting in ("symm_mem", "flashinfer"):
+    for setting in ("symm_mem", "custom", "flashinfer"):
         with pytest.raises(RuntimeError, match=r"reads the other GPUs' memory, but GPU 0 cannot "
                                                r"access GPU 1 peer to peer; TINYOSS_ALL_RED"):
             choose(setting)

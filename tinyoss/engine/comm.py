@@ -39,7 +39,7 @@ from tinyoss.settings import Setting, resolve
 log = logging.getLogger("tinyoss")
 
 ALL_REDUCE_ENV = "TINYOSS_ALL_REDUCE"
-ALL_REDUCE_CHOICES = ("auto", "nccl", "symm_mem", "flashinfer")
+ALL_REDUCE_CHOICES = ("auto", "nccl", "custom", "symm_mem", "flashinfer")
 
 
 class GroupError(RuntimeError):
@@ -82,7 +82,7 @@ class Group:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 **kwargs)
         self._nccl = backend == "nccl"
-        self._fast: _SymmMemAllReduce | _FlashInferAllReduce | None = None
+        self._fast: _FastAllReduce | None = None
         self.all_reduce_choice = "nccl" if self._nccl else "gloo"  # use_fast_all_reduce's
         self.all_reduce(torch.zeros(1, device=device))  # the communicator, before any capture
 
@@ -104,8 +104,9 @@ class Group:
                                    f"the other GPUs' memory, but {no_peers}; "
                                    "TINYOSS_ALL_REDUCE=nccl works without")
             return f"nccl ({no_peers})"
-        if want == "auto":  # every rank must pick the same: rank 0 knows what this process did
-            want = "flashinfer" if self.min(int(_flashinfer_built())) else "symm_mem"
+        if want == "auto":  # every rank must pick the same
+            want = ("custom" if self.min(int(_custom_loads(self.device))) else
+                    "flashinfer" if self.min(int(_flashinfer_built())) else "symm_mem")
         if self.min(int(not _symmetric_memory_used)) == 0:
             # PyTorch numbers its symmetric-memory rendezvous per process (FlashInfer's buffers
             # come from it too): a second engine in rank 0's process would count on from the
@@ -117,7 +118,9 @@ class Group:
                     "TINYOSS_ALL_REDUCE=nccl serves any number")
             return "nccl (symmetric memory served an earlier engine of this process)"
         try:
-            if want == "flashinfer":
+            if want == "custom":
+                self._fast = _CustomAllReduce(self, dtype, hidden)
+            elif want == "flashinfer":
                 self._fast = _FlashInferAllReduce(self, dtype, hidden)
             else:
                 self._fast = _SymmMemAllReduce(self, dtype)
@@ -150,7 +153,7 @@ class Group:
         return (f"GPU {self.device.index} cannot access GPU {cut} peer to peer" if cut is not None
                 else "a pair of the group's GPUs cannot access each other peer to peer")
 
-    def _fast_for(self, x: torch.Tensor) -> _SymmMemAllReduce | _FlashInferAllReduce | None:
+    def _fast_for(self, x: torch.Tensor) -> _FastAllReduce | None:
         fast = self._fast
         return fast if fast is not None and fast.fits(x) else None
 
@@ -233,6 +236,13 @@ def _unreachable_peer(own: int, devices: list[int]) -> int | None:
                  if d != own and not torch.cuda.can_device_access_peer(own, d)), None)
 
 
+def _custom_loads(device: torch.device) -> bool:
+    """Whether tinyoss's all-reduce kernel builds (seconds, once a machine) and loads here."""
+    from tinyoss.kernels import all_reduce, hardware
+
+    return all_reduce.load(hardware.capability(device))[0] is not None
+
+
 def _flashinfer_built() -> bool:
     """Whether FlashInfer's all-reduce kernels are built or prebuilt here: `auto` takes them
     then, and does not start their first build (minutes) itself."""
@@ -287,6 +297,80 @@ class _SymmMemAllReduce:
         return out
 
 
+class _CustomAllReduce:
+    """tinyoss's one-shot all-reduce of [T, hidden] bf16 rows (`kernels/all_reduce.cu`), alone
+    or fused with the residual add and RMSNorm: each rank stores its rows into every rank's
+    receive buffer (PyTorch symmetric memory) and sums what arrived in its own, in one launch.
+    Checked against NCCL and the torch norm at start."""
+
+    name, fuses_norm = "custom one-shot", True
+
+    def __init__(self, group: Group, dtype: torch.dtype, hidden: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from tinyoss.kernels import all_reduce, hardware, rms_norm_torch
+
+        kernel, why = all_reduce.load(hardware.capability(group.device))
+        if kernel is None:
+            raise RuntimeError(f"tinyoss's all-reduce kernel cannot run: {why}")
+        if dtype != torch.bfloat16 or hidden % 8 or hidden > all_reduce.MAX_HIDDEN or \
+                group.size not in all_reduce.RANKS:
+            raise RuntimeError(f"it takes bf16 rows of a multiple of 8 up to "
+                               f"{all_reduce.MAX_HIDDEN} over {all_reduce.RANKS} GPUs, not "
+                               f"{dtype} rows of {hidden} over {group.size}")
+        self.kernel, self.group, self.dtype, self.hidden = kernel, group, dtype, hidden
+        self.max_tokens = max(1, FAST_MAX_BYTES // (hidden * dtype.itemsize))
+        self.slot = group.size * self.max_tokens * hidden // 8  # 16-byte vectors a slot
+        _uses_symmetric_memory()
+        group_name = dist.group.WORLD.group_name
+        self.buffer = symm_mem.empty(3 * self.slot * 8, dtype=dtype, device=group.device)
+        self.buffer.view(torch.int16).fill_(-0x8000)  # bf16 -0.0 everywhere: nothing arrived
+        self.handle = symm_mem.rendezvous(self.buffer, group_name)
+        self.peers = [self.handle.get_buffer(r, self.buffer.shape, dtype).data_ptr()
+                      for r in range(group.size)]
+        self.state = torch.zeros(3, dtype=torch.int32, device=group.device)
+        torch.cuda.synchronize(group.device)
+        with _collective():
+            dist.barrier()  # every buffer filled before any rank stores into it
+        _check_against_nccl(self, group, dtype, hidden, rms_norm_torch)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.hidden
+                and x.shape[0] <= self.max_tokens and x.is_contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.kernel(x, self.peers, self.group.rank, self.state, self.slot, out)
+        return out
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual), sum + residual); the new residual over `residual`."""
+        out = torch.empty_like(x)
+        self.kernel(x, self.peers, self.group.rank, self.state, self.slot, out, residual,
+                    weight.float().contiguous(), eps)
+        return out, residual
+
+
+def _check_against_nccl(fast: _CustomAllReduce | _FlashInferAllReduce, group: Group,
+                        dtype: torch.dtype, hidden: int, rms_norm_torch: Callable) -> None:
+    """The sum of small integers (exact in any order) as NCCL's, and the fused norm within
+    bf16 rounding of the torch norm over NCCL's sum; raises otherwise."""
+    probe = _probe(group, dtype, (3, hidden))
+    want = probe.clone()
+    with _collective():
+        dist.all_reduce(want)
+    residual = _probe(group, dtype, (3, hidden)).roll(1) / (group.rank + 1)
+    weight = torch.linspace(0.5, 1.5, hidden, device=group.device)  # float32, as the model's
+    got = fast(probe)
+    normed, new_residual = fast.norm(probe, residual.clone(), weight, 1e-5)
+    want_normed, want_residual = rms_norm_torch(want, weight, 1e-5, residual)
+    torch.cuda.synchronize(group.device)
+    if not torch.equal(got, want) or not torch.equal(new_residual, want_residual):
+        raise RuntimeError("its sum differs from NCCL's")
+    torch.testing.assert_close(normed, want_normed, rtol=2e-2, atol=2e-2)
+
+
 class _FlashInferAllReduce:
     """FlashInfer's TensorRT-LLM one-shot all-reduce of [T, hidden] rows, alone or fused with
     the residual add and RMSNorm; checked against NCCL and the torch norm at start.
@@ -315,19 +399,7 @@ class _FlashInferAllReduce:
         self._handles, self._ptrs, _ = create(
             group.rank, group.size, self.max_tokens, hidden, create_metadata=True,
             use_symm_dev_mem=False, use_fp32_lamport=dtype == torch.float32)
-        probe = _probe(group, dtype, (3, hidden))
-        want = probe.clone()
-        with _collective():
-            dist.all_reduce(want)
-        residual = _probe(group, dtype, (3, hidden)).roll(1) / (group.rank + 1)
-        weight = torch.linspace(0.5, 1.5, hidden, device=group.device)  # float32, as the model's
-        got = self(probe)
-        normed, new_residual = self.norm(probe, residual.clone(), weight, 1e-5)
-        want_normed, want_residual = rms_norm_torch(want, weight, 1e-5, residual)
-        torch.cuda.synchronize(group.device)
-        if not torch.equal(got, want) or not torch.equal(new_residual, want_residual):
-            raise RuntimeError("its sum differs from NCCL's")
-        torch.testing.assert_close(normed, want_normed, rtol=2e-2, atol=2e-2)
+        _check_against_nccl(self, group, dtype, hidden, rms_norm_torch)
         self._gammas.clear()
 
     def _call(self, x: torch.Tensor, pattern: int, out: torch.Tensor | None = None,
@@ -362,3 +434,6 @@ class _FlashInferAllReduce:
         from flashinfer.comm import trtllm_destroy_ipc_workspace_for_all_reduce_fusion
 
         trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self._handles)
+
+
+_FastAllReduce = _SymmMemAllReduce | _CustomAllReduce | _FlashInferAllReduce

@@ -40,20 +40,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from tinyoss.kernels import nvcc_build
 from tinyoss.kernels.moe_torch import ExpertWeights
-from tinyoss.tools.make_checkpoint import cache_dir
 
 log = logging.getLogger("tinyoss")
 
@@ -335,30 +329,11 @@ class MmaGemv:
 
 
 def _nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    return nvcc_build.find_nvcc()
 
 
 def _build(nvcc: str) -> Path:
-    """The library for this source, built into the cache unless it is there."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"moe_gemv_mma-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
-               "-gencode=arch=compute_90a,code=sm_90a", str(SOURCE), "-o", str(built)]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
-        built.replace(target)  # atomic: a concurrent build leaves one whole file
-    log.info("built the tensor-core MoE GEMV in %.1f s: %s", time.perf_counter() - start, target)
-    return target
+    return nvcc_build.build(nvcc, SOURCE, "the tensor-core MoE GEMV")
 
 
 @functools.cache

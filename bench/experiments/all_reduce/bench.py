@@ -4,6 +4,9 @@ fusing the residual add and RMSNorm into the all-reduce saves.
 
 - `nccl`: torch.distributed.all_reduce (NCCL, multicast off);
 - `symm_mem`: tinyoss's one-shot through PyTorch's symmetric memory (`engine/comm.py`);
+- `custom`: tinyoss's one-shot (`kernels/all_reduce.cu`: Lamport stores into every rank's
+  buffer, built by nvcc in seconds), alone and fused with the residual add and RMSNorm
+  (`custom fused`);
 - `flashinfer`: FlashInfer's TensorRT-LLM all-reduce (Lamport one-shot over IPC buffers that
   PyTorch's symmetric memory allocates, no multicast), pattern kAllReduce (`engine/comm.py`);
 - `+norm` rows: the all-reduce then tinyoss's Triton residual-add RMSNorm, against FlashInfer's
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tinyoss.engine.comm import (  # noqa: E402
     Group,
+    _CustomAllReduce,
     _FlashInferAllReduce,
     _SymmMemAllReduce,
     disable_multicast,
@@ -76,22 +80,25 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
         methods["symm_mem"] = _SymmMemAllReduce(group, torch.bfloat16)
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"rank {rank}: symm_mem unavailable: {e!r}", flush=True)
-    fi = None
     try:
-        fi = _FlashInferAllReduce(group, torch.bfloat16, HIDDEN)
-        methods["flashinfer"] = fi
+        methods["custom"] = _CustomAllReduce(group, torch.bfloat16, HIDDEN)
+    except Exception:  # noqa: BLE001
+        print(f"rank {rank}: custom unavailable:\n{traceback.format_exc()}", flush=True)
+    try:
+        methods["flashinfer"] = _FlashInferAllReduce(group, torch.bfloat16, HIDDEN)
     except Exception:  # noqa: BLE001
         print(f"rank {rank}: flashinfer unavailable:\n{traceback.format_exc()}", flush=True)
-    for name in ("symm_mem", "flashinfer"):  # only what every rank has, or collectives differ
+    # only what every rank has, or their collectives differ
+    for name in ("symm_mem", "custom", "flashinfer"):
         if group.min(int(name in methods)) == 0:
             methods.pop(name, None)
-    fi = methods.get("flashinfer")
+    fused = {name: methods[name] for name in ("custom", "flashinfer") if name in methods}
     if rank == 0:
         print(f"{torch.cuda.get_device_name(device)} x {args.gpus}, NCCL "
               f"{'.'.join(map(str, torch.cuda.nccl.version()))}, torch {torch.__version__}; "
               f"us a call, graphs of {args.calls} calls")
         print(f"| tokens | {' | '.join(methods)} | {' | '.join(m + ' +norm' for m in methods)}"
-              f"{' | flashinfer fused' if fi else ''} |")
+              f"{''.join(f' | {name} fused' for name in fused)} |")
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     weight = torch.rand(HIDDEN, device=device, generator=torch.Generator(device=device)
                         .manual_seed(0)) + 0.5
@@ -113,14 +120,15 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
             res = residual.clone()
             row.append(time_graph(lambda: rms_norm_triton(fn(x.clone()), weight, EPS, res),
                                   args.calls, args.reps))
-        if fi is not None:
-            norm, res_out = fi.norm(x.clone(), residual.clone(), weight, EPS)
-            ref_norm, ref_res = rms_norm_triton(want.to(torch.bfloat16), weight, EPS,
-                                                residual.clone())
-            errors.append(f"fused norm {(norm.float() - ref_norm.float()).abs().max().item():.3g}"
-                          f" res {(res_out.float() - ref_res.float()).abs().max().item():.3g}")
+        ref_norm, ref_res = rms_norm_triton(want.to(torch.bfloat16), weight, EPS,
+                                            residual.clone())
+        for name, fn in fused.items():
+            norm, res_out = fn.norm(x.clone(), residual.clone(), weight, EPS)
+            errors.append(f"{name} fused norm "
+                          f"{(norm.float() - ref_norm.float()).abs().max().item():.3g} res "
+                          f"{(res_out.float() - ref_res.float()).abs().max().item():.3g}")
             res = residual.clone()
-            row.append(time_graph(lambda: fi.norm(x, res, weight, EPS), args.calls, args.reps))
+            row.append(time_graph(lambda: fn.norm(x, res, weight, EPS), args.calls, args.reps))
         if rank == 0:
             print(f"| {t} | {' | '.join(f'{v:.1f}' for v in row)} |   max |err|: "
                   f"{', '.join(errors)}", flush=True)
