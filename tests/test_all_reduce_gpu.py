@@ -2,7 +2,8 @@
 every call's sum bit for bit the fp32 sum in rank order rounded to bf16 (NCCL's exactly on two
 GPUs), the fused residual add exact and its RMSNorm within bf16 rounding of the torch norm,
 across row counts that change from call to call (the three slots rotate and each call clears
-what the previous one used), inputs holding -0.0 (the kernel's "not arrived" mark), and calls
+what the previous one used), inputs holding -0.0 (the kernel's "not arrived" mark), the
+experts' uncombined pair rows summed in the same launch (pairs of id -1 never read), and calls
 captured in a CUDA graph and replayed. On the CPU `tests/test_tensor_parallel.py` checks when
 the engine takes it."""
 
@@ -62,14 +63,31 @@ def _worker(rank: int, size: int, init: str, hidden: int) -> None:
         assert torch.equal(residual, want_residual)
         torch.testing.assert_close(normed, want_normed, rtol=1e-2, atol=1e-2)
 
+    def pairs(rows: int, topk: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The experts' pair rows y [rows * topk, hidden] fp32 and ids [rows, topk] (some -1,
+        whose rows hold NaN: never read), and their combine as moe_triton's `_combine` gives
+        it: the sum in slot order, in fp32, rounded to bf16."""
+        y = torch.randn(rows * topk, hidden, device=device, generator=gen)
+        ids = torch.randint(-1, 8, (rows, topk), device=device, generator=gen,
+                            dtype=torch.int32)
+        y[ids.view(-1) < 0] = float("nan")
+        combined = torch.zeros(rows, hidden, device=device)
+        for k in range(topk):
+            combined += torch.where(ids[:, k, None] >= 0, y.view(rows, topk, hidden)[:, k], 0.0)
+        return y, ids, combined.to(torch.bfloat16)
+
     for rows in [1, 5, ar.max_tokens, 2, 1, 33, 7, ar.max_tokens, 1, 3, 64, 1, 1, 2]:
         x, residual = inputs(rows)
         want, fused_want = expected(x, residual)
         got = ar(x)
         fused = ar.norm(x, residual.clone(), weight, 1e-5)
+        y, ids, combined = pairs(rows)
+        _, pairs_want = expected(combined, residual)
+        from_pairs = ar.pairs_norm(y, ids, residual.clone(), weight, 1e-5)
         torch.cuda.synchronize(device)
         check(got, want)
         check_fused(fused, fused_want)
+        check_fused(from_pairs, pairs_want)
 
     # captured: three calls a replay (sizes 1, 4, 1), replayed with new inputs each time
     static = [inputs(n) for n in (1, 4, 1)]

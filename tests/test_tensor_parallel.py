@@ -439,3 +439,38 @@ def test_how_a_worker_ended_is_said_for_any_exit():
     assert workers._how(1) == "exited with status 1"
     assert workers._how(-9) == "was killed by SIGKILL"
     assert workers._how(-40) == "was killed by signal 40"  # real-time signals have no name
+
+
+def test_the_experts_pairs_go_to_the_all_reduce_up_to_its_tokens():
+    """With a fast all-reduce that also sums the experts' pairs (`pairs_max_tokens` > 0), a
+    step of up to that many tokens hands it the uncombined pair rows (one launch for the
+    combine, the all-reduce, the residual add and the norm); a longer step combines first."""
+    calls = []
+
+    def moe(x, w, ids, experts):
+        calls.append("moe")
+        return x
+
+    def moe_pairs(x, w, ids, experts):
+        calls.append("pairs")
+        return x.repeat_interleave(ids.shape[1], 0).float()
+
+    def pairs_norm(y, ids, residual, weight, eps):
+        calls.append(("pairs_norm", tuple(y.shape), tuple(ids.shape)))
+        return residual, residual
+
+    def reduce_norm(y, residual, weight, eps):
+        calls.append("reduce_norm")
+        return residual, residual
+
+    kernels = Kernels(all_reduce=lambda x: x, all_reduce_norm=reduce_norm, moe=moe,
+                      moe_pairs=moe_pairs, all_reduce_pairs_norm=pairs_norm, pairs_max_tokens=3)
+    ids = torch.zeros(3, 4, dtype=torch.int32)
+    for t in (3, 4):
+        x = torch.zeros(t, 8)
+        kernels.moe_then_norm(x, torch.ones(t, 4), ids[:1].expand(t, 4), None, x, x[0], 1e-5)
+    assert calls == ["pairs", ("pairs_norm", (12, 8), (3, 4)), "moe", "reduce_norm"]
+    calls.clear()
+    kernels.pairs_max_tokens = 0  # NCCL, symmetric memory or FlashInfer's: the combine first
+    kernels.moe_then_norm(x[:1], torch.ones(1, 4), ids[:1], None, x[:1], x[0], 1e-5)
+    assert calls == ["moe", "reduce_norm"]

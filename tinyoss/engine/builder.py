@@ -292,6 +292,8 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
                  group.use_fast_all_reduce(dtype, model_config.hidden_size))
         kernels.all_reduce, kernels.all_gather = group.all_reduce, group.all_gather
         kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
+        kernels.all_reduce_pairs_norm = group.all_reduce_pairs_norm
+        kernels.pairs_max_tokens = group.pairs_max_tokens()
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
     note = empty_cache_note() if device.type == "cuda" and shard.rank == 0 else None
     if note:

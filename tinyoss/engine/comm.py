@@ -175,6 +175,23 @@ class Group:
             return fast.norm(x, residual, weight, eps)
         return norm(self.all_reduce(x), weight, eps, residual)
 
+    def pairs_max_tokens(self) -> int:
+        """The most tokens `all_reduce_pairs_norm` takes a call: 0 unless the fast path is
+        tinyoss's own, which also sums the experts' pairs."""
+        fast = self._fast
+        return fast.max_tokens if isinstance(fast, _CustomAllReduce) else 0
+
+    def all_reduce_pairs_norm(self, y: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
+                              weight: torch.Tensor, eps: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`all_reduce_norm` of the experts' output still as their pairs' rows (y [T * K, H]
+        fp32, ids [T, K]: the combine in the same launch); up to `pairs_max_tokens` tokens."""
+        if not isinstance(self._fast, _CustomAllReduce) or \
+                ids.shape[0] > self._fast.max_tokens or not self._fast.fits(residual):
+            raise ValueError(f"{ids.shape[0]} tokens of pairs: more than pairs_max_tokens "
+                             f"({self.pairs_max_tokens()}) or not the fast path's rows")
+        return self._fast.pairs_norm(y, ids, residual, weight, eps)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, C] from every rank -> [T, size * C], rank 0's columns first."""
         with _collective():
@@ -349,6 +366,15 @@ class _CustomAllReduce:
         out = torch.empty_like(x)
         self.kernel(x, self.peers, self.group.rank, self.state, self.slot, out, residual,
                     weight.float().contiguous(), eps)
+        return out, residual
+
+    def pairs_norm(self, y: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
+                   weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` of each token's sum of its expert pairs' rows y [T * K, H] fp32 (ids [T, K];
+        pairs of id -1 left out), the sum rounded to bf16 as the experts' combine rounds it."""
+        out = torch.empty_like(residual)
+        self.kernel(y, self.peers, self.group.rank, self.state, self.slot, out, residual,
+                    weight.float().contiguous(), eps, ids=ids.to(torch.int32).contiguous())
         return out, residual
 
 

@@ -101,6 +101,12 @@ class Kernels:
     # group's fast all-reduce can: (y, residual, norm weight, eps) -> (normed, residual)
     all_reduce_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
                               tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The same from the experts' uncombined pair rows (their combine in the all-reduce's
+    # launch), for steps of up to `pairs_max_tokens` tokens: `moe_pairs` gives the rows
+    # ([T * K, H] fp32), `all_reduce_pairs_norm` (y, ids, residual, weight, eps) the rest
+    moe_pairs: MoEFn | None = None
+    all_reduce_pairs_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    pairs_max_tokens: int = 0
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear", "greedy"), "torch"))
 
@@ -130,6 +136,10 @@ class Kernels:
         """What ends a layer: the experts' output y, then (norm(y + residual), y + residual) with
         the next layer's input norm (or the final one)."""
         if self.all_reduce is not None:  # the partial sums meet before the norm
+            if self.moe_pairs is not None and x.shape[0] <= self.pairs_max_tokens:
+                return self.all_reduce_pairs_norm(self.moe_pairs(x, topk_weights, topk_ids,
+                                                                 experts),
+                                                  topk_ids, residual, norm_weight, eps)
             y = self.moe(x, topk_weights, topk_ids, experts)
             if self.all_reduce_norm is not None:
                 return self.all_reduce_norm(y, residual, norm_weight, eps)

@@ -12,6 +12,10 @@
 // `state[1]` holds what the previous call used, `state[2]` counts the blocks that have read
 // the state; block 0 advances it once all have.
 //
+// The rows may also come as the experts' uncombined output: fp32 [rows * topk, hidden], a row a
+// (token, expert) pair, which the kernel sums over each token's pairs (those of id -1, held by
+// another rank, left out) and rounds to bf16 before sending, as moe_triton's `_combine` does:
+// the combine's launch goes.
 // Sums run in fp32 in rank order, the same on every rank, and round to bf16 once: the sum of
 // two ranks is NCCL's exactly. Fused (the experts' all-reduce): residual' = bf16(bf16(sum) +
 // residual), out = bf16(weight * (residual' * rsqrt(mean(residual'^2) + eps))), as the unfused
@@ -79,8 +83,9 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 // Block b takes row b, thread i its vector i (8 bf16). n: vectors in a rank's rows (rows * vpr).
 template <int NR, bool NORM>
 __global__ void __launch_bounds__(MAX_THREADS, 1)
-    one_shot(const uint4* __restrict__ in, Peers peers, uint4* own, int rank, int* state,
-             long slot, int n, int vpr, uint4* out, uint4* residual,
+    one_shot(const uint4* __restrict__ in, const float4* __restrict__ pairs,
+             const int* __restrict__ ids, int topk, Peers peers, uint4* own, int rank,
+             int* state, long slot, int n, int vpr, uint4* out, uint4* residual,
              const float* __restrict__ weight, float eps) {
   __shared__ int shared_state[2];
   __shared__ float partial[32];
@@ -96,7 +101,20 @@ __global__ void __launch_bounds__(MAX_THREADS, 1)
   const bool mine = i < vpr;
   const long at = (long)blockIdx.x * vpr + i;
   if (mine) {
-    uint4 v = in[at];
+    uint4 v;
+    if (topk == 0) {
+      v = in[at];
+    } else {
+      float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < topk; ++k) {
+        const long pair = (long)blockIdx.x * topk + k;
+        if (ids[pair] < 0) continue;
+        const float4 a = pairs[pair * 2 * vpr + 2 * i], b = pairs[pair * 2 * vpr + 2 * i + 1];
+        f[0] += a.x, f[1] += a.y, f[2] += a.z, f[3] += a.w;
+        f[4] += b.x, f[5] += b.y, f[6] += b.z, f[7] += b.w;
+      }
+      v = pack8(f);
+    }
     v = make_uint4(plus_zero(v.x), plus_zero(v.y), plus_zero(v.z), plus_zero(v.w));
 #pragma unroll
     for (int r = 0; r < NR; ++r) peers.buf[r][s * slot + (long)rank * n + at] = v;
@@ -163,47 +181,54 @@ __global__ void __launch_bounds__(MAX_THREADS, 1)
 
 template <int NR>
 cudaError_t launch(bool norm, dim3 grid, dim3 block, cudaStream_t stream, const uint4* in,
-                   const Peers& peers, int rank, int* state, long slot, int n, int vpr,
-                   uint4* out, uint4* residual, const float* weight, float eps) {
+                   const float4* pairs, const int* ids, int topk, const Peers& peers, int rank,
+                   int* state, long slot, int n, int vpr, uint4* out, uint4* residual,
+                   const float* weight, float eps) {
   uint4* own = peers.buf[rank];  // (a kernel indexing its parameter by rank copies it to memory)
   if (norm)
-    one_shot<NR, true><<<grid, block, 0, stream>>>(in, peers, own, rank, state, slot, n, vpr,
-                                                   out, residual, weight, eps);
+    one_shot<NR, true><<<grid, block, 0, stream>>>(in, pairs, ids, topk, peers, own, rank, state,
+                                                   slot, n, vpr, out, residual, weight, eps);
   else
-    one_shot<NR, false><<<grid, block, 0, stream>>>(in, peers, own, rank, state, slot, n, vpr,
-                                                    out, residual, weight, eps);
+    one_shot<NR, false><<<grid, block, 0, stream>>>(in, pairs, ids, topk, peers, own, rank,
+                                                    state, slot, n, vpr, out, residual, weight,
+                                                    eps);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-// rows x hidden bf16 `in` summed over the `ranks` GPUs into `out`; with `residual` and
-// `weight` (float32 [hidden]) also residual += sum and out = RMSNorm(residual). `peers`: every
-// rank's receive buffer (host array), each 3 * `slot` 16-byte vectors, filled with 0x8000 before
-// the first call; `state`: 3 ints on this GPU, zero before the first call.
-extern "C" int tinyoss_all_reduce(const void* in, int rows, int hidden, void* const* peers,
-                                  int ranks, int rank, int* state, long slot, void* out,
-                                  void* residual, const float* weight, float eps, void* stream) {
+// rows x hidden bf16 `in` summed over the `ranks` GPUs into `out`; or, with `pairs` and `ids`
+// (in null), each row the sum of its `topk` fp32 pair rows whose id is not negative; with
+// `residual` and `weight` (float32 [hidden]) also residual += sum and out = RMSNorm(residual).
+// `peers`: every rank's receive buffer (host array), each 3 * `slot` 16-byte vectors, filled
+// with 0x8000 before the first call; `state`: 3 ints on this GPU, zero before the first call.
+extern "C" int tinyoss_all_reduce(const void* in, const float* pairs, const int* ids, int topk,
+                                  int rows, int hidden, void* const* peers, int ranks, int rank,
+                                  int* state, long slot, void* out, void* residual,
+                                  const float* weight, float eps, void* stream) {
   const int vpr = hidden / 8;
   if (rows < 1 || hidden < 8 || hidden % 8 || vpr > MAX_THREADS || rank < 0 || rank >= ranks ||
-      (long)ranks * rows * vpr > slot || (residual == nullptr) != (weight == nullptr))
+      (long)ranks * rows * vpr > slot || (residual == nullptr) != (weight == nullptr) ||
+      (in == nullptr) == (pairs == nullptr) || (pairs != nullptr) != (ids != nullptr) ||
+      (pairs != nullptr) != (topk > 0))
     return (int)cudaErrorInvalidValue;
   Peers p{};
   for (int r = 0; r < ranks; ++r) p.buf[r] = static_cast<uint4*>(peers[r]);
   const dim3 grid(rows), block((vpr + 31) / 32 * 32);
   const auto* x = static_cast<const uint4*>(in);
+  const auto* y = reinterpret_cast<const float4*>(pairs);
   auto* o = static_cast<uint4*>(out);
   auto* res = static_cast<uint4*>(residual);
   const bool norm = residual != nullptr;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int n = rows * vpr;
   switch (ranks) {
-    case 2: return (int)launch<2>(norm, grid, block, st, x, p, rank, state, slot, n, vpr, o, res,
-                                  weight, eps);
-    case 4: return (int)launch<4>(norm, grid, block, st, x, p, rank, state, slot, n, vpr, o, res,
-                                  weight, eps);
-    case 8: return (int)launch<8>(norm, grid, block, st, x, p, rank, state, slot, n, vpr, o, res,
-                                  weight, eps);
+    case 2: return (int)launch<2>(norm, grid, block, st, x, y, ids, topk, p, rank, state, slot,
+                                  n, vpr, o, res, weight, eps);
+    case 4: return (int)launch<4>(norm, grid, block, st, x, y, ids, topk, p, rank, state, slot,
+                                  n, vpr, o, res, weight, eps);
+    case 8: return (int)launch<8>(norm, grid, block, st, x, y, ids, topk, p, rank, state, slot,
+                                  n, vpr, o, res, weight, eps);
     default: return (int)cudaErrorInvalidValue;
   }
 }

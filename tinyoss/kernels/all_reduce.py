@@ -27,38 +27,54 @@ class OneShot:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.tinyoss_all_reduce
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
-                            ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                            ctypes.c_void_p]
         self.fn.restype = ctypes.c_int
         self.error_fn = lib.tinyoss_all_reduce_error
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
 
     def __call__(self, x: torch.Tensor, peers: list[int], rank: int, state: torch.Tensor,
                  slot: int, out: torch.Tensor, residual: torch.Tensor | None = None,
-                 weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
-        """out = the sum of every rank's x [rows, hidden] (bf16, contiguous); with `residual`
-        and `weight` (float32 [hidden]) residual += that sum and out = its RMSNorm. `peers`:
-        every rank's receive buffer (3 * `slot` 16-byte vectors, -0.0 before the first call),
-        `state`: 3 int32 on this GPU, zero before the first call."""
-        rows, hidden = x.shape
+                 weight: torch.Tensor | None = None, eps: float = 0.0,
+                 ids: torch.Tensor | None = None) -> None:
+        """out [rows, hidden] bf16 = the sum over ranks of x [rows, hidden] (bf16, contiguous),
+        or, with `ids` (int32 [rows, topk]), of each row's topk pair rows of x (fp32
+        [rows * topk, hidden]) whose id is not negative; with `residual` and `weight` (float32
+        [hidden]) residual += that sum and out = its RMSNorm. `peers`: every rank's receive
+        buffer (3 * `slot` 16-byte vectors, -0.0 before the first call), `state`: 3 int32 on
+        this GPU, zero before the first call."""
+        rows, hidden = out.shape
+        topk = 0 if ids is None else ids.shape[1]
+        want = (torch.float32, (rows * topk, hidden)) if ids is not None else \
+            (torch.bfloat16, (rows, hidden))
+        if (x.dtype, tuple(x.shape)) != want or not x.is_contiguous() or \
+                out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"x must be contiguous {want[0]} {want[1]} and out bf16, got x "
+                             f"{x.dtype} {tuple(x.shape)}, out {out.dtype}")
+        if ids is not None and (ids.dtype != torch.int32 or ids.shape[0] != rows or
+                                not ids.is_contiguous()):
+            raise ValueError(f"ids must be contiguous int32 [{rows}, topk], got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
         if residual is not None:
             if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
                 raise ValueError("the fused norm needs a contiguous float32 weight")
-            if residual.shape != x.shape or residual.dtype != x.dtype or \
+            if residual.shape != out.shape or residual.dtype != out.dtype or \
                     not residual.is_contiguous():
                 raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not "
-                                 f"match x {tuple(x.shape)} {x.dtype}")
+                                 f"match out {tuple(out.shape)} {out.dtype}")
         ptrs = (ctypes.c_void_p * len(peers))(*peers)
-        err = self.fn(x.data_ptr(), rows, hidden, ptrs, len(peers), rank, state.data_ptr(), slot,
-                      out.data_ptr(), residual.data_ptr() if residual is not None else None,
-                      weight.data_ptr() if weight is not None else None, eps,
-                      torch.cuda.current_stream(x.device).cuda_stream)
+        pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        err = self.fn(pointer(x) if ids is None else None, pointer(x) if ids is not None else None,
+                      pointer(ids), topk, rows, hidden, ptrs, len(peers), rank, state.data_ptr(),
+                      slot, out.data_ptr(), pointer(residual), pointer(weight), eps,
+                      torch.cuda.current_stream(out.device).cuda_stream)
         if err:
             raise RuntimeError(f"the one-shot all-reduce failed to launch: CUDA error {err}: "
                                f"{self.error_fn(err).decode()} (rows {rows}, hidden {hidden}, "
-                               f"{len(peers)} ranks)")
+                               f"topk {topk}, {len(peers)} ranks)")
 
 
 @functools.cache

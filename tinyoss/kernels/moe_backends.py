@@ -141,9 +141,10 @@ def choose(requested: str | None, p: Platform) -> MoEChoice:
 def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) -> None:
     """Points `kernels` at `backend`; `max_num_tokens` bounds what its autotuner must cover."""
     if backend == "triton":
-        from tinyoss.kernels.moe_triton import moe_norm_triton, moe_triton
+        from tinyoss.kernels.moe_triton import moe_norm_triton, moe_pairs_triton, moe_triton
 
         kernels.moe, kernels.moe_norm = moe_triton, moe_norm_triton
+        kernels.moe_pairs = moe_pairs_triton
         if p.device_type == "cuda":
             from tinyoss.kernels.moe_gemv_mma import DOWN_MIN_TOKENS, GROUPED_MAX_TOKENS, load
 
@@ -154,6 +155,7 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
             if mma is not None:
                 kernels.moe = functools.partial(moe_triton, mma=mma)
                 kernels.moe_norm = functools.partial(moe_norm_triton, mma=mma)
+                kernels.moe_pairs = functools.partial(moe_pairs_triton, mma=mma)
                 backend = "triton+mma"
                 # the dense layers' decode GEMVs too, where they are on the Triton kernels
                 from tinyoss.kernels.linear_mxfp4_triton import mxfp4_linear

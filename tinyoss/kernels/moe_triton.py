@@ -616,6 +616,23 @@ def moe_triton(
     return moe_prefill(x, topk_weights, topk_ids, w, out=out)
 
 
+def moe_pairs_triton(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: ExpertWeights,
+    gemv: GemvConfig | None = None,
+    mma: MmaGemv | None = None,
+) -> torch.Tensor:
+    """`moe_triton` before its top-k combine: each (token, expert) pair's weighted output,
+    y [T * K, H] fp32 (pairs of id -1 not written), for a combine fused into what follows."""
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        return _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
+    if _grouped(x, w, mma):
+        return _grouped_pairs(x, topk_weights, topk_ids, w, mma)
+    return _prefill_pairs(x, topk_weights, topk_ids, w, None)
+
+
 def moe_norm_triton(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -633,12 +650,7 @@ def moe_norm_triton(
     if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
         raise ValueError(f"residual must be contiguous {tuple(x.shape)} {x.dtype}, "
                          f"got {tuple(residual.shape)} {residual.dtype}")
-    if x.shape[0] <= GEMV_MAX_TOKENS:
-        y = _gemv_pairs(x, topk_weights, topk_ids, w, gemv, mma)
-    elif _grouped(x, w, mma):
-        y = _grouped_pairs(x, topk_weights, topk_ids, w, mma)
-    else:
-        y = _prefill_pairs(x, topk_weights, topk_ids, w, None)
+    y = moe_pairs_triton(x, topk_weights, topk_ids, w, gemv, mma)
     t, h = x.shape
     normed = _empty((t, h), x.dtype, x.device)
     if t:
