@@ -6,20 +6,27 @@ the CUDA graphs like any kernel.
 
 A decode step all-reduces a few kilobytes twice a layer, where NCCL's fixed cost per call
 dominates. Small all-reduces (up to `FAST_MAX_BYTES`) can instead go through
+- tinyoss's own one-shot (`kernels/all_reduce.cu`): each rank stores its rows into every rank's
+  receive buffer (PyTorch symmetric memory), which marks what has not arrived with -0.0, so one
+  launch and one trip over NVLink do it, with no barrier; it fuses the residual add and RMSNorm
+  after the experts' all-reduce (`all_reduce_norm`) and, at up to `FAST_MAX_BYTES` of tokens,
+  the experts' top-k combine too (`all_reduce_pairs_norm`). nvcc builds it in seconds;
+- FlashInfer's TensorRT-LLM all-reduce: the same Lamport one-shot, also fused with the residual
+  add and RMSNorm, whose first build takes minutes;
 - PyTorch's symmetric memory: each rank copies its part into a buffer every rank can read over
-  NVLink and sums the others' in one kernel (`one_shot_all_reduce_copy_out`, peer-to-peer loads);
-- FlashInfer's TensorRT-LLM all-reduce: a one-shot kernel that signals with Lamport flags in the
-  data instead of barriers, on IPC buffers from PyTorch's symmetric memory; it also fuses the
-  residual add and RMSNorm after the experts' all-reduce (`all_reduce_norm`). About twice as
-  fast as the symmetric-memory one at decode sizes (bench/results/2026-11-26_h200x4_tp.md).
-Neither uses NVLink multicast. Env TINYOSS_ALL_REDUCE picks: `nccl`, `symm_mem`, `flashinfer`,
-or `auto`: FlashInfer's where its kernels are already built (their first build takes minutes,
-so `auto` does not start it), else symmetric memory, else NCCL; each fast path is checked
-against NCCL at start and the choice is logged. Both read the other GPUs' memory: where a pair
-of the group's GPUs has no peer-to-peer path, `auto` takes NCCL (only NVLink hosts were measured;
-PCIe peer-to-peer is allowed, untested). Both fast paths serve one engine a process
-(PyTorch counts symmetric-memory rendezvous per process): a later tensor-parallel engine in the
-same process takes NCCL.
+  NVLink and sums the others' in one kernel (`one_shot_all_reduce_copy_out`, peer-to-peer loads,
+  with barriers).
+On 4x H200 at batch 1, 120b decodes at TP 2 at 507 tok/s with tinyoss's, 499 with FlashInfer's,
+438 with symmetric memory (bench/results/2026-11-28_session35.md).
+None uses NVLink multicast. Env TINYOSS_ALL_REDUCE picks: `nccl`, `custom`, `symm_mem`,
+`flashinfer`, or `auto`: tinyoss's where its kernel builds (Hopper with nvcc), else FlashInfer's
+where its kernels are already built (their first build takes minutes, so `auto` does not start
+it), else symmetric memory, else NCCL; each fast path is checked against NCCL at start and the
+choice is logged. All read the other GPUs' memory: where a pair of the group's GPUs has no
+peer-to-peer path, `auto` takes NCCL (only NVLink hosts were measured; PCIe peer-to-peer is
+allowed, untested). The fast paths serve one engine a process (PyTorch counts
+symmetric-memory rendezvous per process): a later tensor-parallel engine in the same process
+takes NCCL.
 """
 
 from __future__ import annotations
