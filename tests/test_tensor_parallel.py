@@ -474,33 +474,3 @@ def test_the_experts_pairs_go_to_the_all_reduce_up_to_its_tokens():
     kernels.pairs_max_tokens = 0  # NCCL, symmetric memory or FlashInfer's: the combine first
     kernels.moe_then_norm(x[:1], torch.ones(1, 4), ids[:1], None, x[:1], x[0], 1e-5)
     assert calls == ["moe", "reduce_norm"]
-
-
-def test_attention_output_meets_the_other_ranks_in_the_router_up_to_its_tokens():
-    """With tensor parallelism `post_attention` gets this rank's part of attention's output: up
-    to `route_max_tokens` tokens the fast all-reduce takes it with the norm, the router and the
-    top-k in one launch; a longer step (or another all-reduce) sums first, then the norm and
-    router run as on one GPU."""
-    calls = []
-
-    def route(x, residual, *rest):
-        calls.append(("route", x.shape[0]))
-        return x, residual, None, None
-
-    def norm_route(x, residual, *rest):
-        calls.append(("norm_route", x.shape[0]))
-        return x, residual, None, None
-
-    kernels = Kernels(all_reduce=lambda x: calls.append("all_reduce") or x, norm_route=norm_route,
-                      all_reduce_norm_route=route, route_max_tokens=8)
-    w = torch.zeros(4, 8)
-    for t in (8, 9):
-        x = torch.zeros(t, 8)
-        kernels.post_attention(x, x, x[0], 1e-5, w, w[:, 0], 2)
-    kernels.route_max_tokens = 0
-    kernels.post_attention(x[:1], x[:1], x[0], 1e-5, w, w[:, 0], 2)
-    assert calls == [("route", 8), "all_reduce", ("norm_route", 9), "all_reduce",
-                     ("norm_route", 1)]
-    calls.clear()
-    Kernels(norm_route=norm_route).post_attention(x[:1], x[:1], x[0], 1e-5, w, w[:, 0], 2)
-    assert calls == [("norm_route", 1)]  # one GPU: nothing to sum

@@ -294,8 +294,6 @@ def _build_rank(config: EngineConfig, folder: Path | None, device: torch.device,
         kernels.all_reduce_norm = partial(group.all_reduce_norm, norm=kernels.rms_norm)
         kernels.all_reduce_pairs_norm = group.all_reduce_pairs_norm
         kernels.pairs_max_tokens = group.pairs_max_tokens()
-        kernels.all_reduce_norm_route = group.all_reduce_norm_route
-        kernels.route_max_tokens = group.route_max_tokens(model_config.num_local_experts)
     sinks = resolve("attention_sinks", config.attention_sinks, SINKS_ENV, ("auto", "false"))
     note = empty_cache_note() if device.type == "cuda" and shard.rank == 0 else None
     if note:

@@ -10,9 +10,7 @@ dominates. Small all-reduces (up to `FAST_MAX_BYTES`) can instead go through
   receive buffer (PyTorch symmetric memory), which marks what has not arrived with -0.0, so one
   launch and one trip over NVLink do it, with no barrier; it fuses the residual add and RMSNorm
   after the experts' all-reduce (`all_reduce_norm`) and, at up to `FAST_MAX_BYTES` of tokens,
-  the experts' top-k combine too (`all_reduce_pairs_norm`); after attention, at up to 8 tokens,
-  the residual add, RMSNorm, router and top-k (`all_reduce_norm_route`). nvcc builds it in
-  seconds;
+  the experts' top-k combine too (`all_reduce_pairs_norm`). nvcc builds it in seconds;
 - FlashInfer's TensorRT-LLM all-reduce: the same Lamport one-shot, also fused with the residual
   add and RMSNorm, whose first build takes minutes;
 - PyTorch's symmetric memory: each rank copies its part into a buffer every rank can read over
@@ -201,30 +199,6 @@ class Group:
                              f"({self.pairs_max_tokens()}) or not the fast path's rows")
         return self._fast.pairs_norm(y, ids, residual, weight, eps)
 
-    def route_max_tokens(self, experts: int) -> int:
-        """The most tokens `all_reduce_norm_route` takes a call for a router of `experts`: 0
-        unless the fast path is tinyoss's own."""
-        from tinyoss.kernels.all_reduce import ROUTE_MAX_EXPERTS
-
-        fast = self._fast
-        if not isinstance(fast, _CustomAllReduce) or experts > ROUTE_MAX_EXPERTS:
-            return 0
-        return fast.route_max_tokens
-
-    def all_reduce_norm_route(self, x: torch.Tensor, residual: torch.Tensor,
-                              norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
-                              router_bias: torch.Tensor, k: int,
-                              held: tuple[int, int] | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`Kernels.post_attention` of this rank's partial sums x, the all-reduce in the same
-        launch; up to `route_max_tokens` tokens."""
-        if x.shape[0] > self.route_max_tokens(router_weight.shape[0]) or \
-                not self._fast.fits(x):
-            raise ValueError(f"{x.shape[0]} tokens: more than route_max_tokens or not the fast "
-                             "path's rows")
-        return self._fast.route(x, residual, norm_weight, eps, router_weight, router_bias, k,
-                                held)
-
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, C] from every rank -> [T, size * C], rank 0's columns first."""
         with _collective():
@@ -378,9 +352,7 @@ class _CustomAllReduce:
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
         self.peers = [self.handle.get_buffer(r, self.buffer.shape, dtype).data_ptr()
                       for r in range(group.size)]
-        self.state = torch.zeros(all_reduce.STATE_INTS, dtype=torch.int32, device=group.device)
-        self.route_max_tokens = all_reduce.ROUTE_MAX_TOKENS if hidden <= \
-            all_reduce.ROUTE_MAX_HIDDEN else 0
+        self.state = torch.zeros(3, dtype=torch.int32, device=group.device)
         torch.cuda.synchronize(group.device)
         with _collective():
             dist.barrier()  # every buffer filled before any rank stores into it
@@ -402,15 +374,6 @@ class _CustomAllReduce:
         self.kernel(x, self.peers, self.group.rank, self.state, self.slot, out, residual,
                     weight.float().contiguous(), eps)
         return out, residual
-
-    def route(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-              eps: float, router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
-              held: tuple[int, int] | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`Kernels.post_attention` of the partial sums x, the all-reduce in the same launch."""
-        return self.kernel.route(x, self.peers, self.group.rank, self.state, self.slot, residual,
-                                 norm_weight.float().contiguous(), eps, router_weight,
-                                 router_bias, k, held)
 
     def pairs_norm(self, y: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
                    weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

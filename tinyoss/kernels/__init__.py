@@ -107,10 +107,6 @@ class Kernels:
     moe_pairs: MoEFn | None = None
     all_reduce_pairs_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     pairs_max_tokens: int = 0
-    # The all-reduce after attention and `post_attention` in one launch, for steps of up to
-    # `route_max_tokens` tokens: same arguments and results as `norm_route`
-    all_reduce_norm_route: NormRouteFn | None = None
-    route_max_tokens: int = 0
     names: dict[str, str] = field(default_factory=lambda: dict.fromkeys(
         ("moe", "norm", "router", "mxfp4_linear", "fp8_linear", "linear", "greedy"), "torch"))
 
@@ -125,13 +121,7 @@ class Kernels:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What sits between attention and the experts: (norm(x + residual), x + residual,
         the router's top-k weights and ids, the ids as this rank holds them: `held`, see
-        `router_topk_torch`). With tensor parallelism x is this rank's part of attention's
-        output, summed over the ranks here first."""
-        if self.all_reduce is not None:
-            if x.shape[0] <= self.route_max_tokens:
-                return self.all_reduce_norm_route(x, residual, norm_weight, eps, router_weight,
-                                                  router_bias, k, held)
-            x = self.all_reduce(x)
+        `router_topk_torch`)."""
         if self.norm_route is not None:
             return self.norm_route(x, residual, norm_weight, eps, router_weight, router_bias, k,
                                    held)

@@ -1,7 +1,6 @@
 """tinyoss's one-shot all-reduce (`all_reduce.cu`) for the small all-reduces of a tensor-parallel
 decode step: rows of bf16 summed over the GPUs of one host in one launch that stores straight
-into every GPU's receive buffer, optionally fused with the residual add and RMSNorm after it
-(and before that, the experts' top-k combine; after it, the router and its top-k).
+into every GPU's receive buffer, optionally fused with the residual add and RMSNorm after it.
 
 nvcc builds it in seconds on first use (`nvcc_build`), where FlashInfer's all-reduce takes
 minutes to build; the buffers (PyTorch symmetric memory) and the check against NCCL are
@@ -21,10 +20,6 @@ from tinyoss.kernels import nvcc_build
 SOURCE = Path(__file__).with_suffix(".cu")
 RANKS = (2, 4, 8)  # what the kernel is instantiated for (tensor parallelism divides 8 KV heads)
 MAX_HIDDEN = 8192  # a row is one block's 16-byte vectors, one a thread
-# The all-reduce after attention fused with the norm, the router and its top-k: up to this many
-# tokens (the kernel's programs must all be resident), hidden sizes and experts
-ROUTE_MAX_TOKENS, ROUTE_MAX_HIDDEN, ROUTE_MAX_EXPERTS = 8, 4096, 256
-STATE_INTS = 3 + ROUTE_MAX_TOKENS  # slot, what the last call used, blocks arrived; tickets
 
 
 class OneShot:
@@ -38,15 +33,6 @@ class OneShot:
                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                             ctypes.c_void_p]
         self.fn.restype = ctypes.c_int
-        self.route_fn = lib.tinyoss_all_reduce_route
-        self.route_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self.route_fn.restype = ctypes.c_int
         self.error_fn = lib.tinyoss_all_reduce_error
         self.error_fn.argtypes, self.error_fn.restype = [ctypes.c_int], ctypes.c_char_p
 
@@ -89,44 +75,6 @@ class OneShot:
             raise RuntimeError(f"the one-shot all-reduce failed to launch: CUDA error {err}: "
                                f"{self.error_fn(err).decode()} (rows {rows}, hidden {hidden}, "
                                f"topk {topk}, {len(peers)} ranks)")
-
-
-    def route(self, x: torch.Tensor, peers: list[int], rank: int, state: torch.Tensor,
-              slot: int, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-              router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
-              held: tuple[int, int] | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The all-reduce after attention and what follows it up to the experts, in one launch:
-        (norm(sum + residual), sum + residual, top-k weights fp32, ids int32 as
-        `norm_route_triton` gives them for `held`). x, residual: bf16 [rows, hidden]; the
-        router's weight bf16 [experts, hidden] and bias bf16 [experts]."""
-        rows, hidden = x.shape
-        experts = router_weight.shape[0]
-        if x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16 or \
-                residual.shape != x.shape or router_weight.dtype != torch.bfloat16 or \
-                router_bias.dtype != torch.bfloat16 or router_weight.shape[1] != hidden or \
-                norm_weight.dtype != torch.float32 or \
-                not all(t.is_contiguous() for t in (x, residual, router_weight, router_bias,
-                                                    norm_weight)):
-            raise ValueError("the fused router takes contiguous bf16 x, residual, router weight "
-                             "and bias and a float32 norm weight")
-        first, end = held or (0, experts)
-        out, res_out = torch.empty_like(x), torch.empty_like(x)
-        logits = torch.empty(rows, experts, dtype=torch.float32, device=x.device)
-        weights = torch.empty(rows, k, dtype=torch.float32, device=x.device)
-        ids = torch.empty(rows, k, dtype=torch.int32, device=x.device)
-        ptrs = (ctypes.c_void_p * len(peers))(*peers)
-        err = self.route_fn(x.data_ptr(), rows, hidden, ptrs, len(peers), rank, state.data_ptr(),
-                            slot, residual.data_ptr(), res_out.data_ptr(), out.data_ptr(),
-                            norm_weight.data_ptr(), eps, router_weight.data_ptr(),
-                            router_bias.data_ptr(), experts, logits.data_ptr(), k, first, end,
-                            weights.data_ptr(), ids.data_ptr(),
-                            torch.cuda.current_stream(x.device).cuda_stream)
-        if err:
-            raise RuntimeError(f"the one-shot all-reduce with the router failed to launch: CUDA "
-                               f"error {err}: {self.error_fn(err).decode()} (rows {rows}, hidden "
-                               f"{hidden}, experts {experts}, top-{k}, {len(peers)} ranks)")
-        return out, res_out, weights, ids
 
 
 @functools.cache

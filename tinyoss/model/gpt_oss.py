@@ -82,8 +82,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        # with tensor parallelism this rank's part: `Kernels.post_attention` sums the ranks'
-        return self.o_proj(attn(self.layer, q, k, v, self.sinks, positions, rope_cache))
+        out = self.o_proj(attn(self.layer, q, k, v, self.sinks, positions, rope_cache))
+        return self.kernels.reduce(out)
 
 
 class Experts(nn.Module):
