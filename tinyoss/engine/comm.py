@@ -264,7 +264,10 @@ def _custom_loads(device: torch.device) -> bool:
     """Whether tinyoss's all-reduce kernel builds (seconds, once a machine) and loads here."""
     from tinyoss.kernels import all_reduce, hardware
 
-    return all_reduce.load(hardware.capability(device))[0] is not None
+    kernel, why = all_reduce.load(hardware.capability(device))
+    if kernel is None:
+        log.info("tinyoss's all-reduce kernel is not used: %s", why)
+    return kernel is not None
 
 
 def _flashinfer_built() -> bool:
