@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tinyoss.engine.comm import (  # noqa: E402
     Group,
     _CustomAllReduce,
+    _flashinfer_built,
     _FlashInferAllReduce,
     _SymmMemAllReduce,
     disable_multicast,
@@ -84,10 +85,14 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
         methods["custom"] = _CustomAllReduce(group, torch.bfloat16, HIDDEN)
     except Exception:  # noqa: BLE001
         print(f"rank {rank}: custom unavailable:\n{traceback.format_exc()}", flush=True)
-    try:
-        methods["flashinfer"] = _FlashInferAllReduce(group, torch.bfloat16, HIDDEN)
-    except Exception:  # noqa: BLE001
-        print(f"rank {rank}: flashinfer unavailable:\n{traceback.format_exc()}", flush=True)
+    if not _flashinfer_built() and not args.build_flashinfer:
+        print(f"rank {rank}: flashinfer left out: its all-reduce is not built "
+              "(--build-flashinfer builds it: minutes)", flush=True)
+    else:
+        try:
+            methods["flashinfer"] = _FlashInferAllReduce(group, torch.bfloat16, HIDDEN)
+        except Exception:  # noqa: BLE001
+            print(f"rank {rank}: flashinfer unavailable:\n{traceback.format_exc()}", flush=True)
     # only what every rank has, or their collectives differ
     for name in ("symm_mem", "custom", "flashinfer"):
         if group.min(int(name in methods)) == 0:
@@ -142,6 +147,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,4,8,16,32,64")
     p.add_argument("--calls", type=int, default=48, help="calls a graph (gpt-oss-20b: 48)")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--build-flashinfer", action="store_true",
+                   help="build FlashInfer's all-reduce where it is not built (minutes)")
     args = p.parse_args()
     if args.gpus < 2:
         raise SystemExit(f"needs 2 or more GPUs; torch sees {torch.cuda.device_count()}")
