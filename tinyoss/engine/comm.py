@@ -346,7 +346,8 @@ class _CustomAllReduce:
                                f"{all_reduce.MAX_HIDDEN} over {all_reduce.RANKS} GPUs, not "
                                f"{dtype} rows of {hidden} over {group.size}")
         self.kernel, self.group, self.dtype, self.hidden = kernel, group, dtype, hidden
-        self.max_tokens = max(1, FAST_MAX_BYTES // (hidden * dtype.itemsize))
+        # a block a row, all resident at once on any GPU (91 at gpt-oss's hidden size)
+        self.max_tokens = max(1, min(128, FAST_MAX_BYTES // (hidden * dtype.itemsize)))
         self.slot = group.size * self.max_tokens * hidden // 8  # 16-byte vectors a slot
         _uses_symmetric_memory()
         group_name = dist.group.WORLD.group_name
@@ -363,7 +364,7 @@ class _CustomAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.dim() == 2 and x.shape[1] == self.hidden
-                and x.shape[0] <= self.max_tokens and x.is_contiguous())
+                and 1 <= x.shape[0] <= self.max_tokens and x.is_contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)

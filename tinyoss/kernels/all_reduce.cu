@@ -8,18 +8,22 @@
 //
 // Three slots rotate (`state[0]`): a call writes slot s and clears, in its own buffer, the
 // slot its previous call read, (s + 2) % 3. No rank can be more than one call ahead of another
-// (a call waits for every rank's rows), so nobody writes into a slot while it is cleared.
-// `state[1]` holds what the previous call used, `state[2]` counts the blocks that have read
-// the state; block 0 advances it once all have.
+// (a call waits for every rank's rows), so nobody writes into a slot while it is cleared. That
+// needs each rank's calls to run one after another (one stream, no programmatic dependent
+// launch), as the engine runs them. `state[1]` holds what the previous call used, `state[2]`
+// counts the blocks that have read the state; block 0 advances it once all have. A rank that
+// never sends leaves the others spinning (no timeout, as in TensorRT-LLM's): the engine ends a
+// group whose worker is gone.
 //
 // The rows may also come as the experts' uncombined output: fp32 [rows * topk, hidden], a row a
 // (token, expert) pair, which the kernel sums over each token's pairs (those of id -1, held by
-// another rank, left out) and rounds to bf16 before sending, as moe_triton's `_combine` does:
-// the combine's launch goes.
+// another rank, left out) and rounds to bf16 before sending, as moe_triton's `_combine` does;
+// so the combine needs no launch of its own.
 // Sums run in fp32 in rank order, the same on every rank, and round to bf16 once: the sum of
-// two ranks is NCCL's exactly. Fused (the experts' all-reduce): residual' = bf16(bf16(sum) +
-// residual), out = bf16(weight * (residual' * rsqrt(mean(residual'^2) + eps))), as the unfused
-// path (NCCL, then rms_norm_torch's contract) rounds it.
+// two ranks is NCCL's exactly (but a zero is +0.0). Fused (the experts' all-reduce):
+// residual' = bf16(bf16(sum) + residual), as the unfused path (NCCL, then rms_norm_torch's
+// contract) rounds it, and out = bf16(weight * (residual' * rsqrt(mean(residual'^2) + eps))),
+// within rounding of that path's norm (another summation order, rsqrtf).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>

@@ -47,6 +47,10 @@ class OneShot:
         buffer (3 * `slot` 16-byte vectors, -0.0 before the first call), `state`: 3 int32 on
         this GPU, zero before the first call."""
         rows, hidden = out.shape
+        if ids is not None and (ids.dtype != torch.int32 or ids.dim() != 2 or
+                                ids.shape[0] != rows or not ids.is_contiguous()):
+            raise ValueError(f"ids must be contiguous int32 [{rows}, topk], got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
         topk = 0 if ids is None else ids.shape[1]
         want = (torch.float32, (rows * topk, hidden)) if ids is not None else \
             (torch.bfloat16, (rows, hidden))
@@ -54,17 +58,22 @@ class OneShot:
                 out.dtype != torch.bfloat16 or not out.is_contiguous():
             raise ValueError(f"x must be contiguous {want[0]} {want[1]} and out bf16, got x "
                              f"{x.dtype} {tuple(x.shape)}, out {out.dtype}")
-        if ids is not None and (ids.dtype != torch.int32 or ids.shape[0] != rows or
-                                not ids.is_contiguous()):
-            raise ValueError(f"ids must be contiguous int32 [{rows}, topk], got {ids.dtype} "
-                             f"{tuple(ids.shape)}")
         if residual is not None:
-            if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
-                raise ValueError("the fused norm needs a contiguous float32 weight")
+            if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous() \
+                    or weight.shape != (hidden,):
+                raise ValueError(f"the fused norm needs a contiguous float32 weight [{hidden}]")
             if residual.shape != out.shape or residual.dtype != out.dtype or \
                     not residual.is_contiguous():
                 raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not "
                                  f"match out {tuple(out.shape)} {out.dtype}")
+        given = [t for t in (x, out, residual, weight, ids) if t is not None]
+        if any(t.device != out.device for t in given) or state.device != out.device or \
+                state.dtype != torch.int32 or state.numel() < 3:
+            raise ValueError("x, out, residual, weight, ids and state (int32, 3 or more) must "
+                             "be on one GPU")
+        if any(t.data_ptr() % 16 for t in (x, out, residual, weight) if t is not None):
+            raise ValueError("the all-reduce loads 16 bytes at a time: x, out, residual and "
+                             "weight must start 16-byte aligned")
         ptrs = (ctypes.c_void_p * len(peers))(*peers)
         pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         err = self.fn(pointer(x) if ids is None else None, pointer(x) if ids is not None else None,
