@@ -6,6 +6,12 @@ gpt-oss-120b's 128, the top-k by ranks (r) or by rounds of argmax (a). Prints mi
 layer.
 
     python bench/norm_route.py --tokens 1,8 --configs 2/4/r,2/4/a,4/8/a
+
+`--one-launch-up-to N` also times steps above NORM_ROUTE_MAX_TOKENS (the product's norm, router
+GEMM and top-k in turn) in one launch, as if NORM_ROUTE_MAX_TOKENS were N (the `one` column;
+each token's programs then read the router rows again, from L2):
+
+    python bench/norm_route.py --tokens 16,32,64 --configs 2/4/r,4/8/a --one-launch-up-to 64
 """
 
 from __future__ import annotations
@@ -50,7 +56,10 @@ def main() -> None:
     p.add_argument("--experts", default="32,128")
     p.add_argument("--configs", default="8/4/r,2/4/r,2/4/a,4/4/a,4/8/r,4/8/a,8/8/a",
                    help="router rows a program / warps a program / top-k by ranks or argmax")
+    p.add_argument("--one-launch-up-to", type=int, default=0,
+                   help="also time steps of up to this many tokens in one launch")
     args = p.parse_args()
+    product_max = lo.NORM_ROUTE_MAX_TOKENS
     print(f"{torch.cuda.get_device_name()} | us a layer ({LAYERS} layers a graph, L2 flushed "
           f"before each replay) | product: {lo.NORM_ROUTE_TILES}, argmax from "
           f"{lo.TOPK_ARGMAX_FROM} experts")
@@ -62,6 +71,12 @@ def main() -> None:
                 lo.NORM_ROUTE_TILES = dict.fromkeys(("few", "many"), (int(rows), int(warps)))
                 lo.TOPK_ARGMAX_FROM = 1 << 30 if topk == "r" else 1
                 cells.append(f"{cfg} {layer_us(tokens, experts):6.2f}")
+                if product_max < tokens <= args.one_launch_up_to:
+                    lo.NORM_ROUTE_MAX_TOKENS = args.one_launch_up_to
+                    lo._tickets.clear()  # sized by NORM_ROUTE_MAX_TOKENS
+                    cells.append(f"{cfg} one {layer_us(tokens, experts):6.2f}")
+                    lo.NORM_ROUTE_MAX_TOKENS = product_max
+                    lo._tickets.clear()
             print(f"experts {experts:3d} tokens {tokens}: " + " | ".join(cells))
 
 
