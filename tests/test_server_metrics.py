@@ -438,17 +438,19 @@ def test_a_request_cut_short_before_its_first_token_has_no_queue_time(one_seq):
         return [delta(after, before, h, "_count")
                 for h in (*PHASES, "vllm:time_to_first_token_seconds")]
 
-    # waiting: the one that runs (SLOW steps of 20 ms) keeps the next one waiting behind it
+    # waiting: the one that runs (SLOW steps of 20 ms: 150 tokens take 3 s or more) keeps the
+    # next one waiting behind it for the whole second its client gives it (0.3 s was too little
+    # for the wait to be seen on a busy 2-core machine)
     before, _ = scrape(srv)
     runs = threading.Thread(target=post, args=(srv, "/v1/completions", {
-        "prompt": SLOW, "max_tokens": 40, "ignore_eos": True}))
+        "prompt": SLOW, "max_tokens": 150, "ignore_eos": True}))
     runs.start()
     try:
         deadline = time.monotonic() + 10
         while stats().num_requests_running != 1:
             assert time.monotonic() < deadline, f"never running: {stats()}"
             time.sleep(0.005)
-        _gives_up(srv, {"prompt": "it waits", "max_tokens": 4}, 0.3,
+        _gives_up(srv, {"prompt": "it waits", "max_tokens": 4}, 1.0,
                   lambda: stats().num_requests_waiting == 1)
     finally:
         runs.join()
