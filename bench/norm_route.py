@@ -7,11 +7,11 @@ layer.
 
     python bench/norm_route.py --tokens 1,8 --configs 2/4/r,2/4/a,4/8/a
 
-`--one-launch-up-to N` also times steps above NORM_ROUTE_MAX_TOKENS (the product's norm, router
-GEMM and top-k in turn) in one launch, as if NORM_ROUTE_MAX_TOKENS were N (the `one` column;
-each token's programs then read the router rows again, from L2):
+`--launches both` times every step both ways, whatever NORM_ROUTE_MAX_TOKENS picks: in one
+launch (the `one` column; each token's programs read the router rows again, from L2) and as the
+norm, router GEMM and top-k in turn (`three`):
 
-    python bench/norm_route.py --tokens 16,32,64 --configs 2/4/r,4/8/a --one-launch-up-to 64
+    python bench/norm_route.py --tokens 16,32,64 --configs 2/4/r,4/8/a --launches both
 """
 
 from __future__ import annotations
@@ -56,27 +56,30 @@ def main() -> None:
     p.add_argument("--experts", default="32,128")
     p.add_argument("--configs", default="8/4/r,2/4/r,2/4/a,4/4/a,4/8/r,4/8/a,8/8/a",
                    help="router rows a program / warps a program / top-k by ranks or argmax")
-    p.add_argument("--one-launch-up-to", type=int, default=0,
-                   help="also time steps of up to this many tokens in one launch")
+    p.add_argument("--launches", choices=("product", "both"), default="product",
+                   help="both: time each step in one launch and in three")
     args = p.parse_args()
-    product_max = lo.NORM_ROUTE_MAX_TOKENS
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    product_max = dict(lo.NORM_ROUTE_MAX_TOKENS)
+    ways = {"": product_max} if args.launches == "product" else {
+        " one": dict.fromkeys(product_max, max(token_counts)),
+        " three": dict.fromkeys(product_max, 0)}
     print(f"{torch.cuda.get_device_name()} | us a layer ({LAYERS} layers a graph, L2 flushed "
           f"before each replay) | product: {lo.NORM_ROUTE_TILES}, argmax from "
           f"{lo.TOPK_ARGMAX_FROM} experts")
     for experts in (int(e) for e in args.experts.split(",")):
-        for tokens in (int(t) for t in args.tokens.split(",")):
+        for tokens in token_counts:
             cells = []
             for cfg in args.configs.split(","):
                 rows, warps, topk = cfg.split("/")
                 lo.NORM_ROUTE_TILES = dict.fromkeys(("few", "many"), (int(rows), int(warps)))
                 lo.TOPK_ARGMAX_FROM = 1 << 30 if topk == "r" else 1
-                cells.append(f"{cfg} {layer_us(tokens, experts):6.2f}")
-                if product_max < tokens <= args.one_launch_up_to:
-                    lo.NORM_ROUTE_MAX_TOKENS = args.one_launch_up_to
+                for way, max_tokens in ways.items():
+                    lo.NORM_ROUTE_MAX_TOKENS = max_tokens
                     lo._tickets.clear()  # sized by NORM_ROUTE_MAX_TOKENS
-                    cells.append(f"{cfg} one {layer_us(tokens, experts):6.2f}")
-                    lo.NORM_ROUTE_MAX_TOKENS = product_max
-                    lo._tickets.clear()
+                    cells.append(f"{cfg}{way} {layer_us(tokens, experts):6.2f}")
+                lo.NORM_ROUTE_MAX_TOKENS = product_max
+                lo._tickets.clear()
             print(f"experts {experts:3d} tokens {tokens}: " + " | ".join(cells))
 
 

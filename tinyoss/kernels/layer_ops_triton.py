@@ -228,13 +228,17 @@ def router_topk_triton(logits: torch.Tensor, k: int, held: tuple[int, int] | Non
     return weights, ids
 
 
-# Up to this many tokens the norm after attention, the router and its top-k are one launch
-# (decode steps); above, each token's programs would re-read the router weights.
-NORM_ROUTE_MAX_TOKENS = 8
 # Router rows a program (E / rows programs a token; each also normalizes the token's x) and its
 # warps, for fewer than TOPK_ARGMAX_FROM experts and for more: the fastest of a sweep
 # (bench/norm_route.py; bench/results/2026-11-27_h100_norm_route.md)
 NORM_ROUTE_TILES = {"few": (2, 4), "many": (4, 8)}
+# Up to this many tokens the norm after attention, the router and its top-k are one launch;
+# above, three launches cost less than every token's programs reading the router rows again.
+# At 128 experts that turns sooner than at 32: on an H200 one launch took 4.8-8.6 us a layer at
+# 16-64 tokens and 32 experts against 10.4-12.3, and at 128 experts 9.2 against 13.0 at 16
+# tokens but 14.3 against 13.4 at 32 (bench/norm_route.py --launches both;
+# bench/results/2026-11-28_session36.md).
+NORM_ROUTE_MAX_TOKENS = {"few": 64, "many": 16}
 
 
 @triton.jit
@@ -285,7 +289,8 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
     """Zeroed once per device; every launch leaves them zero again (the last program resets
     its token's), so CUDA graphs replay without a memset."""
     if device not in _tickets:
-        _tickets[device] = torch.zeros(NORM_ROUTE_MAX_TOKENS, dtype=torch.int32, device=device)
+        _tickets[device] = torch.zeros(max(NORM_ROUTE_MAX_TOKENS.values()), dtype=torch.int32,
+                                       device=device)
     return _tickets[device]
 
 
@@ -300,7 +305,8 @@ def norm_route_triton(
     tokens; more go through the three kernels in turn. The residual is returned new (other
     programs of a token still read the old one)."""
     t, h = x.shape
-    if t > NORM_ROUTE_MAX_TOKENS:
+    kind = "many" if triton.next_power_of_2(router_weight.shape[0]) >= TOPK_ARGMAX_FROM else "few"
+    if t > NORM_ROUTE_MAX_TOKENS[kind]:
         x, residual = rms_norm_triton(x, norm_weight, eps, residual)
         weights, ids = router_topk_triton(torch.nn.functional.linear(x, router_weight,
                                                                      router_bias), k, held)
@@ -315,7 +321,7 @@ def norm_route_triton(
     ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
     if t:
         block_e = triton.next_power_of_2(e)
-        rows, warps = NORM_ROUTE_TILES["many" if block_e >= TOPK_ARGMAX_FROM else "few"]
+        rows, warps = NORM_ROUTE_TILES[kind]
         epb = min(rows, block_e)
         _norm_route_kernel[(t, triton.cdiv(e, epb))](
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
