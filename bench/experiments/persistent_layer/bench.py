@@ -1,0 +1,192 @@
+"""Issue 18's next lever, measured before it is built: a decode step as one persistent launch
+that streams every weight through a shared-memory ring filled ahead of the data dependencies,
+against the same step as a CUDA graph of separate launches (the product's streaming GEMV and a
+stand-in kernel). See chain.cu for the step.
+
+    python bench/experiments/persistent_layer/bench.py [--layers 24] [--spins 4000,2000,1500]
+
+Prints us a step and a layer for each, the bytes' time at the copy bandwidth measured in the same
+run, and checks every GEMV phase of the persistent run against torch (fp32) on its own inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tinyoss.kernels import moe_gemv_mma, nvcc_build  # noqa: E402
+
+HIDDEN, QKV, ATTN, GATE_UP, DOWN = 2880, 5120, 4096, 6112, 3056
+RINGS = {"3x64K": 364, "6x32K": 632, "12x16K": 1216}
+
+
+def load_lib() -> ctypes.CDLL:
+    nvcc = nvcc_build.find_nvcc()
+    assert nvcc, "nvcc not found"
+    lib = ctypes.CDLL(str(nvcc_build.build(nvcc, Path(__file__).with_name("chain.cu"),
+                                           "the persistent chain")))
+    lib.chain_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_void_p]
+    lib.standin_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_void_p]
+    lib.chain_error.restype = ctypes.c_char_p
+    assert lib.chain_phase_bytes() == 48
+    return lib
+
+
+def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_moe: bool):
+    """Phases (w, x, out, n, k, spin, ctas, dep) of `layers` layers and their buffers."""
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def weight(n, k):
+        return (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(torch.bfloat16)
+
+    h = torch.randn(HIDDEN, device=dev, generator=g).to(torch.bfloat16)
+    phases, keep = [], [h]
+    for _ in range(layers):
+        qkv = torch.empty(QKV, device=dev, dtype=torch.bfloat16)
+        attn = torch.empty(ATTN, device=dev, dtype=torch.bfloat16)
+        o = torch.empty(HIDDEN, device=dev, dtype=torch.bfloat16)
+        normed = torch.empty(HIDDEN, device=dev, dtype=torch.bfloat16)
+        up = torch.empty(GATE_UP, device=dev, dtype=torch.bfloat16)
+        down = torch.empty(DOWN, device=dev, dtype=torch.bfloat16)
+        nxt = torch.empty(HIDDEN, device=dev, dtype=torch.bfloat16)
+        w_qkv, w_o = weight(QKV, HIDDEN), weight(HIDDEN, ATTN)
+        layer = [(w_qkv, h, qkv, QKV, HIDDEN, 0, 0, 0),
+                 (None, qkv, attn, ATTN, 0, spins[0], ctas, 0),
+                 (w_o, attn, o, HIDDEN, ATTN, 0, 0, 0),
+                 (None, o, normed, HIDDEN, 0, spins[1], ctas, 0)]
+        if with_moe:
+            w_up, w_down = weight(GATE_UP, HIDDEN), weight(DOWN, HIDDEN)
+            layer += [(w_up, normed, up, GATE_UP, HIDDEN, 0, 0, 1),
+                      (w_down, up, down, DOWN, HIDDEN, 0, 0, 0),
+                      (None, down, nxt, HIDDEN, 0, spins[2], ctas, 0)]
+            keep += [w_up, w_down, up, down]
+        else:
+            layer += [(None, normed, nxt, HIDDEN, 0, spins[2], ctas, 0)]
+        phases += layer
+        keep += [qkv, attn, o, normed, nxt, w_qkv, w_o]
+        h = nxt
+    return phases, keep, h
+
+
+def pack(phases, dev) -> torch.Tensor:
+    raw = b"".join(struct.pack("QQQiiiiii", w.data_ptr() if w is not None else 0, x.data_ptr(),
+                               out.data_ptr(), n, k, spin, ctas, dep, 0)
+                   for w, x, out, n, k, spin, ctas, dep in phases)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    s = torch.cuda.current_stream()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bw(dev) -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), reps=10)
+    return 2 * a.numel() / us / 1e3  # GB/s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--spins", default="4000,2000,1500",
+                   help="ns: attention, norm + router, combine stand-ins")
+    p.add_argument("--ctas", type=int, default=8, help="programs of a stand-in")
+    p.add_argument("--rings", default=",".join(RINGS))
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    lib = load_lib()
+    mma, why = moe_gemv_mma.load(torch.cuda.get_device_capability(dev))
+    assert mma is not None, why
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    bw = copy_bw(dev)
+    print(f"{torch.cuda.get_device_name()} | {sms} SMs | copy {bw:.0f} GB/s | {args.layers} layers"
+          f" | stand-ins {args.spins} ns on {args.ctas} programs", flush=True)
+    for spins_s in (args.spins, "0,0,0"):
+        spins = tuple(int(s) for s in spins_s.split(","))
+        for with_moe in (True, False):
+            phases, keep, last = build_step(args.layers, spins, args.ctas, dev, with_moe)
+            table = pack(phases, dev)
+            done = torch.zeros(1, dtype=torch.int32, device=dev)
+            mb = sum(w.numel() * 2 for w, *_ in phases if w is not None) / 1e6
+            stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+
+            def separate_direct(phases=phases):  # the product's GEMV writes out itself
+                for w, x, out, n, k, spin, ctas, _ in phases:
+                    if w is None:
+                        err = lib.standin_launch(x.data_ptr(), out.data_ptr(), n, spin, ctas,
+                                                 stream())
+                    else:
+                        err = mma.stream_fn(x.data_ptr(), 1, w.data_ptr(), None, out.data_ptr(),
+                                            n, k, stream())
+                    assert not err, err
+
+            def persistent(ring, table=table, n_phases=len(phases), done=done):
+                def run():
+                    done.zero_()
+                    err = lib.chain_launch(table.data_ptr(), n_phases, done.data_ptr(), sms,
+                                           RINGS[ring], stream())
+                    assert not err, lib.chain_error(err)
+                return run
+
+            what = "q/k/v, o and expert-sized GEMVs" if with_moe else "q/k/v and o GEMVs"
+            print(f"== {what}: {mb:.0f} MB a step, {mb / args.layers:.1f} MB a layer "
+                  f"({mb / bw * 1e3 / args.layers:.1f} us a layer at the copy bandwidth); "
+                  f"stand-ins {spins} ns", flush=True)
+            separate_direct()
+            torch.cuda.synchronize()
+            ref = last.float().clone()
+            us = graph_us(separate_direct)
+            print(f"  separate launches      {us:8.1f} us a step {us / args.layers:6.2f} a layer"
+                  f" {mb / us * 1e3:6.0f} GB/s", flush=True)
+            for ring in args.rings.split(","):
+                for b in (x for x in keep if x.dtype == torch.bfloat16 and x.dim() == 1):
+                    if b.data_ptr() != phases[0][1].data_ptr():
+                        b.fill_(float("nan"))
+                persistent(ring)()
+                torch.cuda.synchronize()
+                worst = 0.0
+                for w, x, out, n, k, *_ in phases:
+                    if w is not None:
+                        want = w.float() @ x.float()
+                        err = ((out.float() - want).norm() / want.norm()).item()
+                        worst = max(worst, err) if err == err else float("inf")
+                    else:
+                        assert torch.equal(out, x[:n]), "a stand-in's copy differs"
+                us = graph_us(persistent(ring))
+                end = (last.float() - ref).norm() / ref.norm()
+                print(f"  persistent, ring {ring:6s} {us:8.1f} us a step {us / args.layers:6.2f}"
+                      f" a layer {mb / us * 1e3:6.0f} GB/s | worst GEMV error {worst:.1e}, last"
+                      f" output against the separate run {end:.1e}", flush=True)
+                assert worst < 1e-2
+
+
+if __name__ == "__main__":
+    with torch.cuda.stream(torch.cuda.Stream()):
+        main()
