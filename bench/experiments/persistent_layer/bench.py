@@ -21,10 +21,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from bench.decode_latency import copy_bandwidth  # noqa: E402
 from tinyoss.kernels import moe_gemv_mma, nvcc_build  # noqa: E402
 
 HIDDEN, QKV, ATTN, GATE_UP, DOWN = 2880, 5120, 4096, 6112, 3056
-RINGS = {"3x64K": 364, "6x32K": 632, "12x16K": 1216}
+# ring: (slots x KiB a slot, programs an SM)
+# (an L: no counter, readers poll their x until no element is -0.0, Lamport's trick)
+RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (332, 2),
+         "6x16Kx2": (616, 2), "3x64K L": (10364, 1), "6x32K L": (10632, 1),
+         "12x16K L": (11216, 1)}
 
 
 def load_lib() -> ctypes.CDLL:
@@ -41,23 +46,24 @@ def load_lib() -> ctypes.CDLL:
     return lib
 
 
-def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_moe: bool):
-    """Phases (w, x, out, n, k, spin, ctas, dep) of `layers` layers and their buffers."""
+def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_moe: bool,
+               dep: int = 1):
+    """Phases (w, x, out, n, k, spin, ctas, dep) of `layers` layers, the tensors they use (the
+    second: every activation but the first input, in one buffer) and the last output."""
     g = torch.Generator(device=dev).manual_seed(0)
 
     def weight(n, k):
         return (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(torch.bfloat16)
 
     h = torch.randn(HIDDEN, device=dev, generator=g).to(torch.bfloat16)
-    phases, keep = [], [h]
+    sizes = [QKV, ATTN, HIDDEN, HIDDEN] + ([GATE_UP, DOWN] if with_moe else []) + [HIDDEN]
+    arena = torch.empty(layers * sum(sizes), device=dev, dtype=torch.bfloat16)
+    parts = iter(arena.split(sizes * layers))
+    phases, keep = [], [h, arena]
     for _ in range(layers):
-        qkv = torch.empty(QKV, device=dev, dtype=torch.bfloat16)
-        attn = torch.empty(ATTN, device=dev, dtype=torch.bfloat16)
-        o = torch.empty(HIDDEN, device=dev, dtype=torch.bfloat16)
-        normed = torch.empty(HIDDEN, device=dev, dtype=torch.bfloat16)
-        up = torch.empty(GATE_UP, device=dev, dtype=torch.bfloat16)
-        down = torch.empty(DOWN, device=dev, dtype=torch.bfloat16)
-        nxt = torch.empty(HIDDEN, device=dev, dtype=torch.bfloat16)
+        qkv, attn, o, normed = next(parts), next(parts), next(parts), next(parts)
+        up, down = (next(parts), next(parts)) if with_moe else (None, None)
+        nxt = next(parts)
         w_qkv, w_o = weight(QKV, HIDDEN), weight(HIDDEN, ATTN)
         layer = [(w_qkv, h, qkv, QKV, HIDDEN, 0, 0, 0),
                  (None, qkv, attn, ATTN, 0, spins[0], ctas, 0),
@@ -65,14 +71,14 @@ def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_mo
                  (None, o, normed, HIDDEN, 0, spins[1], ctas, 0)]
         if with_moe:
             w_up, w_down = weight(GATE_UP, HIDDEN), weight(DOWN, HIDDEN)
-            layer += [(w_up, normed, up, GATE_UP, HIDDEN, 0, 0, 1),
+            layer += [(w_up, normed, up, GATE_UP, HIDDEN, 0, 0, dep),
                       (w_down, up, down, DOWN, HIDDEN, 0, 0, 0),
                       (None, down, nxt, HIDDEN, 0, spins[2], ctas, 0)]
-            keep += [w_up, w_down, up, down]
+            keep += [w_up, w_down]
         else:
             layer += [(None, normed, nxt, HIDDEN, 0, spins[2], ctas, 0)]
         phases += layer
-        keep += [qkv, attn, o, normed, nxt, w_qkv, w_o]
+        keep += [w_qkv, w_o]
         h = nxt
     return phases, keep, h
 
@@ -105,13 +111,6 @@ def graph_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_bw(dev) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a), reps=10)
-    return 2 * a.numel() / us / 1e3  # GB/s
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=24)
@@ -119,72 +118,89 @@ def main() -> None:
                    help="ns: attention, norm + router, combine stand-ins")
     p.add_argument("--ctas", type=int, default=8, help="programs of a stand-in")
     p.add_argument("--rings", default=",".join(RINGS))
+    p.add_argument("--no-dep", action="store_true",
+                   help="let the ring load the expert-sized rows before the phase before them ends")
+    p.add_argument("--stream-only", action="store_true",
+                   help="also one GEMV of 1 GB: the ring's bandwidth with no phase to wait for")
     args = p.parse_args()
     dev = torch.device("cuda")
     lib = load_lib()
     mma, why = moe_gemv_mma.load(torch.cuda.get_device_capability(dev))
     assert mma is not None, why
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    bw = copy_bw(dev)
+    bw = copy_bandwidth(dev) / 1e9
     print(f"{torch.cuda.get_device_name()} | {sms} SMs | copy {bw:.0f} GB/s | {args.layers} layers"
           f" | stand-ins {args.spins} ns on {args.ctas} programs", flush=True)
-    for spins_s in (args.spins, "0,0,0"):
-        spins = tuple(int(s) for s in spins_s.split(","))
-        for with_moe in (True, False):
-            phases, keep, last = build_step(args.layers, spins, args.ctas, dev, with_moe)
-            table = pack(phases, dev)
-            done = torch.zeros(1, dtype=torch.int32, device=dev)
-            mb = sum(w.numel() * 2 for w, *_ in phases if w is not None) / 1e6
-            stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    cases = [(s, m) for s in (args.spins, "0,0,0") for m in (True, False)]
+    for spins_s, with_moe in cases + ([("stream", None)] if args.stream_only else []):
+        if spins_s == "stream":
+            spins = ()
+            w = (torch.randn(180_000, HIDDEN, device=dev) / HIDDEN**0.5).to(torch.bfloat16)
+            h = torch.randn(HIDDEN, device=dev).to(torch.bfloat16)
+            last = torch.empty(180_000, device=dev, dtype=torch.bfloat16)
+            phases, keep = [(w, h, last, 180_000, HIDDEN, 0, 0, 0)], [h, last]
+            arena = last
+        else:
+            spins = tuple(int(s) for s in spins_s.split(","))
+            phases, keep, last = build_step(args.layers, spins, args.ctas, dev, with_moe,
+                                            dep=0 if args.no_dep else 1)
+            arena = keep[1]
+        table = pack(phases, dev)
+        done = torch.zeros(1, dtype=torch.int32, device=dev)
+        mb = sum(w.numel() * 2 for w, *_ in phases if w is not None) / 1e6
+        stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
 
-            def separate_direct(phases=phases):  # the product's GEMV writes out itself
-                for w, x, out, n, k, spin, ctas, _ in phases:
-                    if w is None:
-                        err = lib.standin_launch(x.data_ptr(), out.data_ptr(), n, spin, ctas,
-                                                 stream())
-                    else:
-                        err = mma.stream_fn(x.data_ptr(), 1, w.data_ptr(), None, out.data_ptr(),
-                                            n, k, stream())
-                    assert not err, err
+        def separate_direct(phases=phases):  # the product's GEMV writes out itself
+            for w, x, out, n, k, spin, ctas, _ in phases:
+                if w is None:
+                    err = lib.standin_launch(x.data_ptr(), out.data_ptr(), n, spin, ctas,
+                                             stream())
+                else:
+                    err = mma.stream_fn(x.data_ptr(), 1, w.data_ptr(), None, out.data_ptr(),
+                                        n, k, stream())
+                assert not err, err
 
-            def persistent(ring, table=table, n_phases=len(phases), done=done):
-                def run():
+        def persistent(ring, table=table, n_phases=len(phases), done=done, arena=arena):
+            def run():
+                code, per_sm = RINGS[ring]
+                if code > 10000:
+                    arena.fill_(-0.0)
+                else:
                     done.zero_()
-                    err = lib.chain_launch(table.data_ptr(), n_phases, done.data_ptr(), sms,
-                                           RINGS[ring], stream())
-                    assert not err, lib.chain_error(err)
-                return run
+                err = lib.chain_launch(table.data_ptr(), n_phases, done.data_ptr(),
+                                       sms * per_sm, code, stream())
+                assert not err, lib.chain_error(err)
+            return run
 
-            what = "q/k/v, o and expert-sized GEMVs" if with_moe else "q/k/v and o GEMVs"
-            print(f"== {what}: {mb:.0f} MB a step, {mb / args.layers:.1f} MB a layer "
-                  f"({mb / bw * 1e3 / args.layers:.1f} us a layer at the copy bandwidth); "
-                  f"stand-ins {spins} ns", flush=True)
-            separate_direct()
+        what = ("one GEMV of 180,000 rows (per layer: the whole)" if spins_s == "stream" else
+                "q/k/v, o and expert-sized GEMVs" if with_moe else "q/k/v and o GEMVs")
+        print(f"== {what}: {mb:.0f} MB a step, {mb / args.layers:.1f} MB a layer "
+              f"({mb / bw * 1e3 / args.layers:.1f} us a layer at the copy bandwidth); "
+              f"stand-ins {spins} ns", flush=True)
+        separate_direct()
+        torch.cuda.synchronize()
+        ref = last.float().clone()
+        us = graph_us(separate_direct)
+        print(f"  separate launches      {us:8.1f} us a step {us / args.layers:6.2f} a layer"
+              f" {mb / us * 1e3:6.0f} GB/s", flush=True)
+        for ring in args.rings.split(","):
+            arena.fill_(float("nan"))
+            persistent(ring)()
             torch.cuda.synchronize()
-            ref = last.float().clone()
-            us = graph_us(separate_direct)
-            print(f"  separate launches      {us:8.1f} us a step {us / args.layers:6.2f} a layer"
-                  f" {mb / us * 1e3:6.0f} GB/s", flush=True)
-            for ring in args.rings.split(","):
-                for b in (x for x in keep if x.dtype == torch.bfloat16 and x.dim() == 1):
-                    if b.data_ptr() != phases[0][1].data_ptr():
-                        b.fill_(float("nan"))
-                persistent(ring)()
-                torch.cuda.synchronize()
-                worst = 0.0
-                for w, x, out, n, k, *_ in phases:
-                    if w is not None:
-                        want = w.float() @ x.float()
-                        err = ((out.float() - want).norm() / want.norm()).item()
-                        worst = max(worst, err) if err == err else float("inf")
-                    else:
-                        assert torch.equal(out, x[:n]), "a stand-in's copy differs"
-                us = graph_us(persistent(ring))
-                end = (last.float() - ref).norm() / ref.norm()
-                print(f"  persistent, ring {ring:6s} {us:8.1f} us a step {us / args.layers:6.2f}"
-                      f" a layer {mb / us * 1e3:6.0f} GB/s | worst GEMV error {worst:.1e}, last"
-                      f" output against the separate run {end:.1e}", flush=True)
-                assert worst < 1e-2
+            worst = 0.0
+            for w, x, out, n, k, *_ in phases:
+                if w is not None:
+                    want = w.float() @ x[:k].float()
+                    err = ((out.float() - want).norm() / want.norm()).item()
+                    worst = max(worst, err) if err == err else float("inf")
+                else:
+                    assert torch.equal(out, x[:n]), "a stand-in's copy differs"
+            us = graph_us(persistent(ring))
+            end = (last.float() - ref).norm() / ref.norm()
+            print(f"  persistent, ring {ring:6s} {us:8.1f} us a step {us / args.layers:6.2f}"
+                  f" a layer {mb / us * 1e3:6.0f} GB/s | worst GEMV error {worst:.1e}, last"
+                  f" output against the separate run {end:.1e}", flush=True)
+            assert worst < 1e-2
 
 
 if __name__ == "__main__":

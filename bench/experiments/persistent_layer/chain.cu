@@ -72,6 +72,30 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void red_release(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+// Lamport: a bf16 -0.0 (0x8000) is "not written yet"; writers store +0.0 for it
+__device__ __forceinline__ bool unwritten(uint32_t w) {
+  return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u;
+}
+__device__ __forceinline__ bool unwritten(uint4 v) {
+  return unwritten(v.x) || unwritten(v.y) || unwritten(v.z) || unwritten(v.w);
+}
+__device__ __forceinline__ uint4 wait_written(const uint4* p) {
+  uint4 v = load_volatile(p);
+  while (unwritten(v)) v = load_volatile(p);
+  return v;
+}
+__device__ __forceinline__ __nv_bfloat16 written(float v) {
+  return __float2bfloat16(v == 0.f ? 0.f : v);  // -0.0 -> +0.0
+}
+
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -103,7 +127,10 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   return acc;
 }
 
-template <int SLOTS, int SLOT_BYTES>
+// LAMPORT: no counter; every activation buffer starts at -0.0 (the host fills them before the
+// launch), a reader polls its x until no element is -0.0, and a program takes part only in the
+// phases it has work in.
+template <int SLOTS, int SLOT_BYTES, bool LAMPORT>
 __global__ void __launch_bounds__(THREADS, 1)
     chain_persistent(const Phase* __restrict__ phases, int n_phases, unsigned* done) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -126,7 +153,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int p = 0; p < n_phases; ++p) {
         const Phase ph = phases[p];
         if (!ph.w) continue;
-        if (ph.dep)
+        if (ph.dep && LAMPORT)
+          wait_written(reinterpret_cast<const uint4*>(ph.x));
+        else if (ph.dep)
           while (ld_acquire(done) < (unsigned)p * gridDim.x) {
           }
         const int row_bytes = 2 * ph.K, per_chunk = SLOT_BYTES / row_bytes;
@@ -148,7 +177,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   int i = 0;
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
-    if (p) {  // every program is done with the phase before
+    if (p && !LAMPORT) {  // every program is done with the phase before
       if (threadIdx.x == 0)
         while (ld_acquire(done) < (unsigned)p * gridDim.x) {
         }
@@ -157,7 +186,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (ph.w) {
       const int kv = ph.K >> 3, row_bytes = 2 * ph.K, per_chunk = SLOT_BYTES / row_bytes;
       for (int j = threadIdx.x; j < kv; j += WARPS * 32)
-        xs[j] = __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
+        xs[j] = LAMPORT ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
+                        : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
       consumers_sync();
       int r0, r1;
       my_rows(ph.N, r0, r1);
@@ -170,19 +200,24 @@ __global__ void __launch_bounds__(THREADS, 1)
           for (int j = lane; j < kv; j += 32) acc = dot8(wr[j], xs[j], acc);
 #pragma unroll
           for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-          if (lane == 0) ph.out[r + rr] = __float2bfloat16(acc);
+          if (lane == 0) ph.out[r + rr] = LAMPORT ? written(acc) : __float2bfloat16(acc);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[s]);
       }
-    } else if ((int)blockIdx.x < ph.ctas) {
+    } else if ((int)blockIdx.x < ph.ctas) {  // a stand-in: N in 8s
+      const int per = (ph.N / 8 + ph.ctas - 1) / ph.ctas,
+                end = min(ph.N / 8, ((int)blockIdx.x + 1) * per);
+      const uint4* x = reinterpret_cast<const uint4*>(ph.x);
+      if (LAMPORT)
+        for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32) wait_written(x + j);
+      consumers_sync();
       if (threadIdx.x == 0) spin(ph.spin_ns);
       consumers_sync();
-      const int per = (ph.N + ph.ctas - 1) / ph.ctas, end = min(ph.N, ((int)blockIdx.x + 1) * per);
       for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32)
-        reinterpret_cast<unsigned short*>(ph.out)[j] =
-            __ldcg(reinterpret_cast<const unsigned short*>(ph.x) + j);
+        reinterpret_cast<uint4*>(ph.out)[j] = __ldcg(x + j);
     }
+    if (LAMPORT) continue;
     consumers_sync();  // this program's outputs are written: publish them
     if (threadIdx.x == 0) {
       __threadfence();
@@ -199,10 +234,10 @@ __global__ void standin(const unsigned short* __restrict__ x, unsigned short* __
   for (int j = blockIdx.x * per + threadIdx.x; j < end; j += blockDim.x) out[j] = x[j];
 }
 
-template <int SLOTS, int SLOT_BYTES>
+template <int SLOTS, int SLOT_BYTES, bool LAMPORT>
 int launch(const void* phases, int n, void* done, int grid, cudaStream_t stream) {
   const int bytes = SLOTS * SLOT_BYTES + X_BYTES + 2 * SLOTS * 8;
-  auto k = chain_persistent<SLOTS, SLOT_BYTES>;
+  auto k = chain_persistent<SLOTS, SLOT_BYTES, LAMPORT>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, THREADS, bytes, stream>>>(static_cast<const Phase*>(phases), n,
@@ -216,10 +251,15 @@ extern "C" int chain_phase_bytes() { return (int)sizeof(Phase); }
 
 extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int ring,
                             cudaStream_t stream) {
-  switch (ring) {  // slots x KiB a slot
-    case 364: return launch<3, 65536>(phases, n, done, grid, stream);
-    case 632: return launch<6, 32768>(phases, n, done, grid, stream);
-    case 1216: return launch<12, 16384>(phases, n, done, grid, stream);
+  switch (ring) {  // slots x KiB a slot; + 10000: Lamport (no counter)
+    case 10632: return launch<6, 32768, true>(phases, n, done, grid, stream);
+    case 10364: return launch<3, 65536, true>(phases, n, done, grid, stream);
+    case 11216: return launch<12, 16384, true>(phases, n, done, grid, stream);
+    case 364: return launch<3, 65536, false>(phases, n, done, grid, stream);
+    case 632: return launch<6, 32768, false>(phases, n, done, grid, stream);
+    case 1216: return launch<12, 16384, false>(phases, n, done, grid, stream);
+    case 332: return launch<3, 32768, false>(phases, n, done, grid, stream);  // two programs an SM
+    case 616: return launch<6, 16384, false>(phases, n, done, grid, stream);
     default: return -1;
   }
 }
