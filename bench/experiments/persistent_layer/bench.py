@@ -26,10 +26,11 @@ from tinyoss.kernels import moe_gemv_mma, nvcc_build  # noqa: E402
 
 HIDDEN, QKV, ATTN, GATE_UP, DOWN = 2880, 5120, 4096, 6112, 3056
 # ring: (slots x KiB a slot, programs an SM)
-# (an L: no counter, readers poll their x until no element is -0.0, Lamport's trick)
+# (an L: no counter, readers poll their x until no element is -0.0, Lamport's trick; LD: and a
+# quarter of each GEMV's rows claimed a chunk at a time by whichever program is free)
 RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (332, 2),
          "6x16Kx2": (616, 2), "3x64K L": (10364, 1), "6x32K L": (10632, 1),
-         "12x16K L": (11216, 1)}
+         "12x16K L": (11216, 1), "6x32K LD": (20632, 1), "12x16K LD": (21216, 1)}
 
 
 def load_lib() -> ctypes.CDLL:
@@ -146,7 +147,7 @@ def main() -> None:
                                             dep=0 if args.no_dep else 1)
             arena = keep[1]
         table = pack(phases, dev)
-        done = torch.zeros(1, dtype=torch.int32, device=dev)
+        done = torch.zeros(1 + len(phases), dtype=torch.int32, device=dev)  # + DYN's claims
         mb = sum(w.numel() * 2 for w, *_ in phases if w is not None) / 1e6
         stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
 
@@ -165,7 +166,7 @@ def main() -> None:
                 code, per_sm = RINGS[ring]
                 if code > 10000:
                     arena.fill_(-0.0)
-                else:
+                if code < 10000 or code > 20000:
                     done.zero_()
                 err = lib.chain_launch(table.data_ptr(), n_phases, done.data_ptr(),
                                        sms * per_sm, code, stream())

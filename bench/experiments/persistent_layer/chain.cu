@@ -129,8 +129,11 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 
 // LAMPORT: no counter; every activation buffer starts at -0.0 (the host fills them before the
 // launch), a reader polls its x until no element is -0.0, and a program takes part only in the
-// phases it has work in.
-template <int SLOTS, int SLOT_BYTES, bool LAMPORT>
+// phases it has work in. DYN (with LAMPORT): a program's static share is 3/4 of an even split;
+// the rest of a phase's rows are claimed a chunk at a time (an atomic counter a phase,
+// done[1 + p], zeroed before the launch) by whichever producer gets there first, and every slot
+// carries its rows (a slot of 0 rows ends the phase), so faster programs take more.
+template <int SLOTS, int SLOT_BYTES, bool LAMPORT, bool DYN = false>
 __global__ void __launch_bounds__(THREADS, 1)
     chain_persistent(const Phase* __restrict__ phases, int n_phases, unsigned* done) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -138,6 +141,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint4* xs = reinterpret_cast<uint4*>(smem + SLOTS * SLOT_BYTES);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SLOTS * SLOT_BYTES + X_BYTES);
   uint64_t* empty = full + SLOTS;
+  int* meta = reinterpret_cast<int*>(empty + SLOTS);  // DYN: [SLOTS][2] first row, rows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < SLOTS; ++s) {
@@ -159,6 +163,33 @@ __global__ void __launch_bounds__(THREADS, 1)
           while (ld_acquire(done) < (unsigned)p * gridDim.x) {
           }
         const int row_bytes = 2 * ph.K, per_chunk = SLOT_BYTES / row_bytes;
+        if constexpr (DYN) {
+          auto issue = [&](int row0, int rows) {  // rows == 0 ends the phase
+            const int s = i % SLOTS, round = i / SLOTS;
+            if (round) mbar_wait(&empty[s], (round - 1) & 1);
+            meta[2 * s] = row0;
+            meta[2 * s + 1] = rows;
+            if (rows) {
+              mbar_expect(&full[s], (uint32_t)(rows * row_bytes));
+              bulk_copy(ring + s * SLOT_BYTES,
+                        reinterpret_cast<const uint8_t*>(ph.w) + (long)row0 * row_bytes,
+                        (uint32_t)(rows * row_bytes), &full[s]);
+            } else {
+              mbar_arrive(&full[s]);
+            }
+            ++i;
+          };
+          const int share = ph.N * 3 / 4 / (int)gridDim.x, pool = share * (int)gridDim.x;
+          for (int r = blockIdx.x * share; r < ((int)blockIdx.x + 1) * share; r += per_chunk)
+            issue(r, min(per_chunk, ((int)blockIdx.x + 1) * share - r));
+          for (;;) {
+            const int r = pool + per_chunk * (int)atomicAdd(done + 1 + p, 1u);
+            if (r >= ph.N) break;
+            issue(r, min(per_chunk, ph.N - r));
+          }
+          issue(0, 0);
+          continue;
+        }
         int r0, r1;
         my_rows(ph.N, r0, r1);
         for (int r = r0; r < r1; r += per_chunk, ++i) {
@@ -185,10 +216,35 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if (ph.w) {
       const int kv = ph.K >> 3, row_bytes = 2 * ph.K, per_chunk = SLOT_BYTES / row_bytes;
+      if (LAMPORT) consumers_sync();  // every warp is done with the last phase's x
       for (int j = threadIdx.x; j < kv; j += WARPS * 32)
         xs[j] = LAMPORT ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
                         : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
       consumers_sync();
+      if constexpr (DYN) {
+        for (int q = 0;; ++i) {  // q: rows of this phase so far here
+          const int s = i % SLOTS;
+          mbar_wait(&full[s], (i / SLOTS) & 1);
+          const int r = meta[2 * s], rows = meta[2 * s + 1];
+          for (int rr = (warp - q) & (WARPS - 1); rr < rows; rr += WARPS) {
+            const uint4* wr =
+                reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES + rr * row_bytes);
+            float acc = 0.f;
+            for (int j = lane; j < kv; j += 32) acc = dot8(wr[j], xs[j], acc);
+#pragma unroll
+            for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) ph.out[r + rr] = written(acc);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+          if (!rows) {
+            ++i;
+            break;
+          }
+          q += rows;
+        }
+        continue;
+      }
       int r0, r1;
       my_rows(ph.N, r0, r1);
       for (int r = r0; r < r1; r += per_chunk, ++i) {
@@ -234,10 +290,10 @@ __global__ void standin(const unsigned short* __restrict__ x, unsigned short* __
   for (int j = blockIdx.x * per + threadIdx.x; j < end; j += blockDim.x) out[j] = x[j];
 }
 
-template <int SLOTS, int SLOT_BYTES, bool LAMPORT>
+template <int SLOTS, int SLOT_BYTES, bool LAMPORT, bool DYN = false>
 int launch(const void* phases, int n, void* done, int grid, cudaStream_t stream) {
-  const int bytes = SLOTS * SLOT_BYTES + X_BYTES + 2 * SLOTS * 8;
-  auto k = chain_persistent<SLOTS, SLOT_BYTES, LAMPORT>;
+  const int bytes = SLOTS * SLOT_BYTES + X_BYTES + 2 * SLOTS * 8 + 2 * SLOTS * 4;
+  auto k = chain_persistent<SLOTS, SLOT_BYTES, LAMPORT, DYN>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, THREADS, bytes, stream>>>(static_cast<const Phase*>(phases), n,
@@ -251,7 +307,9 @@ extern "C" int chain_phase_bytes() { return (int)sizeof(Phase); }
 
 extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int ring,
                             cudaStream_t stream) {
-  switch (ring) {  // slots x KiB a slot; + 10000: Lamport (no counter)
+  switch (ring) {  // slots x KiB a slot; + 10000: Lamport (no counter); + 20000: and DYN
+    case 20632: return launch<6, 32768, true, true>(phases, n, done, grid, stream);
+    case 21216: return launch<12, 16384, true, true>(phases, n, done, grid, stream);
     case 10632: return launch<6, 32768, true>(phases, n, done, grid, stream);
     case 10364: return launch<3, 65536, true>(phases, n, done, grid, stream);
     case 11216: return launch<12, 16384, true>(phases, n, done, grid, stream);
