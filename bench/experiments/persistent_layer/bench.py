@@ -26,11 +26,13 @@ from tinyoss.kernels import moe_gemv_mma, nvcc_build  # noqa: E402
 
 HIDDEN, QKV, ATTN, GATE_UP, DOWN = 2880, 5120, 4096, 6112, 3056
 # ring: (slots x KiB a slot, programs an SM)
-# (an L: no counter, readers poll their x until no element is -0.0, Lamport's trick; LD: and a
-# quarter of each GEMV's rows claimed a chunk at a time by whichever program is free)
+# (an L: no counter, readers poll their x until no element is -0.0, Lamport's trick; D: and a
+# quarter of each GEMV's rows claimed a chunk at a time by whichever program is free; 2: two
+# rings, the experts' rows in one and q/k/v's and o's in the other)
 RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (332, 2),
          "6x16Kx2": (616, 2), "3x64K L": (10364, 1), "6x32K L": (10632, 1),
-         "12x16K L": (11216, 1), "6x32K LD": (20632, 1), "12x16K LD": (21216, 1)}
+         "12x16K L": (11216, 1), "6x32K LD": (30632, 1), "12x16K LD": (31216, 1),
+         "12x16K L2": (51216, 1), "12x16K LD2": (71216, 1)}
 
 
 def load_lib() -> ctypes.CDLL:
@@ -49,7 +51,7 @@ def load_lib() -> ctypes.CDLL:
 
 def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_moe: bool,
                dep: int = 1):
-    """Phases (w, x, out, n, k, spin, ctas, dep) of `layers` layers, the tensors they use (the
+    """Phases (w, x, out, n, k, spin, ctas, dep, ring) of `layers` layers, the tensors they use (the
     second: every activation but the first input, in one buffer) and the last output."""
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -66,18 +68,18 @@ def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_mo
         up, down = (next(parts), next(parts)) if with_moe else (None, None)
         nxt = next(parts)
         w_qkv, w_o = weight(QKV, HIDDEN), weight(HIDDEN, ATTN)
-        layer = [(w_qkv, h, qkv, QKV, HIDDEN, 0, 0, 0),
-                 (None, qkv, attn, ATTN, 0, spins[0], ctas, 0),
-                 (w_o, attn, o, HIDDEN, ATTN, 0, 0, 0),
-                 (None, o, normed, HIDDEN, 0, spins[1], ctas, 0)]
+        layer = [(w_qkv, h, qkv, QKV, HIDDEN, 0, 0, 0, 0),
+                 (None, qkv, attn, ATTN, 0, spins[0], ctas, 0, 0),
+                 (w_o, attn, o, HIDDEN, ATTN, 0, 0, 0, 0),
+                 (None, o, normed, HIDDEN, 0, spins[1], ctas, 0, 0)]
         if with_moe:
             w_up, w_down = weight(GATE_UP, HIDDEN), weight(DOWN, HIDDEN)
-            layer += [(w_up, normed, up, GATE_UP, HIDDEN, 0, 0, dep),
-                      (w_down, up, down, DOWN, HIDDEN, 0, 0, 0),
-                      (None, down, nxt, HIDDEN, 0, spins[2], ctas, 0)]
+            layer += [(w_up, normed, up, GATE_UP, HIDDEN, 0, 0, dep, 1),
+                      (w_down, up, down, DOWN, HIDDEN, 0, 0, 0, 1),
+                      (None, down, nxt, HIDDEN, 0, spins[2], ctas, 0, 0)]
             keep += [w_up, w_down]
         else:
-            layer += [(None, normed, nxt, HIDDEN, 0, spins[2], ctas, 0)]
+            layer += [(None, normed, nxt, HIDDEN, 0, spins[2], ctas, 0, 0)]
         phases += layer
         keep += [w_qkv, w_o]
         h = nxt
@@ -86,8 +88,8 @@ def build_step(layers: int, spins: tuple[int, int, int], ctas: int, dev, with_mo
 
 def pack(phases, dev) -> torch.Tensor:
     raw = b"".join(struct.pack("QQQiiiiii", w.data_ptr() if w is not None else 0, x.data_ptr(),
-                               out.data_ptr(), n, k, spin, ctas, dep, 0)
-                   for w, x, out, n, k, spin, ctas, dep in phases)
+                               out.data_ptr(), n, k, spin, ctas, dep, ring)
+                   for w, x, out, n, k, spin, ctas, dep, ring in phases)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
 
 
@@ -139,7 +141,7 @@ def main() -> None:
             w = (torch.randn(180_000, HIDDEN, device=dev) / HIDDEN**0.5).to(torch.bfloat16)
             h = torch.randn(HIDDEN, device=dev).to(torch.bfloat16)
             last = torch.empty(180_000, device=dev, dtype=torch.bfloat16)
-            phases, keep = [(w, h, last, 180_000, HIDDEN, 0, 0, 0)], [h, last]
+            phases, keep = [(w, h, last, 180_000, HIDDEN, 0, 0, 0, 0)], [h, last]
             arena = last
         else:
             spins = tuple(int(s) for s in spins_s.split(","))
@@ -152,7 +154,7 @@ def main() -> None:
         stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
 
         def separate_direct(phases=phases):  # the product's GEMV writes out itself
-            for w, x, out, n, k, spin, ctas, _ in phases:
+            for w, x, out, n, k, spin, ctas, *_ in phases:
                 if w is None:
                     err = lib.standin_launch(x.data_ptr(), out.data_ptr(), n, spin, ctas,
                                              stream())
@@ -164,9 +166,9 @@ def main() -> None:
         def persistent(ring, table=table, n_phases=len(phases), done=done, arena=arena):
             def run():
                 code, per_sm = RINGS[ring]
-                if code > 10000:
+                if code > 10000:  # Lamport: every activation unwritten
                     arena.fill_(-0.0)
-                if code < 10000 or code > 20000:
+                if code < 10000 or (code // 10000) & 2:  # the counter, or the claims
                     done.zero_()
                 err = lib.chain_launch(table.data_ptr(), n_phases, done.data_ptr(),
                                        sms * per_sm, code, stream())

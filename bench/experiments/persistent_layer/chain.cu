@@ -11,8 +11,9 @@
 // this program's rows of every GEMV, in order, into SLOTS slots as they free (an mbarrier pair a
 // slot), without waiting for any phase, except before a phase marked `dep` (the experts: their
 // rows are known only after routing). Warps 0..WARPS-1 wait for the previous phase on every
-// program (a counter in global memory), read x, and take rows q = warp (mod WARPS) of this
-// program's share from the ring. standin: the separate-launch stand-in kernel.
+// program (a counter in global memory, or Lamport polling: MODE below), read x, and take rows
+// q = warp (mod WARPS) of this program's share from the ring. standin: the separate-launch
+// stand-in kernel.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,10 +27,12 @@ struct Phase {
   __nv_bfloat16* out;      // [N]
   int N, K;
   int spin_ns, ctas;  // a stand-in's
-  int dep, pad;       // dep: this GEMV's rows may load only after the phase before it
+  int dep;   // this GEMV's rows may load only after the phase before it
+  int ring;  // MODE TWO: 0 rows known ahead, 1 the experts'
+
 };
 
-constexpr int WARPS = 8, THREADS = (WARPS + 1) * 32, X_BYTES = 8192;
+constexpr int WARPS = 8, THREADS = (WARPS + 2) * 32, X_BYTES = 8192;
 
 __device__ __forceinline__ uint32_t saddr(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);
@@ -110,13 +113,6 @@ __device__ __forceinline__ void spin(int ns) {
   }
 }
 
-// this program's rows [r0, r1) of an N-row GEMV
-__device__ __forceinline__ void my_rows(int N, int& r0, int& r1) {
-  const int per = (N + gridDim.x - 1) / gridDim.x;
-  r0 = min(N, (int)blockIdx.x * per);
-  r1 = min(N, r0 + per);
-}
-
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -127,21 +123,79 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   return acc;
 }
 
-// LAMPORT: no counter; every activation buffer starts at -0.0 (the host fills them before the
-// launch), a reader polls its x until no element is -0.0, and a program takes part only in the
-// phases it has work in. DYN (with LAMPORT): a program's static share is 3/4 of an even split;
-// the rest of a phase's rows are claimed a chunk at a time (an atomic counter a phase,
-// done[1 + p], zeroed before the launch) by whichever producer gets there first, and every slot
-// carries its rows (a slot of 0 rows ends the phase), so faster programs take more.
-template <int SLOTS, int SLOT_BYTES, bool LAMPORT, bool DYN = false>
+// MODE bits. 1, Lamport: no counter; every activation buffer starts at -0.0 (the host fills
+// them before the launch), a reader polls its x until no element is -0.0, and a program takes
+// part only in the phases it has work in. 2, dynamic tails (with 1): a program's static share is
+// 3/4 of an even split; the rest of a phase's rows are claimed a chunk at a time (an atomic
+// counter a phase, done[1 + p], zeroed before the launch) by whichever producer gets there
+// first. 4, two rings (with 1): the slots split in halves, one for the GEMVs whose rows are known
+// ahead (ring 0: q/k/v, o) and one for the experts' (ring 1, Phase::ring), each with its own
+// producer warp, so the next layer's q/k/v can stream while the experts wait for routing.
+// Every slot carries its first row and row count; a slot of 0 rows ends a program's phase.
+constexpr int LAMPORT = 1, DYN = 2, TWO = 4;
+
+struct Ring {
+  uint8_t* data;
+  uint64_t* full;
+  uint64_t* empty;
+  int* meta;  // [slots][2]: first row, rows
+  int slots;
+};
+
+template <int SLOT_BYTES, int MODE>
+__device__ void produce(const Phase* __restrict__ phases, int n_phases, unsigned* done,
+                        const Ring& R, int which) {
+  int i = 0;
+  auto issue = [&](const Phase& ph, int row0, int rows) {  // rows == 0 ends the phase
+    const int s = i % R.slots, round = i / R.slots, row_bytes = 2 * ph.K;
+    if (round) mbar_wait(&R.empty[s], (round - 1) & 1);
+    R.meta[2 * s] = row0;
+    R.meta[2 * s + 1] = rows;
+    if (rows) {
+      mbar_expect(&R.full[s], (uint32_t)(rows * row_bytes));
+      bulk_copy(R.data + (long)s * SLOT_BYTES,
+                reinterpret_cast<const uint8_t*>(ph.w) + (long)row0 * row_bytes,
+                (uint32_t)(rows * row_bytes), &R.full[s]);
+    } else {
+      mbar_arrive(&R.full[s]);
+    }
+    ++i;
+  };
+  for (int p = 0; p < n_phases; ++p) {
+    const Phase ph = phases[p];
+    if (!ph.w || ((MODE & TWO) && ph.ring != which)) continue;
+    if (ph.dep && (MODE & LAMPORT))
+      wait_written(reinterpret_cast<const uint4*>(ph.x));
+    else if (ph.dep)
+      while (ld_acquire(done) < (unsigned)p * gridDim.x) {
+      }
+    const int per_chunk = SLOT_BYTES / (2 * ph.K), P = gridDim.x, c = blockIdx.x;
+    const int share = (MODE & DYN) ? ph.N * 3 / 4 / P : (ph.N + P - 1) / P;
+    const int r0 = min(ph.N, c * share), r1 = min(ph.N, r0 + share);
+    for (int r = r0; r < r1; r += per_chunk) issue(ph, r, min(per_chunk, r1 - r));
+    if (MODE & DYN)
+      for (;;) {
+        const int r = share * P + per_chunk * (int)atomicAdd(done + 1 + p, 1u);
+        if (r >= ph.N) break;
+        issue(ph, r, min(per_chunk, ph.N - r));
+      }
+    issue(ph, 0, 0);
+  }
+}
+
+template <int SLOTS, int SLOT_BYTES, int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     chain_persistent(const Phase* __restrict__ phases, int n_phases, unsigned* done) {
+  static_assert(MODE == 0 || (MODE & LAMPORT), "dynamic tails and two rings need Lamport");
+  static_assert(!(MODE & TWO) || SLOTS % 2 == 0, "two rings split the slots in halves");
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
   uint4* xs = reinterpret_cast<uint4*>(smem + SLOTS * SLOT_BYTES);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + SLOTS * SLOT_BYTES + X_BYTES);
   uint64_t* empty = full + SLOTS;
-  int* meta = reinterpret_cast<int*>(empty + SLOTS);  // DYN: [SLOTS][2] first row, rows
+  int* meta = reinterpret_cast<int*>(empty + SLOTS);
+  constexpr int PER = (MODE & TWO) ? SLOTS / 2 : SLOTS;
+  const Ring ring0{smem, full, empty, meta, PER},
+      ring1{smem + PER * SLOT_BYTES, full + PER, empty + PER, meta + 2 * PER, PER};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < SLOTS; ++s) {
@@ -151,121 +205,60 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == WARPS) {  // the producer
-    if (lane == 0) {
-      int i = 0;
-      for (int p = 0; p < n_phases; ++p) {
-        const Phase ph = phases[p];
-        if (!ph.w) continue;
-        if (ph.dep && LAMPORT)
-          wait_written(reinterpret_cast<const uint4*>(ph.x));
-        else if (ph.dep)
-          while (ld_acquire(done) < (unsigned)p * gridDim.x) {
-          }
-        const int row_bytes = 2 * ph.K, per_chunk = SLOT_BYTES / row_bytes;
-        if constexpr (DYN) {
-          auto issue = [&](int row0, int rows) {  // rows == 0 ends the phase
-            const int s = i % SLOTS, round = i / SLOTS;
-            if (round) mbar_wait(&empty[s], (round - 1) & 1);
-            meta[2 * s] = row0;
-            meta[2 * s + 1] = rows;
-            if (rows) {
-              mbar_expect(&full[s], (uint32_t)(rows * row_bytes));
-              bulk_copy(ring + s * SLOT_BYTES,
-                        reinterpret_cast<const uint8_t*>(ph.w) + (long)row0 * row_bytes,
-                        (uint32_t)(rows * row_bytes), &full[s]);
-            } else {
-              mbar_arrive(&full[s]);
-            }
-            ++i;
-          };
-          const int share = ph.N * 3 / 4 / (int)gridDim.x, pool = share * (int)gridDim.x;
-          for (int r = blockIdx.x * share; r < ((int)blockIdx.x + 1) * share; r += per_chunk)
-            issue(r, min(per_chunk, ((int)blockIdx.x + 1) * share - r));
-          for (;;) {
-            const int r = pool + per_chunk * (int)atomicAdd(done + 1 + p, 1u);
-            if (r >= ph.N) break;
-            issue(r, min(per_chunk, ph.N - r));
-          }
-          issue(0, 0);
-          continue;
-        }
-        int r0, r1;
-        my_rows(ph.N, r0, r1);
-        for (int r = r0; r < r1; r += per_chunk, ++i) {
-          const int s = i % SLOTS, round = i / SLOTS;
-          if (round) mbar_wait(&empty[s], (round - 1) & 1);
-          const uint32_t bytes = (uint32_t)(min(per_chunk, r1 - r) * row_bytes);
-          mbar_expect(&full[s], bytes);
-          bulk_copy(ring + s * SLOT_BYTES,
-                    reinterpret_cast<const uint8_t*>(ph.w) + (long)r * row_bytes, bytes,
-                    &full[s]);
-        }
-      }
-    }
+  if (warp >= WARPS) {  // producers: warp WARPS for ring 0 (or the one ring), WARPS + 1 ring 1
+    if (lane == 0 && warp == WARPS)
+      produce<SLOT_BYTES, MODE>(phases, n_phases, done, ring0, 0);
+    else if (lane == 0 && (MODE & TWO))
+      produce<SLOT_BYTES, MODE>(phases, n_phases, done, ring1, 1);
     return;
   }
-  int i = 0;
+  int next0 = 0, next1 = 0;  // each ring's next slot use
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
-    if (p && !LAMPORT) {  // every program is done with the phase before
+    if (p && !(MODE & LAMPORT)) {  // every program is done with the phase before
       if (threadIdx.x == 0)
         while (ld_acquire(done) < (unsigned)p * gridDim.x) {
         }
       consumers_sync();
     }
     if (ph.w) {
-      const int kv = ph.K >> 3, row_bytes = 2 * ph.K, per_chunk = SLOT_BYTES / row_bytes;
-      if (LAMPORT) consumers_sync();  // every warp is done with the last phase's x
+      const int kv = ph.K >> 3, row_bytes = 2 * ph.K;
+      const bool second = (MODE & TWO) && ph.ring;
+      const Ring R = second ? ring1 : ring0;
+      int i = second ? next1 : next0;
+      if (MODE & LAMPORT) consumers_sync();  // every warp is done with the last phase's x
       for (int j = threadIdx.x; j < kv; j += WARPS * 32)
-        xs[j] = LAMPORT ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
-                        : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
+        xs[j] = (MODE & LAMPORT) ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
+                                 : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
       consumers_sync();
-      if constexpr (DYN) {
-        for (int q = 0;; ++i) {  // q: rows of this phase so far here
-          const int s = i % SLOTS;
-          mbar_wait(&full[s], (i / SLOTS) & 1);
-          const int r = meta[2 * s], rows = meta[2 * s + 1];
-          for (int rr = (warp - q) & (WARPS - 1); rr < rows; rr += WARPS) {
-            const uint4* wr =
-                reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES + rr * row_bytes);
-            float acc = 0.f;
-            for (int j = lane; j < kv; j += 32) acc = dot8(wr[j], xs[j], acc);
-#pragma unroll
-            for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (lane == 0) ph.out[r + rr] = written(acc);
-          }
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[s]);
-          if (!rows) {
-            ++i;
-            break;
-          }
-          q += rows;
-        }
-        continue;
-      }
-      int r0, r1;
-      my_rows(ph.N, r0, r1);
-      for (int r = r0; r < r1; r += per_chunk, ++i) {
-        const int s = i % SLOTS, rows = min(per_chunk, r1 - r);
-        mbar_wait(&full[s], (i / SLOTS) & 1);
-        for (int rr = (warp - (r - r0)) & (WARPS - 1); rr < rows; rr += WARPS) {
-          const uint4* wr = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES + rr * row_bytes);
+      for (int q = 0;; ++i) {  // q: this phase's rows so far in this program
+        const int s = i % R.slots;
+        mbar_wait(&R.full[s], (i / R.slots) & 1);
+        const int r = R.meta[2 * s], rows = R.meta[2 * s + 1];
+        for (int rr = (warp - q) & (WARPS - 1); rr < rows; rr += WARPS) {
+          const uint4* wr =
+              reinterpret_cast<const uint4*>(R.data + (long)s * SLOT_BYTES + rr * row_bytes);
           float acc = 0.f;
           for (int j = lane; j < kv; j += 32) acc = dot8(wr[j], xs[j], acc);
 #pragma unroll
           for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-          if (lane == 0) ph.out[r + rr] = LAMPORT ? written(acc) : __float2bfloat16(acc);
+          if (lane == 0)
+            ph.out[r + rr] = (MODE & LAMPORT) ? written(acc) : __float2bfloat16(acc);
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
+        if (lane == 0) mbar_arrive(&R.empty[s]);
+        if (!rows) {
+          ++i;
+          break;
+        }
+        q += rows;
       }
+      (second ? next1 : next0) = i;
     } else if ((int)blockIdx.x < ph.ctas) {  // a stand-in: N in 8s
       const int per = (ph.N / 8 + ph.ctas - 1) / ph.ctas,
                 end = min(ph.N / 8, ((int)blockIdx.x + 1) * per);
       const uint4* x = reinterpret_cast<const uint4*>(ph.x);
-      if (LAMPORT)
+      if (MODE & LAMPORT)
         for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32) wait_written(x + j);
       consumers_sync();
       if (threadIdx.x == 0) spin(ph.spin_ns);
@@ -273,7 +266,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32)
         reinterpret_cast<uint4*>(ph.out)[j] = __ldcg(x + j);
     }
-    if (LAMPORT) continue;
+    if (MODE & LAMPORT) continue;
     consumers_sync();  // this program's outputs are written: publish them
     if (threadIdx.x == 0) {
       __threadfence();
@@ -290,10 +283,10 @@ __global__ void standin(const unsigned short* __restrict__ x, unsigned short* __
   for (int j = blockIdx.x * per + threadIdx.x; j < end; j += blockDim.x) out[j] = x[j];
 }
 
-template <int SLOTS, int SLOT_BYTES, bool LAMPORT, bool DYN = false>
+template <int SLOTS, int SLOT_BYTES, int MODE>
 int launch(const void* phases, int n, void* done, int grid, cudaStream_t stream) {
   const int bytes = SLOTS * SLOT_BYTES + X_BYTES + 2 * SLOTS * 8 + 2 * SLOTS * 4;
-  auto k = chain_persistent<SLOTS, SLOT_BYTES, LAMPORT, DYN>;
+  auto k = chain_persistent<SLOTS, SLOT_BYTES, MODE>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, THREADS, bytes, stream>>>(static_cast<const Phase*>(phases), n,
@@ -305,19 +298,22 @@ int launch(const void* phases, int n, void* done, int grid, cudaStream_t stream)
 
 extern "C" int chain_phase_bytes() { return (int)sizeof(Phase); }
 
+// ring: slots x KiB a slot (332, 616: two programs an SM) + 10000 x MODE
 extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int ring,
                             cudaStream_t stream) {
-  switch (ring) {  // slots x KiB a slot; + 10000: Lamport (no counter); + 20000: and DYN
-    case 20632: return launch<6, 32768, true, true>(phases, n, done, grid, stream);
-    case 21216: return launch<12, 16384, true, true>(phases, n, done, grid, stream);
-    case 10632: return launch<6, 32768, true>(phases, n, done, grid, stream);
-    case 10364: return launch<3, 65536, true>(phases, n, done, grid, stream);
-    case 11216: return launch<12, 16384, true>(phases, n, done, grid, stream);
-    case 364: return launch<3, 65536, false>(phases, n, done, grid, stream);
-    case 632: return launch<6, 32768, false>(phases, n, done, grid, stream);
-    case 1216: return launch<12, 16384, false>(phases, n, done, grid, stream);
-    case 332: return launch<3, 32768, false>(phases, n, done, grid, stream);  // two programs an SM
-    case 616: return launch<6, 16384, false>(phases, n, done, grid, stream);
+  switch (ring) {
+    case 364: return launch<3, 65536, 0>(phases, n, done, grid, stream);
+    case 632: return launch<6, 32768, 0>(phases, n, done, grid, stream);
+    case 1216: return launch<12, 16384, 0>(phases, n, done, grid, stream);
+    case 332: return launch<3, 32768, 0>(phases, n, done, grid, stream);
+    case 616: return launch<6, 16384, 0>(phases, n, done, grid, stream);
+    case 10364: return launch<3, 65536, LAMPORT>(phases, n, done, grid, stream);
+    case 10632: return launch<6, 32768, LAMPORT>(phases, n, done, grid, stream);
+    case 11216: return launch<12, 16384, LAMPORT>(phases, n, done, grid, stream);
+    case 30632: return launch<6, 32768, LAMPORT | DYN>(phases, n, done, grid, stream);
+    case 31216: return launch<12, 16384, LAMPORT | DYN>(phases, n, done, grid, stream);
+    case 51216: return launch<12, 16384, LAMPORT | TWO>(phases, n, done, grid, stream);
+    case 71216: return launch<12, 16384, LAMPORT | DYN | TWO>(phases, n, done, grid, stream);
     default: return -1;
   }
 }
