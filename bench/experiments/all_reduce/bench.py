@@ -101,9 +101,9 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
     if rank == 0:
         print(f"{torch.cuda.get_device_name(device)} x {args.gpus}, NCCL "
               f"{'.'.join(map(str, torch.cuda.nccl.version()))}, torch {torch.__version__}; "
-              f"us a call, graphs of {args.calls} calls")
+              f"us a call, graphs of {args.calls} calls", flush=True)
         print(f"| tokens | {' | '.join(methods)} | {' | '.join(m + ' +norm' for m in methods)}"
-              f"{''.join(f' | {name} fused' for name in fused)} |")
+              f"{''.join(f' | {name} fused' for name in fused)} |", flush=True)
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     weight = torch.rand(HIDDEN, device=device, generator=torch.Generator(device=device)
                         .manual_seed(0)) + 0.5
