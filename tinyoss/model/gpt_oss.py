@@ -193,6 +193,10 @@ class VocabEmbedding(nn.Embedding):
         super().__init__(rows, hidden)
         self.start, self.kernels = start, kernels
 
+    def reset_parameters(self) -> None:
+        """Nothing: loading writes the weights. (nn.Embedding's random init, even on the meta
+        device, pulled in torch's Python decompositions: ~3.6 s of a CPU start-up.)"""
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernels.all_reduce is None:
             return super().forward(ids)
