@@ -64,6 +64,8 @@ def _collective() -> Iterator[None]:
 def all_reduce_setting() -> Setting:
     """TINYOSS_ALL_REDUCE, checked (rank 0 checks it before starting any worker)."""
     return resolve("all-reduce", None, ALL_REDUCE_ENV, ALL_REDUCE_CHOICES)
+
+
 FAST_MAX_BYTES = 512 * 1024  # a decode step of up to ~90 tokens at hidden size 2880 in bf16
 
 # NVLink multicast (NVLS) stays off, here and in every process tinyoss starts: on shared hosts a

@@ -22,6 +22,7 @@ decode step's worth), replayed `--reps` times: microseconds a call on rank 0.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import socket
 import sys
 import traceback
@@ -70,6 +71,8 @@ def time_graph(fn, calls: int, reps: int) -> float:
 
 
 def worker(rank: int, args: argparse.Namespace, init: str) -> None:
+    # a rank stuck in a rendezvous prints where, then exits (once it printed nothing in 90 s)
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)
     disable_multicast()
     device = torch.device("cuda", rank)
     group = Group(rank, args.gpus, device, init)
@@ -147,6 +150,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,4,8,16,32,64")
     p.add_argument("--calls", type=int, default=48, help="calls a graph (gpt-oss-20b: 48)")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--hang-s", type=float, default=120,
+                   help="a rank still running after this many seconds prints its stack and exits")
     p.add_argument("--build-flashinfer", action="store_true",
                    help="build FlashInfer's all-reduce where it is not built (minutes)")
     args = p.parse_args()
