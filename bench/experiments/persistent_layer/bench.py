@@ -33,6 +33,9 @@ RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (
          "6x16Kx2": (616, 2), "3x64K L": (10364, 1), "6x32K L": (10632, 1),
          "12x16K L": (11216, 1), "6x32K LD": (30632, 1), "12x16K LD": (31216, 1),
          "12x16K L2": (51216, 1), "12x16K LD2": (71216, 1)}
+TRACED = {"12x16K L": 91216, "12x16K LD": 111216}  # the same with TRACE (chain.cu)
+KINDS = {True: ("q/k/v", "attention", "o", "norm+router", "gate_up", "down", "combine"),
+         False: ("q/k/v", "attention", "o", "norm+router", "combine")}
 
 
 def load_lib() -> ctypes.CDLL:
@@ -45,6 +48,8 @@ def load_lib() -> ctypes.CDLL:
     lib.standin_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                    ctypes.c_int, ctypes.c_void_p]
     lib.chain_error.restype = ctypes.c_char_p
+    lib.chain_trace.argtypes = [ctypes.c_void_p]
+    lib.chain_trace_dims.argtypes = [ctypes.c_void_p]
     assert lib.chain_phase_bytes() == 48
     return lib
 
@@ -114,6 +119,52 @@ def graph_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def trace_table(lib, ring: str, phases, table, done, arena, sms: int, with_moe: bool) -> None:
+    """One traced launch of `ring`; prints where a layer's time goes, phase kind by phase kind,
+    averaged over the layers but the first and the last (us)."""
+    code, per_sm = RINGS[ring]
+    arena.fill_(-0.0)
+    done.zero_()
+    assert not lib.chain_trace_clear()
+    err = lib.chain_launch(table.data_ptr(), len(phases), done.data_ptr(), sms * per_sm,
+                           TRACED[ring], torch.cuda.current_stream().cuda_stream)
+    assert not err, lib.chain_error(err)
+    torch.cuda.synchronize()
+    dims = (ctypes.c_int * 3)()
+    lib.chain_trace_dims(dims)
+    progs, max_phases, fields = dims
+    raw = torch.empty(progs * max_phases * fields, dtype=torch.int64)
+    assert not lib.chain_trace(raw.data_ptr())
+    t = raw.view(progs, max_phases, fields)[: sms * per_sm].double()
+    c0, c1, g0, g1 = t[0, -1, 0], t[0, -1, 1], t[0, -1, 2], t[0, -1, 3]
+    ns_per_cycle = ((g1 - g0) / (c1 - c0)).item()
+    kinds = KINDS[with_moe]
+    n, rows = len(kinds), {k: [] for k in kinds}
+    end_last = None
+    for p in range(len(phases)):
+        took = t[:, p, 3] > 0  # the programs with a part in phase p
+        tp = t[took, p]
+        end = tp[:, 3].max().item()
+        if end_last is not None and n <= p < len(phases) - n:
+            cyc = lambda f: tp[:, f].mean().item() * ns_per_cycle / 1e3  # noqa: E731
+            rows[kinds[p % n]].append([
+                (end - end_last) / 1e3,                  # on the critical path
+                (tp[:, 7].min().item() - end_last) / 1e3,  # first reader's x after the last writer
+                (end - tp[:, 3].min().item()) / 1e3,     # last program's end after the first's
+                cyc(0), cyc(1), cyc(2), cyc(4), cyc(5), cyc(6), took.sum().item()])
+        end_last = end
+    print(f"  trace of ring {ring} ({ns_per_cycle:.3f} ns a cycle), us a phase, means over layers"
+          " and programs:\n  | phase | critical path | x seen after last write | end spread |"
+          " consumer: wait x | work | of it waiting data | producer: routing | issuing |"
+          " of it ring full | programs |\n  |" + "---|" * 11, flush=True)
+    total = 0.0
+    for k, vals in rows.items():
+        m = torch.tensor(vals).mean(0).tolist()
+        total += m[0]
+        print(f"  | {k} | " + " | ".join(f"{v:.2f}" for v in m[:-1]) + f" | {m[-1]:.0f} |")
+    print(f"  | layer | {total:.2f} | | | | | | | | | |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=24)
@@ -123,6 +174,8 @@ def main() -> None:
     p.add_argument("--rings", default=",".join(RINGS))
     p.add_argument("--no-dep", action="store_true",
                    help="let the ring load the expert-sized rows before the phase before them ends")
+    p.add_argument("--trace", action="store_true",
+                   help="and a traced launch of each ring in TRACED: where a layer's time goes")
     p.add_argument("--stream-only", action="store_true",
                    help="also one GEMV of 1 GB: the ring's bandwidth with no phase to wait for")
     args = p.parse_args()
@@ -204,6 +257,8 @@ def main() -> None:
                   f" a layer {mb / us * 1e3:6.0f} GB/s | worst GEMV error {worst:.1e}, last"
                   f" output against the separate run {end:.1e}", flush=True)
             assert worst < 1e-2
+            if args.trace and ring in TRACED and with_moe is not None:
+                trace_table(lib, ring, phases, table, done, arena, sms, with_moe)
 
 
 if __name__ == "__main__":

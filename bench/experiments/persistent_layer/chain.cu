@@ -132,7 +132,19 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 // ahead (ring 0: q/k/v, o) and one for the experts' (ring 1, Phase::ring), each with its own
 // producer warp, so the next layer's q/k/v can stream while the experts wait for routing.
 // Every slot carries its first row and row count; a slot of 0 rows ends a program's phase.
-constexpr int LAMPORT = 1, DYN = 2, TWO = 4;
+// 8, trace: each program records where its time goes a phase into g_trace (below).
+constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8;
+
+// TRACE: [program][phase][field], cycles unless said. Consumers (thread 0): 0 waiting for x,
+// 1 from x ready to the phase's end, 2 of which waiting for a full slot, 3 globaltimer (ns) at
+// the end, 7 globaltimer when x was ready. Producer: 4 waiting for the routing (dep), 5 issuing
+// the phase's rows, 6 of which waiting for an empty slot. Phase MAX_PHASES - 1: the kernel's
+// first and last clock64 and globaltimer (fields 0-3), to turn cycles into ns.
+constexpr int MAX_PROGRAMS = 264, MAX_PHASES = 256, FIELDS = 8;
+__device__ unsigned long long g_trace[MAX_PROGRAMS * MAX_PHASES * FIELDS];
+__device__ __forceinline__ unsigned long long& tr(int p, int f) {
+  return g_trace[((long)blockIdx.x * MAX_PHASES + p) * FIELDS + f];
+}
 
 struct Ring {
   uint8_t* data;
@@ -146,9 +158,12 @@ template <int SLOT_BYTES, int MODE>
 __device__ void produce(const Phase* __restrict__ phases, int n_phases, unsigned* done,
                         const Ring& R, int which) {
   int i = 0;
+  long long waited = 0;  // TRACE: cycles waiting for empty slots in this phase
   auto issue = [&](const Phase& ph, int row0, int rows) {  // rows == 0 ends the phase
     const int s = i % R.slots, round = i / R.slots, row_bytes = 2 * ph.K;
+    const long long t0 = (MODE & TRACE) ? clock64() : 0;
     if (round) mbar_wait(&R.empty[s], (round - 1) & 1);
+    if (MODE & TRACE) waited += clock64() - t0;
     R.meta[2 * s] = row0;
     R.meta[2 * s + 1] = rows;
     if (rows) {
@@ -164,11 +179,14 @@ __device__ void produce(const Phase* __restrict__ phases, int n_phases, unsigned
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
     if (!ph.w || ((MODE & TWO) && ph.ring != which)) continue;
+    const long long t_dep = (MODE & TRACE) ? clock64() : 0;
     if (ph.dep && (MODE & LAMPORT))
       wait_written(reinterpret_cast<const uint4*>(ph.x));
     else if (ph.dep)
       while (ld_acquire(done) < (unsigned)p * gridDim.x) {
       }
+    const long long t_issue = (MODE & TRACE) ? clock64() : 0;
+    waited = 0;
     const int per_chunk = SLOT_BYTES / (2 * ph.K), P = gridDim.x, c = blockIdx.x;
     const int share = (MODE & DYN) ? ph.N * 3 / 4 / P : (ph.N + P - 1) / P;
     const int r0 = min(ph.N, c * share), r1 = min(ph.N, r0 + share);
@@ -180,6 +198,11 @@ __device__ void produce(const Phase* __restrict__ phases, int n_phases, unsigned
         issue(ph, r, min(per_chunk, ph.N - r));
       }
     issue(ph, 0, 0);
+    if (MODE & TRACE) {
+      tr(p, 4) = t_issue - t_dep;
+      tr(p, 5) = clock64() - t_issue;
+      tr(p, 6) = waited;
+    }
   }
 }
 
@@ -197,6 +220,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   const Ring ring0{smem, full, empty, meta, PER},
       ring1{smem + PER * SLOT_BYTES, full + PER, empty + PER, meta + 2 * PER, PER};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if ((MODE & TRACE) && threadIdx.x == 0) {
+    tr(MAX_PHASES - 1, 0) = clock64();
+    tr(MAX_PHASES - 1, 2) = now_ns();
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < SLOTS; ++s) {
       mbar_init(&full[s], 1);
@@ -213,8 +240,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     return;
   }
   int next0 = 0, next1 = 0;  // each ring's next slot use
+  const bool t0 = (MODE & TRACE) && threadIdx.x == 0;
+  long long c_enter = 0, c_ready = 0, c_full = 0;
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
+    if (t0) c_enter = clock64(), c_full = 0;
     if (p && !(MODE & LAMPORT)) {  // every program is done with the phase before
       if (threadIdx.x == 0)
         while (ld_acquire(done) < (unsigned)p * gridDim.x) {
@@ -231,9 +261,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         xs[j] = (MODE & LAMPORT) ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
                                  : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
       consumers_sync();
+      if (t0) c_ready = clock64(), tr(p, 7) = now_ns();
       for (int q = 0;; ++i) {  // q: this phase's rows so far in this program
         const int s = i % R.slots;
+        const long long tw = t0 ? clock64() : 0;
         mbar_wait(&R.full[s], (i / R.slots) & 1);
+        if (t0) c_full += clock64() - tw;
         const int r = R.meta[2 * s], rows = R.meta[2 * s + 1];
         for (int rr = (warp - q) & (WARPS - 1); rr < rows; rr += WARPS) {
           const uint4* wr =
@@ -261,10 +294,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (MODE & LAMPORT)
         for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32) wait_written(x + j);
       consumers_sync();
+      if (t0) c_ready = clock64(), tr(p, 7) = now_ns();
       if (threadIdx.x == 0) spin(ph.spin_ns);
       consumers_sync();
       for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32)
         reinterpret_cast<uint4*>(ph.out)[j] = __ldcg(x + j);
+    }
+    if (t0 && (ph.w || (int)blockIdx.x < ph.ctas)) {  // the programs that took part
+      const long long c_end = clock64();
+      tr(p, 0) = c_ready - c_enter;
+      tr(p, 1) = c_end - c_ready;
+      tr(p, 2) = c_full;
+      tr(p, 3) = now_ns();
     }
     if (MODE & LAMPORT) continue;
     consumers_sync();  // this program's outputs are written: publish them
@@ -272,6 +313,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       __threadfence();
       red_release(done);
     }
+  }
+  if (t0) {
+    tr(MAX_PHASES - 1, 1) = clock64();
+    tr(MAX_PHASES - 1, 3) = now_ns();
   }
 }
 
@@ -314,6 +359,8 @@ extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int
     case 31216: return launch<12, 16384, LAMPORT | DYN>(phases, n, done, grid, stream);
     case 51216: return launch<12, 16384, LAMPORT | TWO>(phases, n, done, grid, stream);
     case 71216: return launch<12, 16384, LAMPORT | DYN | TWO>(phases, n, done, grid, stream);
+    case 91216: return launch<12, 16384, LAMPORT | TRACE>(phases, n, done, grid, stream);
+    case 111216: return launch<12, 16384, LAMPORT | DYN | TRACE>(phases, n, done, grid, stream);
     default: return -1;
   }
 }
@@ -323,6 +370,20 @@ extern "C" int standin_launch(const void* x, void* out, int N, int spin_ns, int 
   standin<<<ctas, 256, 0, stream>>>(static_cast<const unsigned short*>(x),
                                     static_cast<unsigned short*>(out), N, spin_ns);
   return (int)cudaGetLastError();
+}
+
+// TRACE's record, [MAX_PROGRAMS][MAX_PHASES][FIELDS] uint64, into `host`
+extern "C" int chain_trace(void* host) {
+  return (int)cudaMemcpyFromSymbol(host, g_trace, sizeof(g_trace));
+}
+extern "C" int chain_trace_clear() {
+  void* p = nullptr;
+  cudaError_t e = cudaGetSymbolAddress(&p, g_trace);
+  return (int)(e ? e : cudaMemset(p, 0, sizeof(g_trace)));
+}
+extern "C" int chain_trace_dims(int* dims) {
+  dims[0] = MAX_PROGRAMS, dims[1] = MAX_PHASES, dims[2] = FIELDS;
+  return 0;
 }
 
 extern "C" const char* chain_error(int e) { return cudaGetErrorString((cudaError_t)e); }
