@@ -32,8 +32,10 @@ HIDDEN, QKV, ATTN, GATE_UP, DOWN = 2880, 5120, 4096, 6112, 3056
 RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (332, 2),
          "6x16Kx2": (616, 2), "3x64K L": (10364, 1), "6x32K L": (10632, 1),
          "12x16K L": (11216, 1), "6x32K LD": (30632, 1), "12x16K LD": (31216, 1),
-         "12x16K L2": (51216, 1), "12x16K LD2": (71216, 1)}
-TRACED = {"12x16K L": 91216, "12x16K LD": 111216}  # the same with TRACE (chain.cu)
+         "12x16K L2": (51216, 1), "12x16K LD2": (71216, 1), "12x16K LF": (171216, 1),
+         "12x16K LDF": (191216, 1), "12x16K LD2F": (231216, 1), "6x32K LDF": (190632, 1)}
+# the same with TRACE (chain.cu); F: fast consumers (four accumulator chains, unrolled by 4)
+TRACED = {"12x16K L": 91216, "12x16K LD": 111216, "12x16K LDF": 271216}
 KINDS = {True: ("q/k/v", "attention", "o", "norm+router", "gate_up", "down", "combine"),
          False: ("q/k/v", "attention", "o", "norm+router", "combine")}
 

@@ -113,6 +113,19 @@ __device__ __forceinline__ void spin(int ns) {
   }
 }
 
+// FAST's: four independent accumulators, one a 32-bit word (the single chain above runs 8
+// dependent FMAs a 16-byte load)
+__device__ __forceinline__ void dot8x4(uint4 w, uint4 x, float4& a) {
+  a.x = fmaf(__uint_as_float(w.x << 16), __uint_as_float(x.x << 16), a.x);
+  a.x = fmaf(__uint_as_float(w.x & 0xffff0000u), __uint_as_float(x.x & 0xffff0000u), a.x);
+  a.y = fmaf(__uint_as_float(w.y << 16), __uint_as_float(x.y << 16), a.y);
+  a.y = fmaf(__uint_as_float(w.y & 0xffff0000u), __uint_as_float(x.y & 0xffff0000u), a.y);
+  a.z = fmaf(__uint_as_float(w.z << 16), __uint_as_float(x.z << 16), a.z);
+  a.z = fmaf(__uint_as_float(w.z & 0xffff0000u), __uint_as_float(x.z & 0xffff0000u), a.z);
+  a.w = fmaf(__uint_as_float(w.w << 16), __uint_as_float(x.w << 16), a.w);
+  a.w = fmaf(__uint_as_float(w.w & 0xffff0000u), __uint_as_float(x.w & 0xffff0000u), a.w);
+}
+
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -133,7 +146,8 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 // producer warp, so the next layer's q/k/v can stream while the experts wait for routing.
 // Every slot carries its first row and row count; a slot of 0 rows ends a program's phase.
 // 8, trace: each program records where its time goes a phase into g_trace (below).
-constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8;
+// 16, fast consumers: a row's dot product in four independent chains, its loop unrolled by 4.
+constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16;
 
 // TRACE: [program][phase][field], cycles unless said. Consumers (thread 0): 0 waiting for x,
 // 1 from x ready to the phase's end, 2 of which waiting for a full slot, 3 globaltimer (ns) at
@@ -272,7 +286,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           const uint4* wr =
               reinterpret_cast<const uint4*>(R.data + (long)s * SLOT_BYTES + rr * row_bytes);
           float acc = 0.f;
-          for (int j = lane; j < kv; j += 32) acc = dot8(wr[j], xs[j], acc);
+          if (MODE & FAST) {
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+            for (int j = lane; j < kv; j += 32) dot8x4(wr[j], xs[j], a);
+            acc = (a.x + a.y) + (a.z + a.w);
+          } else {
+            for (int j = lane; j < kv; j += 32) acc = dot8(wr[j], xs[j], acc);
+          }
 #pragma unroll
           for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
           if (lane == 0)
@@ -361,6 +382,12 @@ extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int
     case 71216: return launch<12, 16384, LAMPORT | DYN | TWO>(phases, n, done, grid, stream);
     case 91216: return launch<12, 16384, LAMPORT | TRACE>(phases, n, done, grid, stream);
     case 111216: return launch<12, 16384, LAMPORT | DYN | TRACE>(phases, n, done, grid, stream);
+    case 171216: return launch<12, 16384, LAMPORT | FAST>(phases, n, done, grid, stream);
+    case 191216: return launch<12, 16384, LAMPORT | DYN | FAST>(phases, n, done, grid, stream);
+    case 231216: return launch<12, 16384, LAMPORT | DYN | TWO | FAST>(phases, n, done, grid, stream);
+    case 271216:
+      return launch<12, 16384, LAMPORT | DYN | TRACE | FAST>(phases, n, done, grid, stream);
+    case 190632: return launch<6, 32768, LAMPORT | DYN | FAST>(phases, n, done, grid, stream);
     default: return -1;
   }
 }
