@@ -33,9 +33,11 @@ RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (
          "6x16Kx2": (616, 2), "3x64K L": (10364, 1), "6x32K L": (10632, 1),
          "12x16K L": (11216, 1), "6x32K LD": (30632, 1), "12x16K LD": (31216, 1),
          "12x16K L2": (51216, 1), "12x16K LD2": (71216, 1), "12x16K LF": (171216, 1),
-         "12x16K LDF": (191216, 1), "12x16K LD2F": (231216, 1), "6x32K LDF": (190632, 1)}
+         "12x16K LDF": (191216, 1), "12x16K LD2F": (231216, 1), "6x32K LDF": (190632, 1),
+         "12x16K LDN": (351216, 1)}
+NO_MATH = {"12x16K LDN"}  # N: consumers skip the math and write 0 (outputs not checked)
 # the same with TRACE (chain.cu); F: fast consumers (four accumulator chains, unrolled by 4)
-TRACED = {"12x16K L": 91216, "12x16K LD": 111216, "12x16K LDF": 271216}
+TRACED = {"12x16K L": 91216, "12x16K LD": 111216, "12x16K LDF": 271216, "12x16K LDN": 431216}
 KINDS = {True: ("q/k/v", "attention", "o", "norm+router", "gate_up", "down", "combine"),
          False: ("q/k/v", "attention", "o", "norm+router", "combine")}
 
@@ -153,18 +155,21 @@ def trace_table(lib, ring: str, phases, table, done, arena, sms: int, with_moe: 
                 (end - end_last) / 1e3,                  # on the critical path
                 (tp[:, 7].min().item() - end_last) / 1e3,  # first reader's x after the last writer
                 (end - tp[:, 3].min().item()) / 1e3,     # last program's end after the first's
-                cyc(0), cyc(1), cyc(2), cyc(4), cyc(5), cyc(6), took.sum().item()])
+                cyc(0), cyc(1), cyc(2), cyc(4), cyc(5), cyc(6),
+                ((tp[:, 1] - tp[:, 2]) / tp[:, 8].clamp(min=1)).mean().item() * ns_per_cycle,
+                (tp[:, 8].mean() / tp[:, 9].clamp(min=1).mean()).item(), took.sum().item()])
         end_last = end
     print(f"  trace of ring {ring} ({ns_per_cycle:.3f} ns a cycle), us a phase, means over layers"
           " and programs:\n  | phase | critical path | x seen after last write | end spread |"
           " consumer: wait x | work | of it waiting data | producer: routing | issuing |"
-          " of it ring full | programs |\n  |" + "---|" * 11, flush=True)
+          " of it ring full | ns a row of warp 0 not waiting | its rows a slot | programs |\n  |"
+          + "---|" * 13, flush=True)
     total = 0.0
     for k, vals in rows.items():
         m = torch.tensor(vals).mean(0).tolist()
         total += m[0]
         print(f"  | {k} | " + " | ".join(f"{v:.2f}" for v in m[:-1]) + f" | {m[-1]:.0f} |")
-    print(f"  | layer | {total:.2f} | | | | | | | | | |", flush=True)
+    print(f"  | layer | {total:.2f} |" + " |" * 11, flush=True)
 
 
 def main() -> None:
@@ -246,7 +251,7 @@ def main() -> None:
             persistent(ring)()
             torch.cuda.synchronize()
             worst = 0.0
-            for w, x, out, n, k, *_ in phases:
+            for w, x, out, n, k, *_ in ([] if ring in NO_MATH else phases):
                 if w is not None:
                     want = w.float() @ x[:k].float()
                     err = ((out.float() - want).norm() / want.norm()).item()
@@ -258,7 +263,7 @@ def main() -> None:
             print(f"  persistent, ring {ring:6s} {us:8.1f} us a step {us / args.layers:6.2f}"
                   f" a layer {mb / us * 1e3:6.0f} GB/s | worst GEMV error {worst:.1e}, last"
                   f" output against the separate run {end:.1e}", flush=True)
-            assert worst < 1e-2
+            assert worst < 1e-2 or ring in NO_MATH
             if args.trace and ring in TRACED and with_moe is not None:
                 trace_table(lib, ring, phases, table, done, arena, sms, with_moe)
 

@@ -147,14 +147,16 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 // Every slot carries its first row and row count; a slot of 0 rows ends a program's phase.
 // 8, trace: each program records where its time goes a phase into g_trace (below).
 // 16, fast consumers: a row's dot product in four independent chains, its loop unrolled by 4.
-constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16;
+// 32, no math: consumers take their slots and write 0 (the stream and the handshakes alone; the
+// outputs are wrong, the bench does not check them).
+constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16, NOMATH = 32;
 
 // TRACE: [program][phase][field], cycles unless said. Consumers (thread 0): 0 waiting for x,
 // 1 from x ready to the phase's end, 2 of which waiting for a full slot, 3 globaltimer (ns) at
-// the end, 7 globaltimer when x was ready. Producer: 4 waiting for the routing (dep), 5 issuing
+// the end, 7 globaltimer when x was ready, 8 rows warp 0 computed, 9 slots it took. Producer: 4 waiting for the routing (dep), 5 issuing
 // the phase's rows, 6 of which waiting for an empty slot. Phase MAX_PHASES - 1: the kernel's
 // first and last clock64 and globaltimer (fields 0-3), to turn cycles into ns.
-constexpr int MAX_PROGRAMS = 264, MAX_PHASES = 256, FIELDS = 8;
+constexpr int MAX_PROGRAMS = 264, MAX_PHASES = 256, FIELDS = 10;
 __device__ unsigned long long g_trace[MAX_PROGRAMS * MAX_PHASES * FIELDS];
 __device__ __forceinline__ unsigned long long& tr(int p, int f) {
   return g_trace[((long)blockIdx.x * MAX_PHASES + p) * FIELDS + f];
@@ -255,10 +257,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   int next0 = 0, next1 = 0;  // each ring's next slot use
   const bool t0 = (MODE & TRACE) && threadIdx.x == 0;
-  long long c_enter = 0, c_ready = 0, c_full = 0;
+  long long c_enter = 0, c_ready = 0, c_full = 0, c_rows = 0, c_slots = 0;
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
-    if (t0) c_enter = clock64(), c_full = 0;
+    if (t0) c_enter = clock64(), c_full = 0, c_rows = 0, c_slots = 0;
     if (p && !(MODE & LAMPORT)) {  // every program is done with the phase before
       if (threadIdx.x == 0)
         while (ld_acquire(done) < (unsigned)p * gridDim.x) {
@@ -280,9 +282,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int s = i % R.slots;
         const long long tw = t0 ? clock64() : 0;
         mbar_wait(&R.full[s], (i / R.slots) & 1);
-        if (t0) c_full += clock64() - tw;
+        if (t0) c_full += clock64() - tw, ++c_slots;
         const int r = R.meta[2 * s], rows = R.meta[2 * s + 1];
         for (int rr = (warp - q) & (WARPS - 1); rr < rows; rr += WARPS) {
+          if (t0) ++c_rows;
+          if (MODE & NOMATH) {
+            if (lane == 0) ph.out[r + rr] = __float2bfloat16(0.f);
+            continue;
+          }
           const uint4* wr =
               reinterpret_cast<const uint4*>(R.data + (long)s * SLOT_BYTES + rr * row_bytes);
           float acc = 0.f;
@@ -327,6 +334,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       tr(p, 1) = c_end - c_ready;
       tr(p, 2) = c_full;
       tr(p, 3) = now_ns();
+      tr(p, 8) = c_rows;
+      tr(p, 9) = c_slots;
     }
     if (MODE & LAMPORT) continue;
     consumers_sync();  // this program's outputs are written: publish them
@@ -388,6 +397,9 @@ extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int
     case 271216:
       return launch<12, 16384, LAMPORT | DYN | TRACE | FAST>(phases, n, done, grid, stream);
     case 190632: return launch<6, 32768, LAMPORT | DYN | FAST>(phases, n, done, grid, stream);
+    case 351216: return launch<12, 16384, LAMPORT | DYN | NOMATH>(phases, n, done, grid, stream);
+    case 431216:
+      return launch<12, 16384, LAMPORT | DYN | TRACE | NOMATH>(phases, n, done, grid, stream);
     default: return -1;
   }
 }
