@@ -149,7 +149,9 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 // 16, fast consumers: a row's dot product in four independent chains, its loop unrolled by 4.
 // 32, no math: consumers take their slots and write 0 (the stream and the handshakes alone; the
 // outputs are wrong, the bench does not check them).
-constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16, NOMATH = 32;
+// 64, x in registers (with FAST): each lane keeps its 16-byte pieces of x for the phase, so a row
+// reads only its weights from shared memory (K <= 4096).
+constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16, NOMATH = 32, XREG = 64;
 
 // TRACE: [program][phase][field], cycles unless said. Consumers (thread 0): 0 waiting for x,
 // 1 from x ready to the phase's end, 2 of which waiting for a full slot, 3 globaltimer (ns) at
@@ -277,6 +279,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         xs[j] = (MODE & LAMPORT) ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
                                  : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
       consumers_sync();
+      uint4 xr[(MODE & XREG) ? 16 : 1];
+      if (MODE & XREG) {
+#pragma unroll
+        for (int u = 0; u < 16; ++u)
+          xr[u] = lane + 32 * u < kv ? xs[lane + 32 * u] : make_uint4(0, 0, 0, 0);
+      }
       if (t0) c_ready = clock64(), tr(p, 7) = now_ns();
       for (int q = 0;; ++i) {  // q: this phase's rows so far in this program
         const int s = i % R.slots;
@@ -293,7 +301,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           const uint4* wr =
               reinterpret_cast<const uint4*>(R.data + (long)s * SLOT_BYTES + rr * row_bytes);
           float acc = 0.f;
-          if (MODE & FAST) {
+          if (MODE & XREG) {
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int u = 0; u < 16; ++u)
+              if (lane + 32 * u < kv) dot8x4(wr[lane + 32 * u], xr[u], a);
+            acc = (a.x + a.y) + (a.z + a.w);
+          } else if (MODE & FAST) {
             float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
             for (int j = lane; j < kv; j += 32) dot8x4(wr[j], xs[j], a);
@@ -398,6 +412,11 @@ extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int
       return launch<12, 16384, LAMPORT | DYN | TRACE | FAST>(phases, n, done, grid, stream);
     case 190632: return launch<6, 32768, LAMPORT | DYN | FAST>(phases, n, done, grid, stream);
     case 351216: return launch<12, 16384, LAMPORT | DYN | NOMATH>(phases, n, done, grid, stream);
+    case 831216:
+      return launch<12, 16384, LAMPORT | DYN | FAST | XREG>(phases, n, done, grid, stream);
+    case 911216:
+      return launch<12, 16384, LAMPORT | DYN | TRACE | FAST | XREG>(phases, n, done, grid, stream);
+    case 830632: return launch<6, 32768, LAMPORT | DYN | FAST | XREG>(phases, n, done, grid, stream);
     case 431216:
       return launch<12, 16384, LAMPORT | DYN | TRACE | NOMATH>(phases, n, done, grid, stream);
     default: return -1;
