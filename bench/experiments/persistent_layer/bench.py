@@ -34,11 +34,13 @@ RINGS = {"3x64K": (364, 1), "6x32K": (632, 1), "12x16K": (1216, 1), "3x32Kx2": (
          "12x16K L": (11216, 1), "6x32K LD": (30632, 1), "12x16K LD": (31216, 1),
          "12x16K L2": (51216, 1), "12x16K LD2": (71216, 1), "12x16K LF": (171216, 1),
          "12x16K LDF": (191216, 1), "12x16K LD2F": (231216, 1), "6x32K LDF": (190632, 1),
-         "12x16K LDN": (351216, 1), "12x16K LDFX": (831216, 1), "6x32K LDFX": (830632, 1)}
+         "12x16K LDN": (351216, 1), "12x16K LDFX": (831216, 1), "6x32K LDFX": (830632, 1),
+         "12x16K LDFW": (1471216, 1), "6x32K LDFW": (1470632, 1), "8x24K LDFW": (1470816, 1)}
 NO_MATH = {"12x16K LDN"}  # N: consumers skip the math and write 0 (outputs not checked)
-# the same with TRACE (chain.cu); F: fast consumers (four accumulator chains, unrolled by 4)
+# the same with TRACE (chain.cu); F: fast consumers (four accumulator chains, unrolled by 4); X:
+# and x in registers; W: sixteen consumer warps
 TRACED = {"12x16K L": 91216, "12x16K LD": 111216, "12x16K LDF": 271216, "12x16K LDN": 431216,
-          "12x16K LDFX": 911216}
+          "12x16K LDFX": 911216, "12x16K LDFW": 1551216, "6x32K LDFW": 1550632}
 KINDS = {True: ("q/k/v", "attention", "o", "norm+router", "gate_up", "down", "combine"),
          False: ("q/k/v", "attention", "o", "norm+router", "combine")}
 

@@ -32,7 +32,7 @@ struct Phase {
 
 };
 
-constexpr int WARPS = 8, THREADS = (WARPS + 2) * 32, X_BYTES = 8192;
+constexpr int X_BYTES = 8192;
 
 __device__ __forceinline__ uint32_t saddr(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);
@@ -104,6 +104,7 @@ __device__ __forceinline__ uint64_t now_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+template <int WARPS>
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"r"(WARPS * 32) : "memory");
 }
@@ -151,7 +152,10 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 // outputs are wrong, the bench does not check them).
 // 64, x in registers (with FAST): each lane keeps its 16-byte pieces of x for the phase, so a row
 // reads only its weights from shared memory (K <= 4096).
-constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16, NOMATH = 32, XREG = 64;
+// 128, sixteen consumer warps (else eight).
+constexpr int LAMPORT = 1, DYN = 2, TWO = 4, TRACE = 8, FAST = 16, NOMATH = 32, XREG = 64,
+              W16 = 128;
+__host__ __device__ constexpr int warps_of(int mode) { return (mode & W16) ? 16 : 8; }
 
 // TRACE: [program][phase][field], cycles unless said. Consumers (thread 0): 0 waiting for x,
 // 1 from x ready to the phase's end, 2 of which waiting for a full slot, 3 globaltimer (ns) at
@@ -225,8 +229,9 @@ __device__ void produce(const Phase* __restrict__ phases, int n_phases, unsigned
 }
 
 template <int SLOTS, int SLOT_BYTES, int MODE>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__((warps_of(MODE) + 2) * 32, 1)
     chain_persistent(const Phase* __restrict__ phases, int n_phases, unsigned* done) {
+  constexpr int WARPS = warps_of(MODE);
   static_assert(MODE == 0 || (MODE & LAMPORT), "dynamic tails and two rings need Lamport");
   static_assert(!(MODE & TWO) || SLOTS % 2 == 0, "two rings split the slots in halves");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -267,18 +272,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (threadIdx.x == 0)
         while (ld_acquire(done) < (unsigned)p * gridDim.x) {
         }
-      consumers_sync();
+      consumers_sync<WARPS>();
     }
     if (ph.w) {
       const int kv = ph.K >> 3, row_bytes = 2 * ph.K;
       const bool second = (MODE & TWO) && ph.ring;
       const Ring R = second ? ring1 : ring0;
       int i = second ? next1 : next0;
-      if (MODE & LAMPORT) consumers_sync();  // every warp is done with the last phase's x
+      if (MODE & LAMPORT) consumers_sync<WARPS>();  // every warp is done with the last phase's x
       for (int j = threadIdx.x; j < kv; j += WARPS * 32)
         xs[j] = (MODE & LAMPORT) ? wait_written(reinterpret_cast<const uint4*>(ph.x) + j)
                                  : __ldcg(reinterpret_cast<const uint4*>(ph.x) + j);
-      consumers_sync();
+      consumers_sync<WARPS>();
       uint4 xr[(MODE & XREG) ? 16 : 1];
       if (MODE & XREG) {
 #pragma unroll
@@ -335,10 +340,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       const uint4* x = reinterpret_cast<const uint4*>(ph.x);
       if (MODE & LAMPORT)
         for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32) wait_written(x + j);
-      consumers_sync();
+      consumers_sync<WARPS>();
       if (t0) c_ready = clock64(), tr(p, 7) = now_ns();
       if (threadIdx.x == 0) spin(ph.spin_ns);
-      consumers_sync();
+      consumers_sync<WARPS>();
       for (int j = blockIdx.x * per + threadIdx.x; j < end; j += WARPS * 32)
         reinterpret_cast<uint4*>(ph.out)[j] = __ldcg(x + j);
     }
@@ -352,7 +357,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       tr(p, 9) = c_slots;
     }
     if (MODE & LAMPORT) continue;
-    consumers_sync();  // this program's outputs are written: publish them
+    consumers_sync<WARPS>();  // this program's outputs are written: publish them
     if (threadIdx.x == 0) {
       __threadfence();
       red_release(done);
@@ -378,7 +383,7 @@ int launch(const void* phases, int n, void* done, int grid, cudaStream_t stream)
   auto k = chain_persistent<SLOTS, SLOT_BYTES, MODE>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
-  k<<<grid, THREADS, bytes, stream>>>(static_cast<const Phase*>(phases), n,
+  k<<<grid, (warps_of(MODE) + 2) * 32, bytes, stream>>>(static_cast<const Phase*>(phases), n,
                                        static_cast<unsigned*>(done));
   return (int)cudaGetLastError();
 }
@@ -417,6 +422,14 @@ extern "C" int chain_launch(const void* phases, int n, void* done, int grid, int
     case 911216:
       return launch<12, 16384, LAMPORT | DYN | TRACE | FAST | XREG>(phases, n, done, grid, stream);
     case 830632: return launch<6, 32768, LAMPORT | DYN | FAST | XREG>(phases, n, done, grid, stream);
+    case 1471216:
+      return launch<12, 16384, LAMPORT | DYN | FAST | W16>(phases, n, done, grid, stream);
+    case 1551216:
+      return launch<12, 16384, LAMPORT | DYN | TRACE | FAST | W16>(phases, n, done, grid, stream);
+    case 1470632: return launch<6, 32768, LAMPORT | DYN | FAST | W16>(phases, n, done, grid, stream);
+    case 1550632:
+      return launch<6, 32768, LAMPORT | DYN | TRACE | FAST | W16>(phases, n, done, grid, stream);
+    case 1470816: return launch<8, 24576, LAMPORT | DYN | FAST | W16>(phases, n, done, grid, stream);
     case 431216:
       return launch<12, 16384, LAMPORT | DYN | TRACE | NOMATH>(phases, n, done, grid, stream);
     default: return -1;
