@@ -186,6 +186,10 @@ def main() -> None:
                    help="let the ring load the expert-sized rows before the phase before them ends")
     p.add_argument("--trace", action="store_true",
                    help="and a traced launch of each ring in TRACED: where a layer's time goes")
+    p.add_argument("--groups", default="",
+                   help="';'-separated groupings, each the phase kinds that start a launch (e.g. "
+                   "'attention,norm+router,combine'): the step as that many persistent launches "
+                   "a layer, each prefetching only its own phases' rows")
     p.add_argument("--stream-only", action="store_true",
                    help="also one GEMV of 1 GB: the ring's bandwidth with no phase to wait for")
     args = p.parse_args()
@@ -226,17 +230,28 @@ def main() -> None:
                                         n, k, stream())
                 assert not err, err
 
-        def persistent(ring, table=table, n_phases=len(phases), done=done, arena=arena):
+        def persistent(ring, starts=(0,), table=table, n_phases=len(phases), done=done,
+                       arena=arena):
+            bounds = list(zip(starts, list(starts[1:]) + [n_phases]))
+
             def run():
                 code, per_sm = RINGS[ring]
                 if code > 10000:  # Lamport: every activation unwritten
                     arena.fill_(-0.0)
                 if code < 10000 or (code // 10000) & 2:  # the counter, or the claims
                     done.zero_()
-                err = lib.chain_launch(table.data_ptr(), n_phases, done.data_ptr(),
-                                       sms * per_sm, code, stream())
-                assert not err, lib.chain_error(err)
+                for a, b in bounds:  # phase a's claims at done[1 + a]
+                    err = lib.chain_launch(table.data_ptr() + 48 * a, b - a,
+                                           done.data_ptr() + 4 * a, sms * per_sm, code, stream())
+                    assert not err, lib.chain_error(err)
             return run
+
+        groupings = [("one launch", (0,))]
+        for g in filter(None, args.groups.split(";")) if with_moe is not None else ():
+            kinds = KINDS[with_moe]
+            firsts = {kinds.index(k) for k in g.split(",") if k in kinds}
+            starts = tuple(i for i in range(len(phases)) if i == 0 or i % len(kinds) in firsts)
+            groupings.append((f"{len(firsts) or 1} launches a layer ({g})", starts))
 
         what = ("one GEMV of 180,000 rows (per layer: the whole)" if spins_s == "stream" else
                 "q/k/v, o and expert-sized GEMVs" if with_moe else "q/k/v and o GEMVs")
@@ -249,9 +264,9 @@ def main() -> None:
         us = graph_us(separate_direct)
         print(f"  separate launches      {us:8.1f} us a step {us / args.layers:6.2f} a layer"
               f" {mb / us * 1e3:6.0f} GB/s", flush=True)
-        for ring in args.rings.split(","):
+        for ring, (label, starts) in [(r, g) for r in args.rings.split(",") for g in groupings]:
             arena.fill_(float("nan"))
-            persistent(ring)()
+            persistent(ring, starts)()
             torch.cuda.synchronize()
             worst = 0.0
             for w, x, out, n, k, *_ in ([] if ring in NO_MATH else phases):
@@ -261,13 +276,13 @@ def main() -> None:
                     worst = max(worst, err) if err == err else float("inf")
                 else:
                     assert torch.equal(out, x[:n]), "a stand-in's copy differs"
-            us = graph_us(persistent(ring))
+            us = graph_us(persistent(ring, starts))
             end = (last.float() - ref).norm() / ref.norm()
             print(f"  persistent, ring {ring:6s} {us:8.1f} us a step {us / args.layers:6.2f}"
                   f" a layer {mb / us * 1e3:6.0f} GB/s | worst GEMV error {worst:.1e}, last"
-                  f" output against the separate run {end:.1e}", flush=True)
+                  f" output against the separate run {end:.1e} | {label}", flush=True)
             assert worst < 1e-2 or ring in NO_MATH
-            if args.trace and ring in TRACED and with_moe is not None:
+            if args.trace and ring in TRACED and with_moe is not None and len(starts) == 1:
                 trace_table(lib, ring, phases, table, done, arena, sms, with_moe)
 
 
