@@ -273,12 +273,14 @@ def _custom_loads(device: torch.device) -> bool:
 
 
 def _flashinfer_built() -> bool:
-    """Whether FlashInfer's all-reduce kernels are built or prebuilt here: `auto` takes them
-    then, and does not start their first build (minutes) itself."""
+    """Whether FlashInfer's all-reduce kernels are prebuilt (an AOT artifact) here: `auto` takes
+    them then, and does not start their build (minutes) itself. A JIT-built library does not
+    count: FlashInfer loads it through ninja, which rebuilds it when the sources look newer (a
+    restored JIT cache on a fresh GPU machine did, and both ranks waited minutes on its lock)."""
     try:
         from flashinfer.jit.comm import gen_trtllm_comm_module
 
-        return gen_trtllm_comm_module().is_compiled
+        return gen_trtllm_comm_module().is_aot
     except Exception:  # noqa: BLE001 - no FlashInfer, or none for this GPU
         return False
 

@@ -89,8 +89,8 @@ def worker(rank: int, args: argparse.Namespace, init: str) -> None:
     except Exception:  # noqa: BLE001
         print(f"rank {rank}: custom unavailable:\n{traceback.format_exc()}", flush=True)
     if not _flashinfer_built() and not args.build_flashinfer:
-        print(f"rank {rank}: flashinfer left out: its all-reduce is not built "
-              "(--build-flashinfer builds it: minutes)", flush=True)
+        print(f"rank {rank}: flashinfer left out: its all-reduce is not prebuilt "
+              "(--build-flashinfer builds or refreshes it: minutes)", flush=True)
     else:
         try:
             methods["flashinfer"] = _FlashInferAllReduce(group, torch.bfloat16, HIDDEN)
