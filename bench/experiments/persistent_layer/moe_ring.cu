@@ -1,0 +1,274 @@
+// The batch-1 MoE (gate_up then down of one token's 4 experts) as one persistent launch whose
+// rows stream through a cp.async.bulk ring in shared memory, read by the product's tensor-core
+// pair decode (block_mma, ldmatrix): can MXFP4 consumers keep up with the ring? Down's rows load
+// while gate_up is computed (they are known from the same routing); the product's two launches
+// cannot start down's loads before gate_up's launch ends.
+//
+// One program an SM: warp NW (the producer) copies this program's 16-row tiles (gate_up's, then
+// down's), a tile a slot: 16 rows of 1,440 code bytes at a padded stride (ldmatrix without bank
+// conflicts; gate_up's rows interleaved gate/up as the pair kernel's checkpoint->MMA order) and
+// the tile's [16][90] scales. Consumer warp w takes the program's tiles k = w, w + NW, ... (slot
+// k % SLOTS, an mbarrier pair a slot, one arrival each; NW <= SLOTS, so that a warp waiting for
+// a slot's fill finds the fill before it already done, which its parity wait needs). A gate_up tile ends with the clamped
+// SwiGLU, written as fp32 (`act`, for checking) and as down's x staged in block_mma's order
+// (fp16 hi + lo, global), then counts the pair's done tiles; a warp's first down tile of a pair
+// waits for all 360 and copies that x into shared memory once a program.
+#include "../../../tinyoss/kernels/moe_gemv_mma.cu"
+
+namespace {
+
+constexpr int KB = KMAX / 32;  // scale blocks a row: 90
+constexpr int RU = KB + 1;     // 16-byte units a row in shared memory (one of padding)
+constexpr int TILE_CODES = 16 * RU * 16, TILE_BYTES = TILE_CODES + 16 * KB;  // 24,736
+constexpr int GU_N = 5760, DN_N = 2880, PAIRS = 4;
+constexpr int GU_TILES = PAIRS * GU_N / 16, DN_TILES = PAIRS * DN_N / 16, XW = KMAX / 8;
+
+struct MoeArgs {
+  const __nv_bfloat16* x;  // [KMAX] the token
+  const int* ids;          // [PAIRS] its experts
+  const float* wts;        // [PAIRS] their routing weights
+  const uint8_t *gq, *gs;  // gate_up [E, 5760, 90, 16] codes, [E, 5760, 90] scales
+  const __nv_bfloat16* gb;  // [E, 5760]
+  const uint8_t *dq, *ds;  // down [E, 2880, 90, 16], [E, 2880, 90]
+  const __nv_bfloat16* db;  // [E, 2880]
+  float* act;              // [PAIRS, 2880] after the SwiGLU
+  uint4* hx;               // [PAIRS][2][XW] down's x: fp16 hi, then lo, block_mma's order
+  float* y;                // [PAIRS, 2880] times the routing weight
+  unsigned* count;         // [PAIRS] gate_up tiles done (zeroed before the launch)
+  float alpha, limit;
+};
+
+__device__ __forceinline__ uint32_t s_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bar_init(uint64_t* b, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(s_addr(b)), "r"(n));
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
+  uint32_t ok;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(s_addr(b)), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(s_addr(b)) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(s_addr(b)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(s_addr(dst)),
+      "l"(src), "r"(bytes), "r"(s_addr(b))
+      : "memory");
+}
+__device__ __forceinline__ unsigned acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+template <int NW>
+__device__ __forceinline__ void consumers_bar() {
+  asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
+}
+
+// this program's k-th tile: phase (0 gate_up, 1 down), pair, first row
+struct Tile {
+  int down, pair, row0;
+};
+__device__ __forceinline__ Tile tile_of(int k, int ga, int ng, int da) {
+  if (k < ng) return {0, (ga + k) / (GU_N / 16), ((ga + k) % (GU_N / 16)) * 16};
+  const int i = da + k - ng;
+  return {1, i / (DN_N / 16), (i % (DN_N / 16)) * 16};
+}
+
+template <int NW, int SLOTS>
+__global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
+  static_assert(NW <= SLOTS, "a warp's parity wait needs the slot's previous fill done");
+  extern __shared__ __align__(128) uint8_t ring_smem[];
+  uint8_t* smem = ring_smem;
+  uint4* xg = reinterpret_cast<uint4*>(smem + SLOTS * TILE_BYTES);  // gate_up's x, staged
+  uint4* xd = xg + XW;                                               // [PAIRS][2][XW] down's
+  uint64_t* full = reinterpret_cast<uint64_t*>(xd + PAIRS * 2 * XW);
+  uint64_t* empty = full + SLOTS;
+  int* flag = reinterpret_cast<int*>(empty + SLOTS);  // [PAIRS] 0 none, 1 staging, 2 staged
+  float* xmax = reinterpret_cast<float*>(flag + PAIRS);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = gridDim.x, c = blockIdx.x;
+  const int ga = (int)((long)c * GU_TILES / P), ng = (int)((long)(c + 1) * GU_TILES / P) - ga;
+  const int da = (int)((long)c * DN_TILES / P), nd = (int)((long)(c + 1) * DN_TILES / P) - da;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < SLOTS; ++s) bar_init(&full[s], 1), bar_init(&empty[s], 1);
+    for (int p = 0; p < PAIRS; ++p) flag[p] = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == NW) {  // the producer
+    for (int k = 0; k < ng + nd; ++k) {
+      const int s = k % SLOTS, round = k / SLOTS;
+      const Tile tl = tile_of(k, ga, ng, da);
+      const long e = a.ids[tl.pair];
+      const int n = tl.down ? DN_N : GU_N;
+      const uint8_t* q = (tl.down ? a.dq : a.gq) + (e * n + tl.row0) * (long)(KB * 16);
+      const uint8_t* sc = (tl.down ? a.ds : a.gs) + (e * n + tl.row0) * (long)KB;
+      uint8_t* slot = smem + s * TILE_BYTES;
+      if (lane == 0) {
+        if (round) bar_wait(&empty[s], (round - 1) & 1);
+        bar_expect(&full[s], 17 * KB * 16);
+      }
+      __syncwarp();
+      if (lane < 16) {  // checkpoint row r -> MMA row m (gate_up: gate rows first, then up)
+        const int m = tl.down ? lane : (lane & 1) * 8 + (lane >> 1);
+        bulk(slot + m * RU * 16, q + (long)lane * KB * 16, KB * 16, &full[s]);
+      } else if (lane == 16) {
+        bulk(slot + TILE_CODES, sc, 16 * KB, &full[s]);
+      }
+    }
+    return;
+  }
+  // consumers: gate_up's x staged as the pair kernel stages bf16 x (stage_x's order and factor)
+  float m = 0.f;
+  for (int w = threadIdx.x; w < XW; w += NW * 32) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(a.x) + w);
+    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(__bfloat162float(b[j])));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) xmax[warp] = m;
+  consumers_bar<NW>();
+  m = 0.f;
+  for (int w = 0; w < NW; ++w) m = fmaxf(m, xmax[w]);
+  const float pre = stage_scale(m);
+  for (int w = threadIdx.x; w < XW; w += NW * 32) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(a.x) + w);
+    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    __half h[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) h[j] = __float2half_rn(__bfloat162float(b[j]) * pre);
+    xg[w] = make_uint4(pack(h[0], h[2]), pack(h[4], h[6]), pack(h[1], h[3]), pack(h[5], h[7]));
+  }
+  consumers_bar<NW>();
+  const int g = lane >> 2, t = lane & 3;
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
+  for (int k = warp; k < ng + nd; k += NW) {
+    const int s = k % SLOTS;
+    const Tile tl = tile_of(k, ga, ng, da);
+    const long e = a.ids[tl.pair];
+    const uint4 *xs = xg, *xl = nullptr;
+    if (tl.down) {  // the pair's x: every gate_up tile of it done, staged once a program
+      xs = xd + tl.pair * 2 * XW;
+      xl = xs + XW;
+      int f = 0;
+      if (lane == 0) f = atomicCAS(&flag[tl.pair], 0, 1);
+      f = __shfl_sync(0xffffffffu, f, 0);
+      if (f == 0) {
+        if (lane == 0)
+          while (acquire(a.count + tl.pair) < GU_N / 16) {
+          }
+        __syncwarp();
+        acquire(a.count + tl.pair);  // every lane: the other programs' x is visible to it
+        for (int w = lane; w < 2 * XW; w += 32)
+          xd[tl.pair * 2 * XW + w] = __ldcg(a.hx + tl.pair * 2 * XW + w);
+        __threadfence_block();
+        __syncwarp();
+        if (lane == 0) atomicExch(&flag[tl.pair], 2);
+      } else {
+        if (lane == 0)
+          while (atomicAdd(&flag[tl.pair], 0) != 2) {
+          }
+        __syncwarp();
+        __threadfence_block();
+      }
+    }
+    bar_wait(&full[s], (k / SLOTS) & 1);
+    const uint8_t* slot = smem + s * TILE_BYTES;
+    const uint8_t* w = slot + (lrow * RU + lblk) * 16;
+    const uint8_t* ss = slot + TILE_CODES;
+    const int ca = tl.down ? g : 2 * g, cb = tl.down ? g + 8 : 2 * g + 1;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 3
+    for (int j = 0; j < KB / 2; ++j) {
+      uint32_t r[4];
+      ldsm4(r, w + 32 * j);
+      const int b = 2 * j;
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+      if (tl.down) {
+        block_mma<true>(d0, r[0], r[1], xs[4 * b + t], xl[4 * b + t]);
+        block_mma<true>(d1, r[2], r[3], xs[4 * b + 4 + t], xl[4 * b + 4 + t]);
+      } else {
+        block_mma<false>(d0, r[0], r[1], xs[4 * b + t], uint4{});
+        block_mma<false>(d1, r[2], r[3], xs[4 * b + 4 + t], uint4{});
+      }
+      const float sa0 = __uint_as_float((uint32_t)ss[ca * KB + b] << 23);
+      const float sb0 = __uint_as_float((uint32_t)ss[cb * KB + b] << 23);
+      const float sa1 = __uint_as_float((uint32_t)ss[ca * KB + b + 1] << 23);
+      const float sb1 = __uint_as_float((uint32_t)ss[cb * KB + b + 1] << 23);
+      acc[0] = fmaf(d1[0], sa1, fmaf(d0[0], sa0, acc[0]));
+      acc[2] = fmaf(d1[2], sb1, fmaf(d0[2], sb0, acc[2]));
+    }
+    __syncwarp();
+    if (lane == 0) bar_arrive(&empty[s]);
+    if (t == 0) {
+      const int ra = tl.row0 + ca, rb = tl.row0 + cb;
+      if (tl.down) {
+        const float wt = a.wts[tl.pair];
+        a.y[tl.pair * DN_N + ra] = (acc[0] * 16384.f + __bfloat162float(a.db[e * DN_N + ra])) * wt;
+        a.y[tl.pair * DN_N + rb] = (acc[2] * 16384.f + __bfloat162float(a.db[e * DN_N + rb])) * wt;
+      } else {  // store()'s SwiGLU, then down's x as stage_x's SPLIT words would hold it
+        const float undo = 16384.f / pre;
+        const float ha = acc[0] * undo + __bfloat162float(a.gb[e * GU_N + ra]);
+        const float hb = acc[2] * undo + __bfloat162float(a.gb[e * GU_N + rb]);
+        const float gate = fminf(ha, a.limit), up = fminf(fmaxf(hb, -a.limit), a.limit);
+        const float v = (up + 1.f) * gate / (1.f + expf(-a.alpha * gate));
+        const int kk = ra / 2, j = kk % 8;
+        a.act[tl.pair * DN_N + kk] = v;
+        const __half hi = __float2half_rn(v), lo = __float2half_rn(v - __half2float(hi));
+        __half* hx = reinterpret_cast<__half*>(a.hx + tl.pair * 2 * XW);
+        const int at = (kk / 8) * 8 + (j % 2) * 4 + j / 2;  // (0 2)(4 6)(1 3)(5 7)
+        hx[at] = hi;
+        hx[XW * 8 + at] = lo;
+      }
+    }
+    if (!tl.down) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        atomicAdd(a.count + tl.pair, 1u);
+      }
+    }
+  }
+}
+
+template <int NW, int SLOTS>
+int launch_ring(const MoeArgs& a, int grid, cudaStream_t stream) {
+  const int bytes = SLOTS * TILE_BYTES + (1 + 2 * PAIRS) * XW * 16 + 2 * SLOTS * 8 + PAIRS * 4 +
+                    NW * 4;
+  auto k = moe_ring<NW, SLOTS>;
+  cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e) return (int)e;
+  k<<<grid, (NW + 1) * 32, bytes, stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" int moe_ring_args_bytes() { return (int)sizeof(MoeArgs); }
+
+// variant: consumer warps x 100 + slots
+extern "C" int moe_ring_launch(const void* args, int variant, int grid, cudaStream_t stream) {
+  const MoeArgs& a = *static_cast<const MoeArgs*>(args);
+  switch (variant) {
+    case 407: return launch_ring<4, 7>(a, grid, stream);
+    case 707: return launch_ring<7, 7>(a, grid, stream);
+    default: return -1;
+  }
+}

@@ -1,0 +1,114 @@
+"""The batch-1 MoE (one token's 4 experts: gate_up, SwiGLU, down) as one persistent launch whose
+rows stream through a shared-memory ring read by the tensor-core pair decode (`moe_ring.cu`),
+against the product's two launches (the tensor-core pair gate_up, Gluon's down: what a batch-1
+step runs). Microseconds a call from CUDA graphs over 4 rotating weight sets; each output
+against the product's.
+
+    python bench/experiments/persistent_layer/moe_ring.py [--variants 407,707]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from bench.moe_kernels import timed, weights  # noqa: E402
+from tinyoss.kernels import moe_triton as mt  # noqa: E402
+from tinyoss.kernels import nvcc_build  # noqa: E402
+from tinyoss.kernels.moe_gemv_mma import load  # noqa: E402
+
+H = I = 2880
+
+
+def build() -> ctypes.CDLL:
+    """Built each run: the source includes the product's moe_gemv_mma.cu, which the kernel
+    cache's key (this file's hash) would not see."""
+    nvcc = nvcc_build.find_nvcc()
+    assert nvcc, "nvcc not found"
+    out = Path(tempfile.mkdtemp()) / "moe_ring.so"
+    subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
+                    "-gencode=arch=compute_90a,code=sm_90a",
+                    str(Path(__file__).with_name("moe_ring.cu")), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.moe_ring_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    assert lib.moe_ring_args_bytes() == 13 * 8 + 8
+    return lib
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="407,707", help="consumer warps x 100 + slots")
+    p.add_argument("--experts", type=int, default=32)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    mma, why = load(torch.cuda.get_device_capability(dev))
+    assert mma is not None, why
+    lib = build()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sets = []
+    for seed in range(4):
+        w = weights(seed, args.experts, H, I)
+        w = replace(w, gate_up_bias=w.gate_up_bias.to(torch.bfloat16),
+                    down_bias=w.down_bias.to(torch.bfloat16))
+        x = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
+        ids = torch.randperm(args.experts, device=dev, generator=gen)[:4].to(torch.int32)
+        wts = torch.softmax(torch.randn(1, 4, device=dev, generator=gen), -1)
+        act = torch.empty(4, I, device=dev)
+        hx = torch.empty(4 * 2 * (I // 8) * 4, dtype=torch.int32, device=dev)
+        y = torch.empty(4, H, device=dev)
+        count = torch.zeros(4, dtype=torch.int32, device=dev)
+        raw = struct.pack("13Qff", x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+                          w.gate_up_blocks.data_ptr(), w.gate_up_scales.data_ptr(),
+                          w.gate_up_bias.data_ptr(), w.down_blocks.data_ptr(),
+                          w.down_scales.data_ptr(), w.down_bias.data_ptr(), act.data_ptr(),
+                          hx.data_ptr(), y.data_ptr(), count.data_ptr(), w.alpha, w.limit)
+        sets.append(dict(w=w, x=x, ids=ids[None], wts=wts, y=y, act=act, count=count,
+                         raw=ctypes.create_string_buffer(raw, len(raw))))
+    mb = 4 * (2 * I + H) * (H // 32) * 17 / 1e6
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+
+    def product(s):
+        return mt._gemv_pairs(s["x"], s["wts"], s["ids"], s["w"], None, mma)
+
+    def ring(variant):
+        def run(s):
+            s["count"].zero_()
+            err = lib.moe_ring_launch(ctypes.addressof(s["raw"]), variant, sms, stream())
+            assert not err, f"launch failed: {err}"
+        return run
+
+    print(f"{torch.cuda.get_device_name()} | {sms} SMs | one token, 4 of {args.experts} experts,"
+          f" {mb:.1f} MB a call (gate_up + down)", flush=True)
+    us = timed(product, [(s,) for s in sets])
+    print(f"  product (tensor-core gate_up + Gluon down)  {us:7.2f} us  {mb / us * 1e3:5.0f} GB/s",
+          flush=True)
+    us = timed(lambda s: s["count"].zero_(), [(s,) for s in sets])
+    print(f"  the counters' zeroing alone (in each ring call)  {us:7.2f} us", flush=True)
+    for v in map(int, args.variants.split(",")):
+        worst = 0.0
+        for s in sets:
+            want = product(s)
+            ring(v)(s)
+            torch.cuda.synchronize()
+            err = ((s["y"] - want).norm() / want.norm()).item()
+            worst = max(worst, err) if err == err else float("inf")
+        us = timed(ring(v), [(s,) for s in sets])
+        print(f"  ring, {v // 100} consumer warps, {v % 100} slots  {us:7.2f} us  "
+              f"{mb / us * 1e3:5.0f} GB/s | y against the product's: {worst:.1e}", flush=True)
+        assert worst < 1e-3, worst
+
+
+if __name__ == "__main__":
+    with torch.cuda.stream(torch.cuda.Stream()):
+        main()
