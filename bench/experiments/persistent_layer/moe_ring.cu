@@ -7,9 +7,11 @@
 // One program an SM: warp NW (the producer) copies this program's 16-row tiles (gate_up's, then
 // down's), a tile a slot: 16 rows of 1,440 code bytes at a padded stride (ldmatrix without bank
 // conflicts; gate_up's rows interleaved gate/up as the pair kernel's checkpoint->MMA order) and
-// the tile's [16][90] scales. Consumer warp w takes the program's tiles k = w, w + NW, ... (slot
-// k % SLOTS, an mbarrier pair a slot, one arrival each; NW <= SLOTS, so that a warp waiting for
-// a slot's fill finds the fill before it already done, which its parity wait needs). A gate_up tile ends with the clamped
+// the tile's [16][90] scales. KS consumer warps take a tile together, each a part of its K, the
+// first summing the others' partials (shared memory, a named barrier a group); group i of G
+// takes the program's tiles k = i, i + G, ... (slot k % SLOTS, an mbarrier pair a slot, KS
+// arrivals; G <= SLOTS, so that a warp waiting for a slot's fill finds the fill before it already
+// done, which its parity wait needs). A gate_up tile ends with the clamped
 // SwiGLU, written as fp32 (`act`, for checking) and as down's x staged in block_mma's order
 // (fp16 hi + lo, global), then counts the pair's done tiles; a warp's first down tile of a pair
 // waits for all 360 and copies that x into shared memory once a program.
@@ -90,9 +92,11 @@ __device__ __forceinline__ Tile tile_of(int k, int ga, int ng, int da) {
   return {1, i / (DN_N / 16), (i % (DN_N / 16)) * 16};
 }
 
-template <int NW, int SLOTS>
-__global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
-  static_assert(NW <= SLOTS, "a warp's parity wait needs the slot's previous fill done");
+template <int G, int KS, int SLOTS>
+__global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
+  static_assert(G <= SLOTS, "a warp's parity wait needs the slot's previous fill done");
+  static_assert(G + 2 <= 16, "a named barrier a group");
+  constexpr int NW = G * KS;
   extern __shared__ __align__(128) uint8_t ring_smem[];
   uint8_t* smem = ring_smem;
   uint4* xg = reinterpret_cast<uint4*>(smem + SLOTS * TILE_BYTES);  // gate_up's x, staged
@@ -101,11 +105,12 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
   uint64_t* empty = full + SLOTS;
   int* flag = reinterpret_cast<int*>(empty + SLOTS);  // [PAIRS] 0 none, 1 staging, 2 staged
   float* xmax = reinterpret_cast<float*>(flag + PAIRS);
+  float* red = xmax + NW;  // [G][2 tiles][KS][16 rows] partial sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = gridDim.x, c = blockIdx.x;
   const int ga = (int)((long)c * GU_TILES / P), ng = (int)((long)(c + 1) * GU_TILES / P) - ga;
   const int da = (int)((long)c * DN_TILES / P), nd = (int)((long)(c + 1) * DN_TILES / P) - da;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < SLOTS; ++s) bar_init(&full[s], 1), bar_init(&empty[s], 1);
+    for (int s = 0; s < SLOTS; ++s) bar_init(&full[s], 1), bar_init(&empty[s], KS);
     for (int p = 0; p < PAIRS; ++p) flag[p] = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -159,7 +164,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
   consumers_bar<NW>();
   const int g = lane >> 2, t = lane & 3;
   const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
-  for (int k = warp; k < ng + nd; k += NW) {
+  const int gi = warp / KS, part = warp % KS;
+  const int j0 = part * (KB / 2) / KS, j1 = (part + 1) * (KB / 2) / KS;
+  for (int k = gi; k < ng + nd; k += G) {
     const int s = k % SLOTS;
     const Tile tl = tile_of(k, ga, ng, da);
     const long e = a.ids[tl.pair];
@@ -196,7 +203,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
     const int ca = tl.down ? g : 2 * g, cb = tl.down ? g + 8 : 2 * g + 1;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 3
-    for (int j = 0; j < KB / 2; ++j) {
+    for (int j = j0; j < j1; ++j) {
       uint32_t r[4];
       ldsm4(r, w + 32 * j);
       const int b = 2 * j;
@@ -217,6 +224,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
     }
     __syncwarp();
     if (lane == 0) bar_arrive(&empty[s]);
+    if (KS > 1) {  // the group's partials to its first warp
+      float* r = red + (gi * 2 + (k / G) % 2) * KS * 16;
+      if (t == 0 && part) r[part * 16 + g] = acc[0], r[part * 16 + 8 + g] = acc[2];
+      asm volatile("bar.sync %0, %1;" ::"r"(2 + gi), "r"(KS * 32) : "memory");
+      if (part) continue;
+      if (t == 0)
+        for (int q = 1; q < KS; ++q) acc[0] += r[q * 16 + g], acc[2] += r[q * 16 + 8 + g];
+    }
     if (t == 0) {
       const int ra = tl.row0 + ca, rb = tl.row0 + cb;
       if (tl.down) {
@@ -248,11 +263,12 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) moe_ring(MoeArgs a) {
   }
 }
 
-template <int NW, int SLOTS>
+template <int G, int KS, int SLOTS>
 int launch_ring(const MoeArgs& a, int grid, cudaStream_t stream) {
+  constexpr int NW = G * KS;
   const int bytes = SLOTS * TILE_BYTES + (1 + 2 * PAIRS) * XW * 16 + 2 * SLOTS * 8 + PAIRS * 4 +
-                    NW * 4;
-  auto k = moe_ring<NW, SLOTS>;
+                    NW * 4 + G * 2 * KS * 16 * 4;
+  auto k = moe_ring<G, KS, SLOTS>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, (NW + 1) * 32, bytes, stream>>>(a);
@@ -263,12 +279,15 @@ int launch_ring(const MoeArgs& a, int grid, cudaStream_t stream) {
 
 extern "C" int moe_ring_args_bytes() { return (int)sizeof(MoeArgs); }
 
-// variant: consumer warps x 100 + slots
+// variant: tiles at once (G) x 1000 + warps a tile (KS) x 100 + slots
 extern "C" int moe_ring_launch(const void* args, int variant, int grid, cudaStream_t stream) {
   const MoeArgs& a = *static_cast<const MoeArgs*>(args);
   switch (variant) {
-    case 407: return launch_ring<4, 7>(a, grid, stream);
-    case 707: return launch_ring<7, 7>(a, grid, stream);
+    case 4107: return launch_ring<4, 1, 7>(a, grid, stream);
+    case 7107: return launch_ring<7, 1, 7>(a, grid, stream);
+    case 7207: return launch_ring<7, 2, 7>(a, grid, stream);
+    case 6307: return launch_ring<6, 3, 7>(a, grid, stream);
+    case 7307: return launch_ring<7, 3, 7>(a, grid, stream);
     default: return -1;
   }
 }

@@ -4,7 +4,7 @@ against the product's two launches (the tensor-core pair gate_up, Gluon's down: 
 step runs). Microseconds a call from CUDA graphs over 4 rotating weight sets; each output
 against the product's.
 
-    python bench/experiments/persistent_layer/moe_ring.py [--variants 407,707]
+    python bench/experiments/persistent_layer/moe_ring.py [--variants 7107,7207,6307]
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def build() -> ctypes.CDLL:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="407,707", help="consumer warps x 100 + slots")
+    p.add_argument("--variants", default="7107,7207,6307,7307",
+                   help="tiles at once x 1000 + warps a tile x 100 + slots")
     p.add_argument("--experts", type=int, default=32)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -104,7 +105,8 @@ def main() -> None:
             err = ((s["y"] - want).norm() / want.norm()).item()
             worst = max(worst, err) if err == err else float("inf")
         us = timed(ring(v), [(s,) for s in sets])
-        print(f"  ring, {v // 100} consumer warps, {v % 100} slots  {us:7.2f} us  "
+        print(f"  ring, {v // 1000} tiles at once x {v // 100 % 10} warps a tile, {v % 100} slots"
+              f"  {us:7.2f} us  "
               f"{mb / us * 1e3:5.0f} GB/s | y against the product's: {worst:.1e}", flush=True)
         assert worst < 1e-3, worst
 
