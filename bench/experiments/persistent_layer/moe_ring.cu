@@ -14,7 +14,9 @@
 // done, which its parity wait needs). A gate_up tile ends with the clamped
 // SwiGLU, written as fp32 (`act`, for checking) and as down's x staged in block_mma's order
 // (fp16 hi + lo, global), then counts the pair's done tiles; a warp's first down tile of a pair
-// waits for all 360 and copies that x into shared memory once a program.
+// waits for all 360 and copies that x into shared memory once a program. The counts are never
+// reset: a launch waits for (launches done + 1) x 360, and the last program to end a launch
+// counts it (`epoch`), so no memset runs between launches.
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
 
 namespace {
@@ -36,7 +38,8 @@ struct MoeArgs {
   float* act;              // [PAIRS, 2880] after the SwiGLU
   uint4* hx;               // [PAIRS][2][XW] down's x: fp16 hi, then lo, block_mma's order
   float* y;                // [PAIRS, 2880] times the routing weight
-  unsigned* count;         // [PAIRS] gate_up tiles done (zeroed before the launch)
+  unsigned* count;         // [PAIRS] gate_up tiles done, over every launch so far (never reset)
+  unsigned* epoch;         // [2] launches done, and this launch's programs done (a ticket)
   float alpha, limit;
 };
 
@@ -109,7 +112,9 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = gridDim.x, c = blockIdx.x;
   const int ga = (int)((long)c * GU_TILES / P), ng = (int)((long)(c + 1) * GU_TILES / P) - ga;
   const int da = (int)((long)c * DN_TILES / P), nd = (int)((long)(c + 1) * DN_TILES / P) - da;
+  __shared__ unsigned launches;
   if (threadIdx.x == 0) {
+    launches = acquire(a.epoch);  // stable: it moves only after every program has ended
     for (int s = 0; s < SLOTS; ++s) bar_init(&full[s], 1), bar_init(&empty[s], KS);
     for (int p = 0; p < PAIRS; ++p) flag[p] = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -179,7 +184,7 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       f = __shfl_sync(0xffffffffu, f, 0);
       if (f == 0) {
         if (lane == 0)
-          while (acquire(a.count + tl.pair) < GU_N / 16) {
+          while (acquire(a.count + tl.pair) < (launches + 1) * (GU_N / 16)) {
           }
         __syncwarp();
         acquire(a.count + tl.pair);  // every lane: the other programs' x is visible to it
@@ -260,6 +265,12 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
         atomicAdd(a.count + tl.pair, 1u);
       }
     }
+  }
+  consumers_bar<NW>();  // this program is done (its producer's copies all landed)
+  if (threadIdx.x == 0 && atomicAdd(a.epoch + 1, 1u) == (unsigned)P - 1) {
+    a.epoch[1] = 0;
+    __threadfence();
+    atomicAdd(a.epoch, 1u);
   }
 }
 
