@@ -95,7 +95,22 @@ __device__ __forceinline__ Tile tile_of(int k, int ga, int ng, int da) {
   return {1, i / (DN_N / 16), (i % (DN_N / 16)) * 16};
 }
 
-template <int G, int KS, int SLOTS>
+// TRACE: [program][warp][field] clock64 cycles a launch: 0 waiting for full slots, 1 computing
+// tiles (from a full slot to its epilogue's end), 2 waiting for down's x (the pair's count and
+// the staging), 3 tiles taken; warp NW (the producer) 0 waiting for free slots; [program][32]:
+// 0/1 clock64 and 2/3 globaltimer at the program's start and end.
+constexpr int T_PROGRAMS = 264, T_WARPS = 33, T_FIELDS = 4;
+__device__ unsigned long long g_mtrace[T_PROGRAMS * T_WARPS * T_FIELDS];
+__device__ __forceinline__ unsigned long long& mtr(int w, int f) {
+  return g_mtrace[((long)blockIdx.x * T_WARPS + w) * T_FIELDS + f];
+}
+__device__ __forceinline__ unsigned long long gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <int G, int KS, int SLOTS, bool TRACE = false>
 __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   static_assert(G <= SLOTS, "a warp's parity wait needs the slot's previous fill done");
   static_assert(G + 2 <= 16, "a named barrier a group");
@@ -113,6 +128,7 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   const int ga = (int)((long)c * GU_TILES / P), ng = (int)((long)(c + 1) * GU_TILES / P) - ga;
   const int da = (int)((long)c * DN_TILES / P), nd = (int)((long)(c + 1) * DN_TILES / P) - da;
   __shared__ unsigned launches;
+  if (TRACE && threadIdx.x == 0) mtr(32, 0) = clock64(), mtr(32, 2) = gtime();
   if (threadIdx.x == 0) {
     launches = acquire(a.epoch);  // stable: it moves only after every program has ended
     for (int s = 0; s < SLOTS; ++s) bar_init(&full[s], 1), bar_init(&empty[s], KS);
@@ -121,6 +137,7 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   }
   __syncthreads();
   if (warp == NW) {  // the producer
+    if (TRACE && lane == 0) mtr(NW, 0) = 0;
     for (int k = 0; k < ng + nd; ++k) {
       const int s = k % SLOTS, round = k / SLOTS;
       const Tile tl = tile_of(k, ga, ng, da);
@@ -130,7 +147,9 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       const uint8_t* sc = (tl.down ? a.ds : a.gs) + (e * n + tl.row0) * (long)KB;
       uint8_t* slot = smem + s * TILE_BYTES;
       if (lane == 0) {
+        const long long t0 = TRACE ? clock64() : 0;
         if (round) bar_wait(&empty[s], (round - 1) & 1);
+        if (TRACE) mtr(NW, 0) += clock64() - t0;
         bar_expect(&full[s], 17 * KB * 16);
       }
       __syncwarp();
@@ -171,7 +190,10 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lblk = lane >> 4;
   const int gi = warp / KS, part = warp % KS;
   const int j0 = part * (KB / 2) / KS, j1 = (part + 1) * (KB / 2) / KS;
+  const bool tr0 = TRACE && lane == 0;
+  if (tr0) mtr(warp, 0) = mtr(warp, 1) = mtr(warp, 2) = mtr(warp, 3) = 0;
   for (int k = gi; k < ng + nd; k += G) {
+    const long long t_tile = TRACE ? clock64() : 0;
     const int s = k % SLOTS;
     const Tile tl = tile_of(k, ga, ng, da);
     const long e = a.ids[tl.pair];
@@ -201,7 +223,10 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
         __threadfence_block();
       }
     }
+    const long long t_full = TRACE ? clock64() : 0;
     bar_wait(&full[s], (k / SLOTS) & 1);
+    const long long t_math = TRACE ? clock64() : 0;
+    if (tr0) mtr(warp, 2) += t_full - t_tile, mtr(warp, 0) += t_math - t_full, mtr(warp, 3) += 1;
     const uint8_t* slot = smem + s * TILE_BYTES;
     const uint8_t* w = slot + (lrow * RU + lblk) * 16;
     const uint8_t* ss = slot + TILE_CODES;
@@ -233,7 +258,10 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       float* r = red + (gi * 2 + (k / G) % 2) * KS * 16;
       if (t == 0 && part) r[part * 16 + g] = acc[0], r[part * 16 + 8 + g] = acc[2];
       asm volatile("bar.sync %0, %1;" ::"r"(2 + gi), "r"(KS * 32) : "memory");
-      if (part) continue;
+      if (part) {
+        if (tr0) mtr(warp, 1) += clock64() - t_math;
+        continue;
+      }
       if (t == 0)
         for (int q = 1; q < KS; ++q) acc[0] += r[q * 16 + g], acc[2] += r[q * 16 + 8 + g];
     }
@@ -265,8 +293,10 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
         atomicAdd(a.count + tl.pair, 1u);
       }
     }
+    if (tr0) mtr(warp, 1) += clock64() - t_math;
   }
   consumers_bar<NW>();  // this program is done (its producer's copies all landed)
+  if (TRACE && threadIdx.x == 0) mtr(32, 1) = clock64(), mtr(32, 3) = gtime();
   if (threadIdx.x == 0 && atomicAdd(a.epoch + 1, 1u) == (unsigned)P - 1) {
     a.epoch[1] = 0;
     __threadfence();
@@ -274,12 +304,12 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   }
 }
 
-template <int G, int KS, int SLOTS>
+template <int G, int KS, int SLOTS, bool TRACE = false>
 int launch_ring(const MoeArgs& a, int grid, cudaStream_t stream) {
   constexpr int NW = G * KS;
   const int bytes = SLOTS * TILE_BYTES + (1 + 2 * PAIRS) * XW * 16 + 2 * SLOTS * 8 + PAIRS * 4 +
                     NW * 4 + G * 2 * KS * 16 * 4;
-  auto k = moe_ring<G, KS, SLOTS>;
+  auto k = moe_ring<G, KS, SLOTS, TRACE>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, (NW + 1) * 32, bytes, stream>>>(a);
@@ -290,7 +320,7 @@ int launch_ring(const MoeArgs& a, int grid, cudaStream_t stream) {
 
 extern "C" int moe_ring_args_bytes() { return (int)sizeof(MoeArgs); }
 
-// variant: tiles at once (G) x 1000 + warps a tile (KS) x 100 + slots
+// variant: tiles at once (G) x 1000 + warps a tile (KS) x 100 + slots (+ 10000: traced)
 extern "C" int moe_ring_launch(const void* args, int variant, int grid, cudaStream_t stream) {
   const MoeArgs& a = *static_cast<const MoeArgs*>(args);
   switch (variant) {
@@ -299,6 +329,14 @@ extern "C" int moe_ring_launch(const void* args, int variant, int grid, cudaStre
     case 7207: return launch_ring<7, 2, 7>(a, grid, stream);
     case 6307: return launch_ring<6, 3, 7>(a, grid, stream);
     case 7307: return launch_ring<7, 3, 7>(a, grid, stream);
+    case 17107: return launch_ring<7, 1, 7, true>(a, grid, stream);  // traced
+    case 17207: return launch_ring<7, 2, 7, true>(a, grid, stream);
+    case 16307: return launch_ring<6, 3, 7, true>(a, grid, stream);
     default: return -1;
   }
+}
+
+// TRACE's record of the last traced launch, [T_PROGRAMS][T_WARPS][T_FIELDS] uint64, into `host`
+extern "C" int moe_ring_trace(void* host) {
+  return (int)cudaMemcpyFromSymbol(host, g_mtrace, sizeof(g_mtrace));
 }

@@ -28,6 +28,7 @@ from tinyoss.kernels import nvcc_build  # noqa: E402
 from tinyoss.kernels.moe_gemv_mma import load  # noqa: E402
 
 H = I = 2880
+TRACED = {7107, 7207, 6307}  # variants with a traced build (+ 10000)
 
 
 def build() -> ctypes.CDLL:
@@ -41,6 +42,7 @@ def build() -> ctypes.CDLL:
                     str(Path(__file__).with_name("moe_ring.cu")), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     lib.moe_ring_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.moe_ring_trace.argtypes = [ctypes.c_void_p]
     assert lib.moe_ring_args_bytes() == 14 * 8 + 8
     return lib
 
@@ -50,6 +52,8 @@ def main() -> None:
     p.add_argument("--variants", default="7107,7207,6307,7307",
                    help="tiles at once x 1000 + warps a tile x 100 + slots")
     p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--trace", action="store_true",
+                   help="and a traced launch of each variant in TRACED: where its warps' time goes")
     args = p.parse_args()
     dev = torch.device("cuda")
     mma, why = load(torch.cuda.get_device_capability(dev))
@@ -107,6 +111,29 @@ def main() -> None:
               f"  {us:7.2f} us  "
               f"{mb / us * 1e3:5.0f} GB/s | y against the product's: {worst:.1e}", flush=True)
         assert worst < 1e-3, worst
+        if args.trace and v in TRACED:
+            trace(lib, v, sets[0], sms, stream())
+
+
+def trace(lib: ctypes.CDLL, v: int, s: dict, sms: int, stream: int) -> None:
+    """One traced launch of variant v: means over programs (us) of each consumer warp's time
+    waiting for full slots, computing, waiting for down's x, and the producer's for free slots."""
+    err = lib.moe_ring_launch(ctypes.addressof(s["raw"]), v + 10000, sms, stream)
+    assert not err, f"launch failed: {err}"
+    torch.cuda.synchronize()
+    raw = torch.empty(264 * 33 * 4, dtype=torch.int64)
+    assert not lib.moe_ring_trace(raw.data_ptr())
+    t = raw.view(264, 33, 4)[:sms].double()
+    ns = ((t[:, 32, 3] - t[:, 32, 2]) / (t[:, 32, 1] - t[:, 32, 0])).mean().item()
+    nw = (v // 1000) * (v // 100 % 10)
+    us = lambda x: x.mean().item() * ns / 1e3  # noqa: E731
+    w = t[:, :nw]
+    span = ((t[:, 32, 3] - t[:, 32, 2]) / 1e3)
+    print(f"    trace ({ns:.3f} ns a cycle): a program's span {span.mean().item():.2f} us (max "
+          f"{span.max().item():.2f}); a consumer warp: waiting for full slots {us(w[..., 0]):.2f},"
+          f" computing {us(w[..., 1]):.2f}, waiting for down's x {us(w[..., 2]):.2f} us, "
+          f"{w[..., 3].mean().item():.1f} tiles ({us(w[..., 1] / w[..., 3].clamp(min=1)):.2f} us"
+          f" a tile); the producer waiting for free slots {us(t[:, nw, 0]):.2f} us", flush=True)
 
 
 if __name__ == "__main__":
