@@ -22,7 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.decode_latency import copy_bandwidth  # noqa: E402
-from tinyoss.kernels import moe_gemv_mma, nvcc_build  # noqa: E402
+from tinyoss.kernels import moe_gemv_mma  # noqa: E402
+
+from ring_build import build_lib  # noqa: E402  (beside this file)
 
 HIDDEN, QKV, ATTN, GATE_UP, DOWN = 2880, 5120, 4096, 6112, 3056
 # ring: (slots x KiB a slot, programs an SM)
@@ -46,10 +48,7 @@ KINDS = {True: ("q/k/v", "attention", "o", "norm+router", "gate_up", "down", "co
 
 
 def load_lib() -> ctypes.CDLL:
-    nvcc = nvcc_build.find_nvcc()
-    assert nvcc, "nvcc not found"
-    lib = ctypes.CDLL(str(nvcc_build.build(nvcc, Path(__file__).with_name("chain.cu"),
-                                           "the persistent chain")))
+    lib = build_lib("chain.cu")
     lib.chain_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_void_p]
     lib.standin_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,

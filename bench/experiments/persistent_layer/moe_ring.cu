@@ -18,8 +18,11 @@
 // reset: a launch waits for (launches done + 1) x 360, and the last program to end a launch
 // counts it (`epoch`), so no memset runs between launches.
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
+#include "ring.cuh"
 
 namespace {
+
+using namespace ring;
 
 constexpr int KB = KMAX / 32;  // scale blocks a row: 90
 constexpr int RU = KB + 1;     // 16-byte units a row in shared memory (one of padding)
@@ -43,43 +46,6 @@ struct MoeArgs {
   float alpha, limit;
 };
 
-__device__ __forceinline__ uint32_t s_addr(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void bar_init(uint64_t* b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(s_addr(b)), "r"(n));
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
-  uint32_t ok;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(ok)
-        : "r"(s_addr(b)), "r"(parity)
-        : "memory");
-  } while (!ok);
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(s_addr(b)) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(s_addr(b)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(s_addr(dst)),
-      "l"(src), "r"(bytes), "r"(s_addr(b))
-      : "memory");
-}
-__device__ __forceinline__ unsigned acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 template <int NW>
 __device__ __forceinline__ void consumers_bar() {
   asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
@@ -130,8 +96,8 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
   __shared__ unsigned launches;
   if (TRACE && threadIdx.x == 0) mtr(32, 0) = clock64(), mtr(32, 2) = gtime();
   if (threadIdx.x == 0) {
-    launches = acquire(a.epoch);  // stable: it moves only after every program has ended
-    for (int s = 0; s < SLOTS; ++s) bar_init(&full[s], 1), bar_init(&empty[s], KS);
+    launches = ld_acquire(a.epoch);  // stable: it moves only after every program has ended
+    for (int s = 0; s < SLOTS; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], KS);
     for (int p = 0; p < PAIRS; ++p) flag[p] = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -148,16 +114,16 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       uint8_t* slot = smem + s * TILE_BYTES;
       if (lane == 0) {
         const long long t0 = TRACE ? clock64() : 0;
-        if (round) bar_wait(&empty[s], (round - 1) & 1);
+        if (round) mbar_wait(&empty[s], (round - 1) & 1);
         if (TRACE) mtr(NW, 0) += clock64() - t0;
-        bar_expect(&full[s], 17 * KB * 16);
+        mbar_expect(&full[s], 17 * KB * 16);
       }
       __syncwarp();
       if (lane < 16) {  // checkpoint row r -> MMA row m (gate_up: gate rows first, then up)
         const int m = tl.down ? lane : (lane & 1) * 8 + (lane >> 1);
-        bulk(slot + m * RU * 16, q + (long)lane * KB * 16, KB * 16, &full[s]);
+        bulk_copy(slot + m * RU * 16, q + (long)lane * KB * 16, KB * 16, &full[s]);
       } else if (lane == 16) {
-        bulk(slot + TILE_CODES, sc, 16 * KB, &full[s]);
+        bulk_copy(slot + TILE_CODES, sc, 16 * KB, &full[s]);
       }
     }
     return;
@@ -206,10 +172,10 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       f = __shfl_sync(0xffffffffu, f, 0);
       if (f == 0) {
         if (lane == 0)
-          while (acquire(a.count + tl.pair) < (launches + 1) * (GU_N / 16)) {
+          while (ld_acquire(a.count + tl.pair) < (launches + 1) * (GU_N / 16)) {
           }
         __syncwarp();
-        acquire(a.count + tl.pair);  // every lane: the other programs' x is visible to it
+        ld_acquire(a.count + tl.pair);  // every lane: the other programs' x is visible to it
         for (int w = lane; w < 2 * XW; w += 32)
           xd[tl.pair * 2 * XW + w] = __ldcg(a.hx + tl.pair * 2 * XW + w);
         __threadfence_block();
@@ -224,7 +190,7 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       }
     }
     const long long t_full = TRACE ? clock64() : 0;
-    bar_wait(&full[s], (k / SLOTS) & 1);
+    mbar_wait(&full[s], (k / SLOTS) & 1);
     const long long t_math = TRACE ? clock64() : 0;
     if (tr0) mtr(warp, 2) += t_full - t_tile, mtr(warp, 0) += t_math - t_full, mtr(warp, 3) += 1;
     const uint8_t* slot = smem + s * TILE_BYTES;
@@ -253,7 +219,7 @@ __global__ void __launch_bounds__((G * KS + 1) * 32, 1) moe_ring(MoeArgs a) {
       acc[2] = fmaf(d1[2], sb1, fmaf(d0[2], sb0, acc[2]));
     }
     __syncwarp();
-    if (lane == 0) bar_arrive(&empty[s]);
+    if (lane == 0) mbar_arrive(&empty[s]);
     if (KS > 1) {  // the group's partials to its first warp
       float* r = red + (gi * 2 + (k / G) % 2) * KS * 16;
       if (t == 0 && part) r[part * 16 + g] = acc[0], r[part * 16 + 8 + g] = acc[2];

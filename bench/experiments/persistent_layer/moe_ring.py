@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import struct
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,23 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.moe_kernels import timed, weights  # noqa: E402
 from tinyoss.kernels import moe_triton as mt  # noqa: E402
-from tinyoss.kernels import nvcc_build  # noqa: E402
 from tinyoss.kernels.moe_gemv_mma import load  # noqa: E402
+
+from ring_build import build_lib  # noqa: E402  (beside this file)
 
 H = I = 2880
 TRACED = {7107, 7207, 6307}  # variants with a traced build (+ 10000)
 
 
 def build() -> ctypes.CDLL:
-    """Built each run: the source includes the product's moe_gemv_mma.cu, which the kernel
-    cache's key (this file's hash) would not see."""
-    nvcc = nvcc_build.find_nvcc()
-    assert nvcc, "nvcc not found"
-    out = Path(tempfile.mkdtemp()) / "moe_ring.so"
-    subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
-                    "-gencode=arch=compute_90a,code=sm_90a",
-                    str(Path(__file__).with_name("moe_ring.cu")), "-o", str(out)], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = build_lib("moe_ring.cu")
     lib.moe_ring_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.moe_ring_trace.argtypes = [ctypes.c_void_p]
     assert lib.moe_ring_args_bytes() == 14 * 8 + 8
