@@ -1,0 +1,83 @@
+"""A batch-1 bf16 GEMV (q/k/v, o) through a shared-memory ring consumed on the tensor cores
+(`dense_ring.cu`), alone and after a stand-in wait while its ring fills, against the product's
+streaming CUDA-core GEMV (`dense_gemv_stream`). Microseconds a call from CUDA graphs over 4
+rotating weight sets; each output against torch in fp32.
+
+    python bench/experiments/persistent_layer/dense_ring.py [--variants 412,812,1212] [--delay 4000]
+
+`ring after a wait - wait` is what the GEMV adds to the step when the phase before it (attention)
+takes the wait: the product's GEMV adds its whole time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from bench.moe_kernels import timed  # noqa: E402
+from tinyoss.kernels.moe_gemv_mma import load  # noqa: E402
+
+from ring_build import build_lib  # noqa: E402  (beside this file)
+
+SHAPES = {"q/k/v": (5120, 2880), "o": (2880, 4096)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="412,812,1212", help="consumer warps x 100 + slots")
+    p.add_argument("--delay", type=int, default=4000, help="ns of the stand-in wait")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    mma, why = load(torch.cuda.get_device_capability(dev))
+    assert mma is not None, why
+    lib = build_lib("dense_ring.cu")
+    lib.dense_ring_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + [
+        ctypes.c_void_p]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    print(f"{torch.cuda.get_device_name()} | {sms} SMs | stand-in wait {args.delay} ns", flush=True)
+    for name, (n, k) in SHAPES.items():
+        gen = torch.Generator(device=dev).manual_seed(n)
+        sets = [((torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16),
+                 torch.randn(k, device=dev, generator=gen).to(torch.bfloat16),
+                 torch.empty(n, device=dev, dtype=torch.bfloat16)) for _ in range(4)]
+        mb = n * k * 2 / 1e6
+
+        def product(w, x, out, n=n, k=k):
+            err = mma.stream_fn(x.data_ptr(), 1, w.data_ptr(), None, out.data_ptr(), n, k,
+                                stream())
+            assert not err, err
+
+        us = timed(product, sets)
+        print(f"== {name} [{n}, {k}], {mb:.1f} MB: the product's streaming GEMV {us:6.2f} us "
+              f"({mb / us * 1e3:.0f} GB/s)", flush=True)
+        for v in map(int, args.variants.split(",")):
+            def ring(w, x, out, v=v, delay=0, n=n, k=k):
+                err = lib.dense_ring_launch(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k,
+                                            delay, v, sms, stream())
+                assert not err, f"launch failed: {err}"
+
+            worst = 0.0
+            for w, x, out in sets:
+                ring(w, x, out)
+                torch.cuda.synchronize()
+                want = w.float() @ x.float()
+                worst = max(worst, ((out.float() - want).norm() / want.norm()).item())
+            alone = timed(ring, sets)
+            waited = timed(lambda w, x, out, v=v: ring(w, x, out, v, args.delay), sets)
+            print(f"  ring, {v // 100} consumer warps, {v % 100} slots: alone {alone:6.2f} us "
+                  f"({mb / alone * 1e3:.0f} GB/s); after the wait {waited:6.2f} us, - wait = "
+                  f"{waited - args.delay / 1e3:6.2f} | error against fp32 {worst:.1e}",
+                  flush=True)
+            assert worst < 1e-2, worst
+
+
+if __name__ == "__main__":
+    with torch.cuda.stream(torch.cuda.Stream()):
+        main()
