@@ -19,7 +19,7 @@ using namespace ring;
 
 constexpr int MAX_TILES = 64;  // a program's 16-row tiles at most (N <= 64 x 16 x programs)
 
-template <int NW, int SLOTS, int CK>
+template <int NW, int SLOTS, int CK, bool MATH>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     dense_ring(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
                __nv_bfloat16* __restrict__ out, int N, int K, int delay_ns) {
@@ -74,11 +74,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const uint8_t* a = dense_smem + s * SLOT + lrow * RS + lcol * 2;
     const uint32_t* xb = xs + ch * CK / 2 + t;
     float d[4] = {0.f, 0.f, 0.f, 0.f};
+if constexpr (MATH) {
 #pragma unroll 4
-    for (int kk = 0; kk < CK; kk += 16) {
-      uint32_t r[4];
-      ldsm4(r, a + kk * 2);
-      mma_bf16(d, r[0], r[1], r[2], r[3], xb[kk / 2], xb[kk / 2 + 4]);
+      for (int kk = 0; kk < CK; kk += 16) {
+        uint32_t r[4];
+        ldsm4(r, a + kk * 2);
+        mma_bf16(d, r[0], r[1], r[2], r[3], xb[kk / 2], xb[kk / 2 + 4]);
+      }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[s]);
@@ -98,13 +100,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   }
 }
 
-template <int NW, int SLOTS, int CK>
+template <int NW, int SLOTS, int CK, bool MATH>
 int launch_dense(const void* w, const void* x, void* out, int N, int K, int delay_ns, int grid,
                  cudaStream_t stream) {
   if (K % CK || K > 4096 || (N + 15) / 16 > MAX_TILES * grid) return (int)cudaErrorInvalidValue;
   constexpr int SLOT = 16 * (CK * 2 + 16);
   const int bytes = SLOTS * SLOT + 2048 * 4 + MAX_TILES * 16 * 4 + MAX_TILES * 4 + 2 * SLOTS * 8;
-  auto k = dense_ring<NW, SLOTS, CK>;
+  auto k = dense_ring<NW, SLOTS, CK, MATH>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, (NW + 1) * 32, bytes, stream>>>(static_cast<const __nv_bfloat16*>(w),
@@ -115,18 +117,26 @@ int launch_dense(const void* w, const void* x, void* out, int N, int K, int dela
 
 }  // namespace
 
-// variant: consumer warps x 100 + slots; the K chunk: 480 for K 2880, 512 for K 4096
+// A variant: consumer warps, slots, the K chunk in values, math (0: the consumers skip the MMAs,
+// the structure's bound). A chunk is one bulk copy a row, so it sets the copies a byte: 240 values
+// (480 bytes a copy) to 2048 (4 KB).
+#define DENSE_CASE(NW, SL, CK)                                                              \
+  if (nw == NW && slots == SL && ck == CK)                                                \
+    return math ? launch_dense<NW, SL, CK, true>(w, x, out, N, K, delay_ns, grid, st)     \
+                : launch_dense<NW, SL, CK, false>(w, x, out, N, K, delay_ns, grid, st);
 extern "C" int dense_ring_launch(const void* w, const void* x, void* out, int N, int K,
-                                 int delay_ns, int variant, int grid, void* stream) {
+                                 int delay_ns, int nw, int slots, int ck, int math, int grid,
+                                 void* stream) {
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool k2880 = K % 512 != 0;
-  switch (variant) {
-    case 812: return k2880 ? launch_dense<8, 12, 480>(w, x, out, N, K, delay_ns, grid, st)
-                           : launch_dense<8, 12, 512>(w, x, out, N, K, delay_ns, grid, st);
-    case 1212: return k2880 ? launch_dense<12, 12, 480>(w, x, out, N, K, delay_ns, grid, st)
-                            : launch_dense<12, 12, 512>(w, x, out, N, K, delay_ns, grid, st);
-    case 412: return k2880 ? launch_dense<4, 12, 480>(w, x, out, N, K, delay_ns, grid, st)
-                           : launch_dense<4, 12, 512>(w, x, out, N, K, delay_ns, grid, st);
-    default: return -1;
-  }
+  DENSE_CASE(4, 12, 480)
+  DENSE_CASE(12, 12, 480)
+  DENSE_CASE(12, 12, 240)
+  DENSE_CASE(6, 6, 960)
+  DENSE_CASE(4, 4, 1440)
+  DENSE_CASE(4, 12, 512)
+  DENSE_CASE(12, 12, 512)
+  DENSE_CASE(12, 12, 256)
+  DENSE_CASE(6, 6, 1024)
+  DENSE_CASE(3, 3, 2048)
+  return -1;
 }

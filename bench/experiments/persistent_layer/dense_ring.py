@@ -3,7 +3,8 @@
 streaming CUDA-core GEMV (`dense_gemv_stream`). Microseconds a call from CUDA graphs over 4
 rotating weight sets; each output against torch in fp32.
 
-    python bench/experiments/persistent_layer/dense_ring.py [--variants 412,812,1212] [--delay 4000]
+    python bench/experiments/persistent_layer/dense_ring.py [--variants 12/12/480/1,..] \
+        [--delay 4000]
 
 `ring after a wait - wait` is what the GEMV adds to the step when the phase before it (attention)
 takes the wait: the product's GEMV adds its whole time.
@@ -26,18 +27,24 @@ from tinyoss.kernels.moe_gemv_mma import load  # noqa: E402
 from ring_build import build_lib  # noqa: E402  (beside this file)
 
 SHAPES = {"q/k/v": (5120, 2880), "o": (2880, 4096)}
+# consumer warps / slots / K chunk (values; one bulk copy a row) / math (0: no MMAs), a shape's
+# variants: the chunk sweeps the bytes a copy (480 B to 4 KB) at ~190 KB of ring
+VARIANTS = {
+    "q/k/v": "4/12/480/1,12/12/480/1,12/12/480/0,12/12/240/1,6/6/960/1,6/6/960/0,4/4/1440/1",
+    "o": "4/12/512/1,12/12/512/1,12/12/512/0,12/12/256/1,6/6/1024/1,6/6/1024/0,3/3/2048/1"}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="412,812,1212", help="consumer warps x 100 + slots")
+    p.add_argument("--variants", default="", help="warps/slots/chunk/math,... for every shape "
+                   "(default: VARIANTS, a list a shape)")
     p.add_argument("--delay", type=int, default=4000, help="ns of the stand-in wait")
     args = p.parse_args()
     dev = torch.device("cuda")
     mma, why = load(torch.cuda.get_device_capability(dev))
     assert mma is not None, why
     lib = build_lib("dense_ring.cu")
-    lib.dense_ring_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + [
+    lib.dense_ring_launch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 8 + [
         ctypes.c_void_p]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
@@ -57,11 +64,13 @@ def main() -> None:
         us = timed(product, sets)
         print(f"== {name} [{n}, {k}], {mb:.1f} MB: the product's streaming GEMV {us:6.2f} us "
               f"({mb / us * 1e3:.0f} GB/s)", flush=True)
-        for v in map(int, args.variants.split(",")):
+        for spec in (args.variants or VARIANTS[name]).split(","):
+            v = tuple(map(int, spec.split("/")))
+
             def ring(w, x, out, v=v, delay=0, n=n, k=k):
                 err = lib.dense_ring_launch(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k,
-                                            delay, v, sms, stream())
-                assert not err, f"launch failed: {err}"
+                                            delay, *v, sms, stream())
+                assert not err, f"launch of {v} failed: {err}"
 
             worst = 0.0
             for w, x, out in sets:
@@ -71,11 +80,13 @@ def main() -> None:
                 worst = max(worst, ((out.float() - want).norm() / want.norm()).item())
             alone = timed(ring, sets)
             waited = timed(lambda w, x, out, v=v: ring(w, x, out, v, args.delay), sets)
-            print(f"  ring, {v // 100} consumer warps, {v % 100} slots: alone {alone:6.2f} us "
-                  f"({mb / alone * 1e3:.0f} GB/s); after the wait {waited:6.2f} us, - wait = "
+            copies = n * k // v[2] / sms
+            print(f"  ring, {v[0]} consumer warps, {v[1]} slots, {v[2] * 2} B a copy "
+                  f"({copies:.0f} copies an SM){'' if v[3] else ', NO MATH'}: alone {alone:6.2f} "
+                  f"us ({mb / alone * 1e3:.0f} GB/s); after the wait {waited:6.2f} us, - wait = "
                   f"{waited - args.delay / 1e3:6.2f} | error against fp32 {worst:.1e}",
                   flush=True)
-            assert worst < 1e-2, worst
+            assert worst < 1e-2 or not v[3], worst
 
 
 if __name__ == "__main__":
