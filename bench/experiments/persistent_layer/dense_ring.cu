@@ -19,12 +19,20 @@ using namespace ring;
 
 constexpr int MAX_TILES = 64;  // a program's 16-row tiles at most (N <= 64 x 16 x programs)
 
-template <int NW, int SLOTS, int CK, bool MATH>
+// A unit's row stride in shared memory: padded by 16 bytes, so ldmatrix's 8 rows meet no bank
+// conflict, or (ALIGN) rounded up to 128 bytes, where every row's copy lands 128-byte aligned and
+// ldmatrix's rows share banks (to tell whether the bulk copies' alignment bounds the stream).
+template <int CK, bool ALIGN>
+__host__ __device__ constexpr int row_stride() {
+  return ALIGN ? (CK * 2 + 127) / 128 * 128 : CK * 2 + 16;
+}
+
+template <int NW, int SLOTS, int CK, bool MATH, bool ALIGN>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     dense_ring(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
                __nv_bfloat16* __restrict__ out, int N, int K, int delay_ns) {
   static_assert(NW <= SLOTS, "a warp's parity wait needs the slot's previous fill done");
-  constexpr int RS = CK * 2 + 16, SLOT = 16 * RS;  // a unit's row stride and bytes
+  constexpr int RS = row_stride<CK, ALIGN>(), SLOT = 16 * RS;  // a unit's row stride and bytes
   extern __shared__ __align__(128) uint8_t dense_smem[];
   uint32_t* xs = reinterpret_cast<uint32_t*>(dense_smem + SLOTS * SLOT);  // x as bf16 pairs
   float* acc_s = reinterpret_cast<float*>(xs + 2048);                      // [MAX_TILES][16]
@@ -100,13 +108,13 @@ if constexpr (MATH) {
   }
 }
 
-template <int NW, int SLOTS, int CK, bool MATH>
+template <int NW, int SLOTS, int CK, bool MATH, bool ALIGN>
 int launch_dense(const void* w, const void* x, void* out, int N, int K, int delay_ns, int grid,
                  cudaStream_t stream) {
   if (K % CK || K > 4096 || (N + 15) / 16 > MAX_TILES * grid) return (int)cudaErrorInvalidValue;
-  constexpr int SLOT = 16 * (CK * 2 + 16);
+  constexpr int SLOT = 16 * row_stride<CK, ALIGN>();
   const int bytes = SLOTS * SLOT + 2048 * 4 + MAX_TILES * 16 * 4 + MAX_TILES * 4 + 2 * SLOTS * 8;
-  auto k = dense_ring<NW, SLOTS, CK, MATH>;
+  auto k = dense_ring<NW, SLOTS, CK, MATH, ALIGN>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, (NW + 1) * 32, bytes, stream>>>(static_cast<const __nv_bfloat16*>(w),
@@ -117,25 +125,24 @@ int launch_dense(const void* w, const void* x, void* out, int N, int K, int dela
 
 }  // namespace
 
-// A variant: consumer warps, slots, the K chunk in values, math (0: the consumers skip the MMAs,
-// the structure's bound). A chunk is one bulk copy a row, so it sets the copies a byte: 240 values
-// (480 bytes a copy) to 2048 (4 KB).
+// A variant: consumer warps, slots, the K chunk in values, mode (bit 0: the MMAs, else the
+// consumers skip them, the structure's bound; bit 1: rows 128-byte aligned). A chunk is one bulk
+// copy a row, so it sets the copies a byte: 240 values (480 bytes a copy) to 2048 (4 KB).
+#define DENSE_MODE(NW, SL, CK, M, A) \
+  if (mode == (M) + 2 * (A)) return launch_dense<NW, SL, CK, M, A>(w, x, out, N, K, delay_ns, grid, st);
 #define DENSE_CASE(NW, SL, CK)                                                              \
-  if (nw == NW && slots == SL && ck == CK)                                                \
-    return math ? launch_dense<NW, SL, CK, true>(w, x, out, N, K, delay_ns, grid, st)     \
-                : launch_dense<NW, SL, CK, false>(w, x, out, N, K, delay_ns, grid, st);
+  if (nw == NW && slots == SL && ck == CK) {                                              \
+    DENSE_MODE(NW, SL, CK, false, false) DENSE_MODE(NW, SL, CK, true, false)              \
+    DENSE_MODE(NW, SL, CK, false, true) DENSE_MODE(NW, SL, CK, true, true)                \
+  }
 extern "C" int dense_ring_launch(const void* w, const void* x, void* out, int N, int K,
-                                 int delay_ns, int nw, int slots, int ck, int math, int grid,
+                                 int delay_ns, int nw, int slots, int ck, int mode, int grid,
                                  void* stream) {
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  DENSE_CASE(4, 12, 480)
   DENSE_CASE(12, 12, 480)
-  DENSE_CASE(12, 12, 240)
   DENSE_CASE(6, 6, 960)
   DENSE_CASE(4, 4, 1440)
-  DENSE_CASE(4, 12, 512)
   DENSE_CASE(12, 12, 512)
-  DENSE_CASE(12, 12, 256)
   DENSE_CASE(6, 6, 1024)
   DENSE_CASE(3, 3, 2048)
   return -1;
