@@ -19,20 +19,25 @@ using namespace ring;
 
 constexpr int MAX_TILES = 64;  // a program's 16-row tiles at most (N <= 64 x 16 x programs)
 
-// A unit's row stride in shared memory: padded by 16 bytes, so ldmatrix's 8 rows meet no bank
-// conflict, or (ALIGN) rounded up to 128 bytes, where every row's copy lands 128-byte aligned and
-// ldmatrix's rows share banks (to tell whether the bulk copies' alignment bounds the stream).
-template <int CK, bool ALIGN>
+// Where a unit's rows sit in shared memory (LAYOUT): 0, rows padded by 16 bytes, so ldmatrix's
+// 8 rows meet no bank conflict; 1, rows 128-byte aligned (ldmatrix's rows share banks), to tell
+// whether the copies' alignment bounds the stream; 2 (TILED), the weights re-laid on the host so
+// a unit (16 rows x CK) is contiguous, one bulk copy, its 16-byte chunks XOR-swizzled within each
+// 128 bytes by the row (chunk c of row r at (c & ~7) | ((c & 7) ^ (r & 7))): no bank conflict.
+// Row copies of 1-4 KB at the rows' stride streamed at ~1.9 TB/s however aligned (call C).
+constexpr int PADDED = 0, ALIGNED = 1, TILED = 2;
+template <int CK, int LAYOUT>
 __host__ __device__ constexpr int row_stride() {
-  return ALIGN ? (CK * 2 + 127) / 128 * 128 : CK * 2 + 16;
+  return LAYOUT == ALIGNED ? (CK * 2 + 127) / 128 * 128 : CK * 2 + (LAYOUT == PADDED ? 16 : 0);
 }
 
-template <int NW, int SLOTS, int CK, bool MATH, bool ALIGN>
+template <int NW, int SLOTS, int CK, bool MATH, int LAYOUT>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     dense_ring(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
                __nv_bfloat16* __restrict__ out, int N, int K, int delay_ns) {
   static_assert(NW <= SLOTS, "a warp's parity wait needs the slot's previous fill done");
-  constexpr int RS = row_stride<CK, ALIGN>(), SLOT = 16 * RS;  // a unit's row stride and bytes
+  static_assert(LAYOUT != TILED || CK % 64 == 0, "the swizzle takes 128-byte groups");
+  constexpr int RS = row_stride<CK, LAYOUT>(), SLOT = 16 * RS;  // a unit's row stride and bytes
   extern __shared__ __align__(128) uint8_t dense_smem[];
   uint32_t* xs = reinterpret_cast<uint32_t*>(dense_smem + SLOTS * SLOT);  // x as bf16 pairs
   float* acc_s = reinterpret_cast<float*>(xs + 2048);                      // [MAX_TILES][16]
@@ -60,7 +65,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         mbar_expect(&full[s], rows * CK * 2);
       }
       __syncwarp();
-      if (lane < rows)
+      if (LAYOUT == TILED) {
+        if (lane == 0)
+          bulk_copy(dense_smem + s * SLOT, w + ((long)tile * nc + ch) * 16 * CK, 16 * CK * 2,
+                    &full[s]);
+      } else if (lane < rows)
         bulk_copy(dense_smem + s * SLOT + lane * RS, w + ((long)(tile * 16 + lane) * K + ch * CK),
                   CK * 2, &full[s]);
     }
@@ -82,11 +91,16 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const uint8_t* a = dense_smem + s * SLOT + lrow * RS + lcol * 2;
     const uint32_t* xb = xs + ch * CK / 2 + t;
     float d[4] = {0.f, 0.f, 0.f, 0.f};
-if constexpr (MATH) {
+    if constexpr (MATH) {
 #pragma unroll 4
       for (int kk = 0; kk < CK; kk += 16) {
         uint32_t r[4];
-        ldsm4(r, a + kk * 2);
+        if (LAYOUT == TILED) {  // chunk (kk + lcol) / 8 of row lrow, swizzled
+          const int ci = (kk + lcol) >> 3;
+          ldsm4(r, dense_smem + s * SLOT + lrow * RS + 16 * ((ci & ~7) | ((ci & 7) ^ (lrow & 7))));
+        } else {
+          ldsm4(r, a + kk * 2);
+        }
         mma_bf16(d, r[0], r[1], r[2], r[3], xb[kk / 2], xb[kk / 2 + 4]);
       }
     }
@@ -108,13 +122,13 @@ if constexpr (MATH) {
   }
 }
 
-template <int NW, int SLOTS, int CK, bool MATH, bool ALIGN>
+template <int NW, int SLOTS, int CK, bool MATH, int LAYOUT>
 int launch_dense(const void* w, const void* x, void* out, int N, int K, int delay_ns, int grid,
                  cudaStream_t stream) {
   if (K % CK || K > 4096 || (N + 15) / 16 > MAX_TILES * grid) return (int)cudaErrorInvalidValue;
-  constexpr int SLOT = 16 * row_stride<CK, ALIGN>();
+  constexpr int SLOT = 16 * row_stride<CK, LAYOUT>();
   const int bytes = SLOTS * SLOT + 2048 * 4 + MAX_TILES * 16 * 4 + MAX_TILES * 4 + 2 * SLOTS * 8;
-  auto k = dense_ring<NW, SLOTS, CK, MATH, ALIGN>;
+  auto k = dense_ring<NW, SLOTS, CK, MATH, LAYOUT>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e) return (int)e;
   k<<<grid, (NW + 1) * 32, bytes, stream>>>(static_cast<const __nv_bfloat16*>(w),
@@ -126,14 +140,18 @@ int launch_dense(const void* w, const void* x, void* out, int N, int K, int dela
 }  // namespace
 
 // A variant: consumer warps, slots, the K chunk in values, mode (bit 0: the MMAs, else the
-// consumers skip them, the structure's bound; bit 1: rows 128-byte aligned). A chunk is one bulk
-// copy a row, so it sets the copies a byte: 240 values (480 bytes a copy) to 2048 (4 KB).
-#define DENSE_MODE(NW, SL, CK, M, A) \
-  if (mode == (M) + 2 * (A)) return launch_dense<NW, SL, CK, M, A>(w, x, out, N, K, delay_ns, grid, st);
+// consumers skip them, the structure's bound; bits 1-2: LAYOUT). A chunk is one bulk copy a row
+// (a unit in TILED), so it sets the copies a byte.
+#define DENSE_MODE(NW, SL, CK, M, L) \
+  if (mode == (M) + 2 * (L)) return launch_dense<NW, SL, CK, M, L>(w, x, out, N, K, delay_ns, grid, st);
 #define DENSE_CASE(NW, SL, CK)                                                              \
   if (nw == NW && slots == SL && ck == CK) {                                              \
-    DENSE_MODE(NW, SL, CK, false, false) DENSE_MODE(NW, SL, CK, true, false)              \
-    DENSE_MODE(NW, SL, CK, false, true) DENSE_MODE(NW, SL, CK, true, true)                \
+    DENSE_MODE(NW, SL, CK, false, PADDED) DENSE_MODE(NW, SL, CK, true, PADDED)            \
+    DENSE_MODE(NW, SL, CK, false, ALIGNED) DENSE_MODE(NW, SL, CK, true, ALIGNED)          \
+  }
+#define DENSE_TILED(NW, SL, CK)                                                             \
+  if (nw == NW && slots == SL && ck == CK) {                                              \
+    DENSE_MODE(NW, SL, CK, false, TILED) DENSE_MODE(NW, SL, CK, true, TILED)              \
   }
 extern "C" int dense_ring_launch(const void* w, const void* x, void* out, int N, int K,
                                  int delay_ns, int nw, int slots, int ck, int mode, int grid,
@@ -145,5 +163,11 @@ extern "C" int dense_ring_launch(const void* w, const void* x, void* out, int N,
   DENSE_CASE(12, 12, 512)
   DENSE_CASE(6, 6, 1024)
   DENSE_CASE(3, 3, 2048)
+  DENSE_TILED(10, 10, 576)
+  DENSE_TILED(6, 6, 960)
+  DENSE_TILED(12, 12, 512)
+  DENSE_TILED(6, 6, 1024)
+  DENSE_TILED(16, 16, 320)
+  DENSE_TILED(16, 16, 256)
   return -1;
 }

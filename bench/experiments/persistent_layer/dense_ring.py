@@ -28,12 +28,24 @@ from ring_build import build_lib  # noqa: E402  (beside this file)
 
 SHAPES = {"q/k/v": (5120, 2880), "o": (2880, 4096)}
 # consumer warps / slots / K chunk (values; one bulk copy a row) / mode (bit 0: the MMAs, else
-# none; bit 1: rows 128-byte aligned in shared memory, else padded by 16), a shape's variants
+# none; bits 1-2: 0 rows padded by 16 bytes, 1 rows 128-byte aligned, 2 tiled: a unit of 16 rows
+# x the chunk contiguous in memory, one copy, swizzled), a shape's variants
 VARIANTS = {
-    "q/k/v": "12/12/480/1,12/12/480/0,12/12/480/2,12/12/480/3,6/6/960/0,6/6/960/2,6/6/960/3,"
-             "4/4/1440/2",
-    "o": "12/12/512/1,12/12/512/0,12/12/512/2,12/12/512/3,6/6/1024/0,6/6/1024/2,6/6/1024/3,"
-         "3/3/2048/2"}
+    "q/k/v": "12/12/480/1,6/6/960/0,10/10/576/4,10/10/576/5,6/6/960/4,6/6/960/5,16/16/320/4,"
+             "16/16/320/5",
+    "o": "12/12/512/1,6/6/1024/0,12/12/512/4,12/12/512/5,6/6/1024/4,6/6/1024/5,16/16/256/4,"
+         "16/16/256/5"}
+LAYOUTS = ("", ", ALIGNED", ", TILED")
+
+
+def tiled(w: torch.Tensor, ck: int) -> torch.Tensor:
+    """w [N, K] as dense_ring.cu's TILED units: [N / 16][K / ck][16][ck], each row's 16-byte
+    chunks XOR-swizzled within 128 bytes by the row's index in its tile."""
+    n, k = w.shape
+    t = w.view(n // 16, 16, k // ck, ck // 64, 8, 8).permute(0, 2, 1, 3, 4, 5)
+    r, p = torch.arange(16, device=w.device), torch.arange(8, device=w.device)
+    idx = (p[None, :] ^ (r[:, None] & 7)).view(1, 1, 16, 1, 8, 1).expand(t.shape)
+    return t.gather(4, idx).contiguous().view(n, k)
 
 
 def main() -> None:
@@ -69,9 +81,12 @@ def main() -> None:
         for spec in (args.variants or VARIANTS[name]).split(","):
             v = tuple(map(int, spec.split("/")))
 
-            def ring(w, x, out, v=v, delay=0, n=n, k=k):
-                err = lib.dense_ring_launch(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k,
-                                            delay, *v, sms, stream())
+            layout = v[3] >> 1
+            wt = {w.data_ptr(): tiled(w, v[2]) for w, _, _ in sets} if layout == 2 else {}
+
+            def ring(w, x, out, v=v, delay=0, n=n, k=k, wt=wt):
+                err = lib.dense_ring_launch(wt.get(w.data_ptr(), w).data_ptr(), x.data_ptr(),
+                                            out.data_ptr(), n, k, delay, *v, sms, stream())
                 assert not err, f"launch of {v} failed: {err}"
 
             worst = 0.0
@@ -85,7 +100,7 @@ def main() -> None:
             copies = n * k // v[2] / sms
             print(f"  ring, {v[0]} consumer warps, {v[1]} slots, {v[2] * 2} B a copy "
                   f"({copies:.0f} copies an SM){'' if v[3] & 1 else ', NO MATH'}"
-                  f"{', ALIGNED' if v[3] & 2 else ''}: alone {alone:6.2f} "
+                  f"{LAYOUTS[layout]}: alone {alone:6.2f} "
                   f"us ({mb / alone * 1e3:.0f} GB/s); after the wait {waited:6.2f} us, - wait = "
                   f"{waited - args.delay / 1e3:6.2f} | error against fp32 {worst:.1e}",
                   flush=True)
