@@ -52,6 +52,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="", help="warps/slots/chunk/math,... for every shape "
                    "(default: VARIANTS, a list a shape)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ",".join(SHAPES))
     p.add_argument("--delay", type=int, default=4000, help="ns of the stand-in wait")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -63,7 +64,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     print(f"{torch.cuda.get_device_name()} | {sms} SMs | stand-in wait {args.delay} ns", flush=True)
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(n)
         sets = [((torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16),
                  torch.randn(k, device=dev, generator=gen).to(torch.bfloat16),
@@ -97,8 +99,9 @@ def main() -> None:
                 worst = max(worst, ((out.float() - want).norm() / want.norm()).item())
             alone = timed(ring, sets)
             waited = timed(lambda w, x, out, v=v: ring(w, x, out, v, args.delay), sets)
-            copies = n * k // v[2] / sms
-            print(f"  ring, {v[0]} consumer warps, {v[1]} slots, {v[2] * 2} B a copy "
+            rows_a_copy = 16 if layout == 2 else 1
+            copies = n * k // v[2] / sms / rows_a_copy
+            print(f"  ring, {v[0]} consumer warps, {v[1]} slots, {v[2] * 2 * rows_a_copy} B a copy "
                   f"({copies:.0f} copies an SM){'' if v[3] & 1 else ', NO MATH'}"
                   f"{LAYOUTS[layout]}: alone {alone:6.2f} "
                   f"us ({mb / alone * 1e3:.0f} GB/s); after the wait {waited:6.2f} us, - wait = "
