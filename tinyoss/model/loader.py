@@ -195,12 +195,26 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
     if t.dtype == torch.uint8:
         bad = int((t == 255).sum()) if name.endswith("_scales") else 0
     else:  # counted only when there are any: one pass less for the good ones
-        bad = 0 if bool(torch.isfinite(t).all()) else int((~torch.isfinite(t)).sum())
+        bad = 0 if _all_finite(t) else int((~torch.isfinite(t)).sum())
     if bad:
         raise CheckpointError(
             f"tensor {name} holds {bad} NaN or infinite value(s) of {t.numel()}: the checkpoint "
             "is corrupt; download it again"
         )
+
+
+_MINMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value is finite. Through aminmax where it can: NaN propagates into both,
+    an infinity is the max or the min, so both are finite exactly when every value is. On
+    the CPU, isfinite().all() took 15x as long (0.55 s of tiny's 0.9 s load on a 2-core
+    machine); the result is the same."""
+    if t.numel() == 0 or t.dtype not in _MINMAX_DTYPES:
+        return bool(torch.isfinite(t).all())
+    low, high = torch.aminmax(t)
+    return bool(low.isfinite() & high.isfinite())
 
 
 def prepare_experts(model: GptOssForCausalLM) -> None:
