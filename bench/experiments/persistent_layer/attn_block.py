@@ -118,12 +118,12 @@ def main() -> None:
                "out": torch.empty(HID, device=dev, dtype=torch.bfloat16),
                "bar": torch.zeros(1, device=dev, dtype=torch.int32)}
     eps, hi = 1e-5, args.context
+    slot = int(table[(hi - 1) // PAGE]) * PAGE + (hi - 1) % PAGE  # the new token's
     print(f"{torch.cuda.get_device_name()} | {sms} SMs | shared memory a program "
           f"{lib.attn_block_smem()} B", flush=True)
     keep = []  # Args structs the graphs point at
 
     def block(w: dict, lo: int) -> None:
-        slot = int(table[(hi - 1) // PAGE]) * PAGE + (hi - 1) % PAGE
         a = Args(w["h"].data_ptr(), w["norm_w"].data_ptr(), w["w_qkv_t"].data_ptr(),
                  w["b_qkv"].data_ptr(), w["w_o_t"].data_ptr(), w["b_o"].data_ptr(),
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
@@ -135,7 +135,6 @@ def main() -> None:
         assert not err, f"launch failed: {err}"
 
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):
-        slot = int(table[(hi - 1) // PAGE]) * PAGE + (hi - 1) % PAGE
         for i, w in enumerate(sets):
             want = reference(w, k_cache, v_cache, table, lo, hi, slot, eps)
             block(w, lo)
@@ -155,8 +154,7 @@ def main() -> None:
     attention = DecodeAttention(1, hi + 64, HQ, HK, D, dev)
     rope_cache = torch.zeros(hi + 64, D, device=dev)
     positions = torch.tensor([hi - 1], device=dev, dtype=torch.int32)
-    slots = torch.tensor([int(table[(hi - 1) // PAGE]) * PAGE + (hi - 1) % PAGE], device=dev,
-                         dtype=torch.int32)
+    slots = torch.tensor([slot], device=dev, dtype=torch.int32)
     tables = table[None, :].contiguous()
     xn = rnd(1, HID)
     qkv_out = torch.empty(1, QKV, device=dev, dtype=torch.bfloat16)
