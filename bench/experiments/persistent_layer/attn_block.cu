@@ -52,7 +52,19 @@ struct Args {
   __nv_bfloat16* attn;          // [QO] scratch
   __nv_bfloat16* out;           // [HID] h + o
   unsigned* bar;                // grid barrier counter, never reset
+  unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
 };
+
+// trace points: consumers' start, x of q/k/v staged, q/k/v's units done, barrier 0 passed,
+// attention done, barrier 1 passed, o's x staged, end; the producer's q/k/v units issued, all
+constexpr int TRACE_POINTS = 10;
+__device__ __forceinline__ void mark(const Args& a, int point) {
+  if (a.trace) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    a.trace[blockIdx.x * TRACE_POINTS + point] = t;
+  }
+}
 
 struct Smem {
   uint8_t ring[SLOTS * SLOT];
@@ -257,11 +269,14 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
         if (round) mbar_wait(&s.empty[sl], (round - 1) & 1);
         mbar_expect(&s.full[sl], 16 * ck * 2);
         bulk_copy(s.ring + sl * SLOT, src, 16 * ck * 2, &s.full[sl]);
+        if (k == uq - 1) mark(a, 8);
       }
+      mark(a, 9);
     }
     return;
   }
   unsigned gen = 0;
+  if (threadIdx.x == 0) mark(a, 0);
   // RMSNorm of h (every program: 5.6 KB), x of q/k/v
   float ss = 0.f;
   for (int i = threadIdx.x; i < HID; i += THREADS) {
@@ -277,19 +292,29 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(s.xs);
   for (int i = threadIdx.x; i < HID; i += THREADS)
     xh[i] = __float2bfloat16(__bfloat162float(a.norm_w[i]) * (__bfloat162float(a.h[i]) * inv));
+  if (threadIdx.x == 0) mark(a, 1);
   gemv_phase<CK_QKV>(s, 0, tq0, ntq, ncq, [&](int row, float v) {
     a.qkv[row] = __float2bfloat16(v + __bfloat162float(a.b_qkv[row]));
   });
+  consumers_sync();
+  if (threadIdx.x == 0) mark(a, 2);
   grid_sync(a.bar, 0, gen);
+  if (threadIdx.x == 0) mark(a, 3);
   const int n = (a.hi - a.lo + SPLIT - 1) / SPLIT;
   for (int item = c; item < HK * n; item += P) attention_item(s, a, item / n, item % n, n);
+  consumers_sync();
+  if (threadIdx.x == 0) mark(a, 4);
   grid_sync(a.bar, 1, gen);
+  if (threadIdx.x == 0) mark(a, 5);
   for (int i = threadIdx.x; i < QO / 8; i += THREADS)
     reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
+  if (threadIdx.x == 0) mark(a, 6);
   gemv_phase<CK_O>(s, uq, to0, nto, nco, [&](int row, float v) {
     const float o = bf(v + __bfloat162float(a.b_o[row]));
     a.out[row] = __float2bfloat16(__bfloat162float(a.h[row]) + o);
   });
+  consumers_sync();
+  if (threadIdx.x == 0) mark(a, 7);
 }
 
 }  // namespace

@@ -39,7 +39,10 @@ class Args(ctypes.Structure):
         "h", "norm_w", "w_qkv", "b_qkv", "w_o", "b_o", "rope", "sinks", "k_cache", "v_cache",
         "table")] + [("lo", ctypes.c_int), ("hi", ctypes.c_int), ("slot", ctypes.c_int),
                      ("scale", ctypes.c_float), ("eps", ctypes.c_float)] + [
-        (n, ctypes.c_void_p) for n in ("qkv", "part", "tickets", "attn", "out", "bar")]
+        (n, ctypes.c_void_p) for n in ("qkv", "part", "tickets", "attn", "out", "bar", "trace")]
+POINTS = ("consumers start", "x staged", "q/k/v units done", "barrier 0 passed",
+          "attention done", "barrier 1 passed", "o's x staged", "end", "producer: q/k/v issued",
+          "producer: all issued")
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -123,13 +126,14 @@ def main() -> None:
           f"{lib.attn_block_smem()} B", flush=True)
     keep = []  # Args structs the graphs point at
 
-    def block(w: dict, lo: int) -> None:
+    def block(w: dict, lo: int, trace: torch.Tensor | None = None) -> None:
         a = Args(w["h"].data_ptr(), w["norm_w"].data_ptr(), w["w_qkv_t"].data_ptr(),
                  w["b_qkv"].data_ptr(), w["w_o_t"].data_ptr(), w["b_o"].data_ptr(),
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), table.data_ptr(), lo, hi, slot, 1 / math.sqrt(D), eps,
                  *(scratch[n].data_ptr() for n in ("qkv", "part", "tickets", "attn", "out",
-                                                   "bar")))
+                                                   "bar")),
+                 None if trace is None else trace.data_ptr())
         keep.append(a)
         err = lib.attn_block_launch(ctypes.byref(a), sms, stream())
         assert not err, f"launch failed: {err}"
@@ -150,6 +154,18 @@ def main() -> None:
             assert errs["attn"] < 3e-2 and errs["o (out - h)"] < 3e-2, errs
     if args.check_only:
         return
+    for name, lo in (("full", 0), ("sliding", hi - WINDOW)):  # where a launch's time goes
+        trace = torch.zeros(sms, len(POINTS), device=dev, dtype=torch.int64)
+        for w in sets * 2:  # warm, then the last launch traced
+            block(w, lo)
+        block(sets[0], lo, trace)
+        torch.cuda.synchronize()
+        t = (trace - trace[:, 0].min()).float() / 1e3
+        print(f"  trace, {name} layer (us from the first program's start: min / median / max "
+              "over programs):", flush=True)
+        for i, point in enumerate(POINTS):
+            col = t[:, i]
+            print(f"    {point:24s} {col.min():7.2f} {col.median():7.2f} {col.max():7.2f}")
 
     attention = DecodeAttention(1, hi + 64, HQ, HK, D, dev)
     rope_cache = torch.zeros(hi + 64, D, device=dev)
@@ -163,25 +179,33 @@ def main() -> None:
     ranges = {lo: torch.tensor([[lo, hi]], device=dev, dtype=torch.int32)
               for lo in (0, hi - WINDOW)}
 
-    def product(w: dict, lo: int, window: int) -> None:
-        rope_cache[hi - 1] = w["rope"]
-        err = mma.stream_fn(xn.data_ptr(), 1, w["w_qkv"].data_ptr(), w["b_qkv"].data_ptr(),
-                            qkv_out.data_ptr(), QKV, HID, stream())
-        assert not err, err
-        q, k, v = qkv_out.split([QO, HK * D, HK * D], -1)
-        attn = attention(q.view(1, HQ, D), k.view(1, HK, D), v.view(1, HK, D), k_cache, v_cache,
-                         slots, positions, rope_cache, tables, ranges[lo], w["sinks"],
-                         1 / math.sqrt(D), window)
-        err = mma.stream_fn(attn.data_ptr(), 1, w["w_o"].data_ptr(), w["b_o"].data_ptr(),
-                            o_out.data_ptr(), HID, QO, stream())
-        assert not err, err
+    attn_out = torch.zeros(1, QO, device=dev, dtype=torch.bfloat16)
+
+    def product(w: dict, lo: int, window: int, parts: str = "qao") -> None:
+        """The product's launches for the block: q/k/v, attention, o (those in `parts`)."""
+        if "q" in parts:
+            err = mma.stream_fn(xn.data_ptr(), 1, w["w_qkv"].data_ptr(), w["b_qkv"].data_ptr(),
+                                qkv_out.data_ptr(), QKV, HID, stream())
+            assert not err, err
+        if "a" in parts:
+            q, k, v = qkv_out.split([QO, HK * D, HK * D], -1)
+            attn_out.copy_(attention(q.view(1, HQ, D), k.view(1, HK, D), v.view(1, HK, D),
+                                     k_cache, v_cache, slots, positions, rope_cache, tables,
+                                     ranges[lo], w["sinks"], 1 / math.sqrt(D), window))
+        if "o" in parts:
+            err = mma.stream_fn(attn_out.data_ptr(), 1, w["w_o"].data_ptr(),
+                                w["b_o"].data_ptr(), o_out.data_ptr(), HID, QO, stream())
+            assert not err, err
 
     for name, lo, window in (("full", 0, 0), ("sliding", hi - WINDOW, WINDOW)):
         ours = timed(lambda w, lo=lo: block(w, lo), [(w,) for w in sets])
-        theirs = timed(lambda w, lo=lo, window=window: product(w, lo, window),
-                       [(w,) for w in sets])
+        theirs = {parts: timed(lambda w, lo=lo, window=window, parts=parts:
+                               product(w, lo, window, parts), [(w,) for w in sets])
+                  for parts in ("qao", "q", "a", "o")}
         print(f"== {name} layer, {hi - lo} keys: persistent block {ours:6.2f} us | the product's "
-              f"q/k/v + attention + o {theirs:6.2f} us ({(ours / theirs - 1) * 100:+.1f}%)",
+              f"q/k/v + attention + o {theirs['qao']:6.2f} us "
+              f"({(ours / theirs['qao'] - 1) * 100:+.1f}%); alone: q/k/v {theirs['q']:.2f}, "
+              f"attention {theirs['a']:.2f} (with a 12 KB copy), o {theirs['o']:.2f}",
               flush=True)
 
 
