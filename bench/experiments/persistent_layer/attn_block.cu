@@ -53,11 +53,13 @@ struct Args {
   __nv_bfloat16* out;           // [HID] h + o
   unsigned* bar;                // grid barrier counter, never reset
   unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
+  int inflight;                 // the producer's copies in flight at most (<= SLOTS)
 };
 
 // trace points: consumers' start, x of q/k/v staged, q/k/v's units done, barrier 0 passed,
-// attention done, barrier 1 passed, o's x staged, end; the producer's q/k/v units issued, all
-constexpr int TRACE_POINTS = 10;
+// attention done, barrier 1 passed, o's x staged, end; the producer's q/k/v units issued, all;
+// an attention item's keys and values loaded, its partials out
+constexpr int TRACE_POINTS = 12;
 __device__ __forceinline__ void mark(const Args& a, int point) {
   if (a.trace) {
     unsigned long long t;
@@ -173,6 +175,7 @@ __device__ void attention_item(Smem& s, const Args& a, int h, int sp, int n) {
     reinterpret_cast<uint4*>(s.v)[i] = vv;
   }
   consumers_sync();
+  if (tid == 0) mark(a, 10);
   for (int i = tid; i < GROUP * SPLIT; i += THREADS) {  // scores: query i / SPLIT, key i % SPLIT
     const int qi = i / SPLIT, r = i % SPLIT;
     float acc = 0.f;
@@ -222,6 +225,7 @@ __device__ void attention_item(Smem& s, const Args& a, int h, int sp, int n) {
   __threadfence();  // every thread's partials out before the ticket
   consumers_sync();
   if (tid == 0) {
+    mark(a, 11);
     s.flag = atomicAdd(&a.tickets[h], 1u) == (unsigned)(n - 1);
   }
   consumers_sync();
@@ -267,6 +271,10 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
         const __nv_bfloat16* src = (q ? a.w_qkv : a.w_o) +
                                    ((long)((q ? tq0 : to0) + j / nc) * nc + j % nc) * 16 * ck;
         if (round) mbar_wait(&s.empty[sl], (round - 1) & 1);
+        // Copies in flight bound what a latency-bound phase's loads queue behind (call G: with
+        // the whole ring in flight, the norm's loads and attention's took 5-11 us).
+        const int back = k - a.inflight;
+        if (back >= 0) mbar_wait(&s.full[back % SLOTS], (back / SLOTS) & 1);
         mbar_expect(&s.full[sl], 16 * ck * 2);
         bulk_copy(s.ring + sl * SLOT, src, 16 * ck * 2, &s.full[sl]);
         if (k == uq - 1) mark(a, 8);
