@@ -6,8 +6,10 @@ environment variables (the child inherits them at spawn).
 
 - `scripted`: prompts containing a marker sample their script's harmony tokens instead of the
   model's (the scheduler, KV cache and everything else run for real); prompts with SLOW make
-  each step take 20 ms. The decoded prompt of each scripted request is appended to the file in
-  TINYOSS_TEST_PROMPTS, one JSON string a line.
+  each step take 20 ms. The prompt of each scripted request is appended to the file in
+  TINYOSS_TEST_PROMPTS, its token ids as one JSON list a line (`scripted_server` decodes them).
+  The markers' and scripts' token ids come from a file of the temp folder (`Encoded`), not from
+  a tokenizer loaded in the core: that took 2 s of every hooked core's start.
 - `fail_once`: the third step's result raises, once per TINYOSS_TEST_MARK file (the restarted
   core, finding the file, runs normally).
 - `hang_once`: the third step never returns, once per TINYOSS_TEST_MARK file.
@@ -20,13 +22,18 @@ environment variables (the child inherits them at spawn).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
+import tokenizers
 import torch
 
+import tinyoss.tokenizer as tokenizer_module
 from tinyoss.engine.builder import load_tokenizer
 from tinyoss.engine.core import EngineCore
 from tinyoss.engine.step import TokenLogprob
@@ -51,23 +58,54 @@ def _has(ids: list[int], marker: tuple[int, ...]) -> bool:
     return any(tuple(ids[i : i + len(marker)]) == marker for i in range(len(ids)))
 
 
+class Encoded:
+    """tiny's token ids of some texts, as `encode` gives them. Loading the tokenizer in the
+    core took 2 s of every hooked core's start (4 for scripted_faults); the ids are kept in a
+    file of the temp folder, keyed by the texts, the tokenizer file and the code that encodes
+    (tinyoss/tokenizer.py, the tokenizers version), so that only the first core of a run loads
+    it (a race between two writes the same content)."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        folder = ensure_tiny()
+        source = folder / "tokenizer.json"
+        stat, texts = source.stat(), sorted(set(texts))
+        code = hashlib.sha256(Path(tokenizer_module.__file__).read_bytes()).hexdigest()
+        key = json.dumps([str(source), stat.st_size, stat.st_mtime_ns, code,
+                          tokenizers.__version__, texts])
+        cache = Path(tempfile.gettempdir()) / (
+            f"tinyoss-test-ids-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
+        try:
+            self.ids: dict[str, list[int]] = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            tok = load_tokenizer(folder)
+            self.ids = {t: tok.encode(t) for t in texts}
+            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.ids))
+            os.replace(tmp, cache)
+
+    def encode(self, text: str) -> list[int]:
+        return self.ids[text]
+
+
+_SCRIPTS: dict[str, tuple[int | str, ...]] = {
+    WEATHER: (
+        CHANNEL, "analysis", MESSAGE, "think", END, START, "assistant", CHANNEL,
+        "commentary to=functions.get_weather ", CONSTRAIN, "json", MESSAGE, '{"city":"Paris"}',
+        CALL,
+    ),
+    ANSWER: (
+        CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant", CHANNEL, "final",
+        MESSAGE, "Hello there, Paris!", RETURN,
+    ),
+    GOES_ON: ("ld, and hello again!", RETURN),
+    THINKS_ON: (" so it is 4.", END, START, "assistant", CHANNEL, "final", MESSAGE, "4", RETURN),
+}  # fmt: skip
+
+
 def scripted(core: EngineCore) -> None:
-    tok = load_tokenizer(ensure_tiny())
-    scripts = {
-        tuple(tok.encode(WEATHER)): harmony_ids(
-            tok, CHANNEL, "analysis", MESSAGE, "think", END, START, "assistant", CHANNEL,
-            "commentary to=functions.get_weather ", CONSTRAIN, "json", MESSAGE,
-            '{"city":"Paris"}', CALL,
-        ),
-        tuple(tok.encode(ANSWER)): harmony_ids(
-            tok, CHANNEL, "analysis", MESSAGE, "Let me think.", END, START, "assistant",
-            CHANNEL, "final", MESSAGE, "Hello there, Paris!", RETURN,
-        ),
-        tuple(tok.encode(GOES_ON)): harmony_ids(tok, "ld, and hello again!", RETURN),
-        tuple(tok.encode(THINKS_ON)): harmony_ids(
-            tok, " so it is 4.", END, START, "assistant", CHANNEL, "final", MESSAGE, "4", RETURN,
-        ),
-    }  # fmt: skip
+    texts = [p for parts in _SCRIPTS.values() for p in parts if isinstance(p, str)]
+    tok = Encoded([*_SCRIPTS, SLOW, *texts])
+    scripts = {tuple(tok.encode(m)): harmony_ids(tok, *parts) for m, parts in _SCRIPTS.items()}
     slow = tuple(tok.encode(SLOW))
     log = Path(os.environ["TINYOSS_TEST_PROMPTS"])
     executor = core.executor
@@ -85,7 +123,7 @@ def scripted(core: EngineCore) -> None:
                 if _has(ids, marker):
                     script_of[new.seq_id] = script
                     with log.open("a") as f:
-                        f.write(json.dumps(tok.decode(ids)) + "\n")
+                        f.write(json.dumps(list(ids)) + "\n")
         if any(s.seq_id in slow_seqs for s in plan.seqs):
             time.sleep(0.02)
         return launch(plan)
@@ -151,7 +189,7 @@ def gated_failure(core: EngineCore) -> None:
 
 
 def faults(core: EngineCore) -> None:
-    tok = load_tokenizer(ensure_tiny())
+    tok = Encoded([OOM, NAN, CRASH])
     inject_faults(core, {tuple(tok.encode(m)): m for m in (OOM, NAN, CRASH)})
 
 

@@ -115,7 +115,8 @@ def scripted_server(folder: Path, hook: str = "tests.core_hooks:scripted", **app
         served.state = app.state.server
         served.client = served.state.client
         served.tokenizer = served.client.tokenizer
-        served.prompts = lambda: [json.loads(line) for line in prompts.read_text().splitlines()]
+        served.prompts = lambda: [served.tokenizer.decode(json.loads(line))
+                                  for line in prompts.read_text().splitlines()]
         yield served
         served.close()
 

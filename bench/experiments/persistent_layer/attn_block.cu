@@ -8,11 +8,15 @@
 //
 // One program an SM: warp NW (one thread) streams this program's q/k/v units, then its o units,
 // through SLOTS bulk-copy slots (weights tiled as dense_ring.cu's TILED: a unit, 16 rows x a K
-// chunk, one contiguous copy, swizzled for ldmatrix); NW consumer warps take unit k from slot
-// k % SLOTS (NW == SLOTS: a warp owns its slot), add their partial sums into shared memory, and
-// the warp adding a tile's last chunk writes its 16 outputs. Between phases the consumers of
-// every program meet at a grid barrier (a counter never reset: a launch reads its generation
-// from its first arrival). Attention: work item (KV head, split of 128 keys) a program; the last
+// chunk, one contiguous copy, swizzled for ldmatrix), at most `inflight` copies at once. A
+// GEMV's units (tile-major) are cut evenly over the programs, so a tile may be shared by two; NW
+// consumer warps take unit k from slot k % SLOTS (NW == SLOTS: a warp owns its slot) and keep
+// each chunk's 16 sums in shared memory; the warp finishing a program's part of a tile adds them
+// in chunk order and writes the outputs, or (a shared tile) adds its part into a global fp32 row
+// (two parts: the sum does not depend on their order), the second part's warp writing them.
+// Between phases the consumers of every program meet at a grid barrier (a counter never reset:
+// a launch reads its generation from its first arrival). Attention: work item (KV head, split of
+// 128 keys) a program, its cached keys and values prefetched at the launch's start; the last
 // split of a head to finish (a ticket it resets) merges the partial softmaxes with the sink.
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
 #include "ring.cuh"
@@ -26,8 +30,8 @@ constexpr int QO = HQ * D, QKV = QO + 2 * HK * D;  // 4096, 5120
 constexpr int NW = 16, SLOTS = 16;                  // consumer warps, ring slots
 constexpr int CK_QKV = 320, CK_O = 256;             // K chunks: 10 KB and 8 KB units
 constexpr int SLOT = 16 * CK_QKV * 2;               // bytes a slot (the larger unit)
-constexpr int SPLIT = 128, MAX_SPLITS = 32;         // keys a split; splits a head at most
-constexpr int MAX_TILES = 8;                        // a program's 16-row tiles a GEMV at most
+constexpr int SPLIT = 128, MAX_SPLITS = 16;         // keys a split; splits a head at most
+constexpr int MAX_TILES = 4, MAX_NC = 16;           // a program's tiles of a GEMV, chunks a tile
 constexpr int BARRIERS = 2;                         // grid barriers a launch
 constexpr int THREADS = NW * 32;
 
@@ -52,6 +56,8 @@ struct Args {
   __nv_bfloat16* attn;          // [QO] scratch
   __nv_bfloat16* out;           // [HID] h + o
   unsigned* bar;                // grid barrier counter, never reset
+  float* gacc;                  // [QKV + HID] zero: shared tiles' rows (q/k/v's, then o's)
+  unsigned* gcnt;               // [QKV / 16 + HID / 16] zero: their parts done
   unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
   int inflight;                 // the producer's copies in flight at most (<= SLOTS)
 };
@@ -71,7 +77,7 @@ __device__ __forceinline__ void mark(const Args& a, int point) {
 struct Smem {
   uint8_t ring[SLOTS * SLOT];
   uint32_t xs[QO / 2];  // a GEMV's x as bf16 pairs
-  float acc[MAX_TILES * 16];
+  float part[MAX_TILES][MAX_NC][16];  // each chunk's 16 sums
   int done[MAX_TILES];
   uint64_t full[SLOTS], empty[SLOTS];
   __nv_bfloat16 k[SPLIT * D], v[SPLIT * D];
@@ -99,19 +105,19 @@ __device__ void grid_sync(unsigned* bar, int j, unsigned& gen) {
 
 __device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-// One GEMV phase's consumer side: units [u0, u0 + nt * nc) of the ring, tiles t0.. of 16 rows,
-// x in s.xs; the warp adding a tile's last chunk hands its 16 sums to `put(row, sum)`.
+// One GEMV phase's consumer side: this program's units [ulo, uhi) of the GEMV (tile u / nc,
+// chunk u % nc), the first at ring position r0; x in s.xs. A tile's sums go to put(row, sum).
 template <int CK, typename Put>
-__device__ void gemv_phase(Smem& s, int u0, int t0, int nt, int nc, Put put) {
+__device__ void gemv_phase(Smem& s, int r0, int ulo, int uhi, int nc, float* gacc,
+                           unsigned* gcnt, Put put) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int lrow = lane & 15, lcol = (lane >> 4) * 8;
-  for (int i = threadIdx.x; i < nt * 16; i += THREADS) s.acc[i] = 0.f;
-  for (int i = threadIdx.x; i < nt; i += THREADS) s.done[i] = 0;
+  const int lrow = lane & 15, lcol = (lane >> 4) * 8, tile0 = ulo / nc;
+  for (int i = threadIdx.x; i < MAX_TILES; i += THREADS) s.done[i] = 0;
   consumers_sync();
-  const int units = nt * nc;
-  for (int j = (warp - u0 % SLOTS + SLOTS) % SLOTS; j < units; j += SLOTS) {
-    const int k = u0 + j, sl = k % SLOTS, tl = j / nc, ch = j % nc;  // sl == warp
-    mbar_wait(&s.full[sl], (k / SLOTS) & 1);
+  for (int j = (warp - r0 % SLOTS + SLOTS) % SLOTS; j < uhi - ulo; j += SLOTS) {
+    const int k = r0 + j, sl = k % SLOTS, u = ulo + j, tile = u / nc, ch = u % nc;
+    const int tl = tile - tile0;
+    mbar_wait(&s.full[sl], (k / SLOTS) & 1);  // sl == warp
     const uint8_t* unit = s.ring + sl * SLOT + lrow * (CK * 2);
     const uint32_t* xb = s.xs + ch * CK / 2 + t;
     float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -124,17 +130,32 @@ __device__ void gemv_phase(Smem& s, int u0, int t0, int nt, int nc, Put put) {
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[sl]);
-    if (t == 0) atomicAdd(&s.acc[tl * 16 + g], d[0]), atomicAdd(&s.acc[tl * 16 + 8 + g], d[2]);
+    if (t == 0) s.part[tl][ch][g] = d[0], s.part[tl][ch][8 + g] = d[2];
+    const int c0 = max(ulo, tile * nc) - tile * nc, c1 = min(uhi, (tile + 1) * nc) - tile * nc;
     __syncwarp();
     int last = 0;
     if (lane == 0) {
       __threadfence_block();
-      last = atomicAdd(&s.done[tl], 1) == nc - 1;
+      last = atomicAdd(&s.done[tl], 1) == c1 - c0 - 1;
     }
-    if (__shfl_sync(0xffffffffu, last, 0)) {
-      __threadfence_block();
-      if (lane < 16) put((t0 + tl) * 16 + lane, atomicAdd(&s.acc[tl * 16 + lane], 0.f));
+    if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+    __threadfence_block();
+    const int row = tile * 16 + (lane & 15);
+    float v = 0.f;
+    for (int c = c0; c < c1; ++c) v += s.part[tl][c][lane & 15];
+    if (c1 - c0 == nc) {  // the whole tile here
+      if (lane < 16) put(row, v);
+      continue;
     }
+    if (lane < 16) atomicAdd(&gacc[row], v);
+    __threadfence();
+    __syncwarp();
+    int second = 0;
+    if (lane == 0) second = atomicAdd(&gcnt[tile], 1u) == 1u;
+    if (!__shfl_sync(0xffffffffu, second, 0)) continue;
+    __threadfence();
+    if (lane < 16) put(row, atomicExch(&gacc[row], 0.f));
+    if (lane == 0) gcnt[tile] = 0;
   }
 }
 
@@ -147,33 +168,50 @@ __device__ __forceinline__ float rotated(const __nv_bfloat16* x, int d, const fl
   return bf(a * c + (d < D / 2 ? -b : b) * sn);
 }
 
-// Attention item (KV head h, split sp of n): the split's partial softmax over its keys, or the
-// output itself when the range is one split; the last split of a head merges.
-__device__ void attention_item(Smem& s, const Args& a, int h, int sp, int n) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int k0 = a.lo + sp * SPLIT, k1 = min(a.hi, k0 + SPLIT), nk = k1 - k0;
+// Attention item (KV head h, split sp): its keys [k0, k1), and the split holding the new key.
+struct Item {
+  int h, sp, k0, k1;
+};
+__device__ __forceinline__ Item item_of(const Args& a, int i, int n) {
+  const int k0 = a.lo + (i % n) * SPLIT;
+  return {i / n, i % n, k0, min(a.hi, k0 + SPLIT)};
+}
+
+// At the launch's start (they do not depend on this step): the item's cached keys and values
+// into shared memory with cp.async (rows past the range, and the new key's, zero).
+__device__ void attention_prefetch(Smem& s, const Args& a, const Item& it) {
+  for (int i = threadIdx.x; i < SPLIT * D / 8; i += THREADS) {
+    const int r = i / (D / 8), c = i % (D / 8), key = it.k0 + r;
+    uint4* kd = reinterpret_cast<uint4*>(s.k) + i;
+    uint4* vd = reinterpret_cast<uint4*>(s.v) + i;
+    if (key < it.k1 && key != a.hi - 1) {
+      const long row = ((long)a.table[key / PAGE] * PAGE + key % PAGE) * HK + it.h;
+      cp_async16(kd, reinterpret_cast<const uint4*>(a.k_cache + row * D) + c);
+      cp_async16(vd, reinterpret_cast<const uint4*>(a.v_cache + row * D) + c);
+    } else {
+      *kd = *vd = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cp_commit();
+}
+
+// The item once q/k/v are out: its queries rotated, the new key and value (into the cache and,
+// for this split, into shared memory), the split's partial softmax, or the output itself when
+// the range is one split; the last split of a head to finish merges.
+__device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, h = it.h, sp = it.sp;
+  const int nk = it.k1 - it.k0;
   const __nv_bfloat16* qkv = a.qkv;
-  consumers_sync();  // the previous item's readers of shared memory are done
   for (int i = tid; i < GROUP * D; i += THREADS)  // this head group's 8 queries
     s.q[i] = rotated(qkv + (h * GROUP + i / D) * D, i % D, a.rope);
-  if (k1 == a.hi && tid < D) {  // the new key and value, into the cache
+  if (it.k1 == a.hi && tid < D) {  // the new key and value
     const long at = ((long)a.slot * HK + h) * D + tid;
-    a.k_cache[at] = __float2bfloat16(rotated(qkv + QO + h * D, tid, a.rope));
-    a.v_cache[at] = __ldcg(qkv + QO + HK * D + h * D + tid);
+    const __nv_bfloat16 k = __float2bfloat16(rotated(qkv + QO + h * D, tid, a.rope));
+    const __nv_bfloat16 v = __ldcg(qkv + QO + HK * D + h * D + tid);
+    a.k_cache[at] = k, a.v_cache[at] = v;
+    s.k[(nk - 1) * D + tid] = k, s.v[(nk - 1) * D + tid] = v;
   }
-  __threadfence();  // read back below past L1
-  consumers_sync();
-  for (int i = tid; i < SPLIT * D / 8; i += THREADS) {  // the split's keys and values, 16 B each
-    const int r = i / (D / 8), c = i % (D / 8), key = k0 + r;
-    uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
-    if (r < nk) {
-      const long row = ((long)a.table[key / PAGE] * PAGE + key % PAGE) * HK + h;
-      kv = __ldcg(reinterpret_cast<const uint4*>(a.k_cache + row * D) + c);
-      vv = __ldcg(reinterpret_cast<const uint4*>(a.v_cache + row * D) + c);
-    }
-    reinterpret_cast<uint4*>(s.k)[i] = kv;
-    reinterpret_cast<uint4*>(s.v)[i] = vv;
-  }
+  cp_wait<0>();
   consumers_sync();
   if (tid == 0) mark(a, 10);
   for (int i = tid; i < GROUP * SPLIT; i += THREADS) {  // scores: query i / SPLIT, key i % SPLIT
@@ -190,7 +228,7 @@ __device__ void attention_item(Smem& s, const Args& a, int h, int sp, int n) {
     s.p[i] = r < nk ? acc * a.scale : -INFINITY;
   }
   consumers_sync();
-  if (warp < GROUP) {  // warp qi: the row's max, its exponentials, their sum
+  if (warp < GROUP) {  // warp qi: the row's max, its exponentials (0 past the range), their sum
     float mx = -INFINITY;
     for (int r = lane; r < SPLIT; r += 32) mx = fmaxf(mx, s.p[warp * SPLIT + r]);
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -204,13 +242,17 @@ __device__ void attention_item(Smem& s, const Args& a, int h, int sp, int n) {
     if (lane == 0) s.m[warp] = mx, s.l[warp] = sum;
   }
   consumers_sync();
-  const bool one = a.hi - a.lo <= SPLIT;
+  const bool one = n == 1;
   float* part = a.part + ((long)h * MAX_SPLITS + sp) * GROUP * (2 + D);
   for (int i = tid; i < GROUP * D; i += THREADS) {  // p . v: query i / D, dim i % D
     const int qi = i / D, d = i % D;
-    float acc = 0.f;
-    for (int r = 0; r < nk; ++r)
-      acc = fmaf(bf(s.p[qi * SPLIT + r]), __bfloat162float(s.v[r * D + d]), acc);
+    float acc0 = 0.f, acc1 = 0.f;  // two chains; p and v are 0 past the range
+#pragma unroll 8
+    for (int r = 0; r < SPLIT; r += 2) {
+      acc0 = fmaf(bf(s.p[qi * SPLIT + r]), __bfloat162float(s.v[r * D + d]), acc0);
+      acc1 = fmaf(bf(s.p[qi * SPLIT + r + 1]), __bfloat162float(s.v[(r + 1) * D + d]), acc1);
+    }
+    const float acc = acc0 + acc1;
     if (one) {
       const float sink = a.sinks[h * GROUP + qi], big = fmaxf(s.m[qi], sink);
       const float w = __expf(s.m[qi] - big);
@@ -235,14 +277,21 @@ __device__ void attention_item(Smem& s, const Args& a, int h, int sp, int n) {
   for (int i = tid; i < GROUP * D; i += THREADS) {  // merge: query i / D, dim i % D
     const int qi = i / D, d = i % D;
     const float sink = a.sinks[h * GROUP + qi];
-    float big = sink;
-    for (int j = 0; j < n; ++j) big = fmaxf(big, __ldcg(hp + (j * GROUP + qi) * (2 + D)));
+    float ms[MAX_SPLITS], big = sink;
+#pragma unroll
+    for (int j = 0; j < MAX_SPLITS; ++j) {  // every split's loads in flight at once
+      ms[j] = j < n ? __ldcg(hp + (j * GROUP + qi) * (2 + D)) : -INFINITY;
+      big = fmaxf(big, ms[j]);
+    }
     float num = 0.f, den = __expf(sink - big);
-    for (int j = 0; j < n; ++j) {
-      const float* pj = hp + (j * GROUP + qi) * (2 + D);
-      const float w = __expf(__ldcg(pj) - big);
-      den += w * __ldcg(pj + 1);
-      num += w * __ldcg(pj + 2 + d);
+#pragma unroll
+    for (int j = 0; j < MAX_SPLITS; ++j) {
+      if (j < n) {
+        const float* pj = hp + (j * GROUP + qi) * (2 + D);
+        const float w = __expf(ms[j] - big);
+        den += w * __ldcg(pj + 1);
+        num += w * __ldcg(pj + 2 + d);
+      }
     }
     a.attn[(h * GROUP + qi) * D + d] = __float2bfloat16(num / den);
   }
@@ -253,9 +302,9 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = gridDim.x, c = blockIdx.x;
-  const int tq0 = c * (QKV / 16) / P, ntq = (c + 1) * (QKV / 16) / P - tq0;
-  const int to0 = c * (HID / 16) / P, nto = (c + 1) * (HID / 16) / P - to0;
-  const int ncq = HID / CK_QKV, nco = QO / CK_O, uq = ntq * ncq;
+  const int ncq = HID / CK_QKV, nco = QO / CK_O, nuq = QKV / 16 * ncq, nuo = HID / 16 * nco;
+  const int uq0 = c * nuq / P, uq1 = (c + 1) * nuq / P, uo0 = c * nuo / P, uo1 = (c + 1) * nuo / P;
+  const int uq = uq1 - uq0;  // q/k/v's units here; o's follow in the ring
   if (threadIdx.x == 0) {
     for (int i = 0; i < SLOTS; ++i) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -263,13 +312,13 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   __syncthreads();
   if (warp == NW) {  // the producer: every unit of this program, q/k/v's then o's
     if (lane == 0) {
-      const int units = uq + nto * nco;
+      const int units = uq + uo1 - uo0;
       for (int k = 0; k < units; ++k) {
         const int sl = k % SLOTS, round = k / SLOTS;
         const bool q = k < uq;
-        const int j = q ? k : k - uq, nc = q ? ncq : nco, ck = q ? CK_QKV : CK_O;
-        const __nv_bfloat16* src = (q ? a.w_qkv : a.w_o) +
-                                   ((long)((q ? tq0 : to0) + j / nc) * nc + j % nc) * 16 * ck;
+        const int ck = q ? CK_QKV : CK_O;  // the tiled layout: unit u at u * 16 * ck
+        const __nv_bfloat16* src = q ? a.w_qkv + (long)(uq0 + k) * 16 * CK_QKV
+                                     : a.w_o + (long)(uo0 + k - uq) * 16 * CK_O;
         if (round) mbar_wait(&s.empty[sl], (round - 1) & 1);
         // Copies in flight bound what a latency-bound phase's loads queue behind (call G: with
         // the whole ring in flight, the norm's loads and attention's took 5-11 us).
@@ -285,12 +334,20 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   }
   unsigned gen = 0;
   if (threadIdx.x == 0) mark(a, 0);
-  // RMSNorm of h (every program: 5.6 KB), x of q/k/v
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < HID; i += THREADS) {
-    const float v = __bfloat162float(a.h[i]);
-    ss += v * v;
+  constexpr int PER = (HID + THREADS - 1) / THREADS;
+  float hv[PER], wv[PER];  // RMSNorm of h in one pass (every program: 11 KB), x of q/k/v
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int at = threadIdx.x + i * THREADS;
+    hv[i] = at < HID ? __bfloat162float(a.h[at]) : 0.f;
+    wv[i] = at < HID ? __bfloat162float(a.norm_w[at]) : 0.f;
   }
+  const int n = (a.hi - a.lo + SPLIT - 1) / SPLIT;
+  const bool has_item = c < HK * n;
+  if (has_item) attention_prefetch(s, a, item_of(a, c, n));
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) ss += hv[i] * hv[i];
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   if (lane == 0) s.red[warp] = ss;
   consumers_sync();
@@ -298,18 +355,20 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   for (int w = 0; w < NW; ++w) ss += s.red[w];
   const float inv = rsqrtf(ss / HID + a.eps);
   __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(s.xs);
-  for (int i = threadIdx.x; i < HID; i += THREADS)
-    xh[i] = __float2bfloat16(__bfloat162float(a.norm_w[i]) * (__bfloat162float(a.h[i]) * inv));
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int at = threadIdx.x + i * THREADS;
+    if (at < HID) xh[at] = __float2bfloat16(wv[i] * (hv[i] * inv));
+  }
   if (threadIdx.x == 0) mark(a, 1);
-  gemv_phase<CK_QKV>(s, 0, tq0, ntq, ncq, [&](int row, float v) {
+  gemv_phase<CK_QKV>(s, 0, uq0, uq1, ncq, a.gacc, a.gcnt, [&](int row, float v) {
     a.qkv[row] = __float2bfloat16(v + __bfloat162float(a.b_qkv[row]));
   });
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 2);
   grid_sync(a.bar, 0, gen);
   if (threadIdx.x == 0) mark(a, 3);
-  const int n = (a.hi - a.lo + SPLIT - 1) / SPLIT;
-  for (int item = c; item < HK * n; item += P) attention_item(s, a, item / n, item % n, n);
+  if (has_item) attention_item(s, a, item_of(a, c, n), n);
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 4);
   grid_sync(a.bar, 1, gen);
@@ -317,7 +376,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   for (int i = threadIdx.x; i < QO / 8; i += THREADS)
     reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
   if (threadIdx.x == 0) mark(a, 6);
-  gemv_phase<CK_O>(s, uq, to0, nto, nco, [&](int row, float v) {
+  gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, [&](int row, float v) {
     const float o = bf(v + __bfloat162float(a.b_o[row]));
     a.out[row] = __float2bfloat16(__bfloat162float(a.h[row]) + o);
   });
@@ -330,6 +389,11 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
 extern "C" int attn_block_smem() { return (int)sizeof(Smem); }
 
 extern "C" int attn_block_launch(const void* args, int grid, void* stream) {
+  const Args& a = *static_cast<const Args*>(args);
+  // an item a program (its keys prefetched at the start); a tile in two programs' parts at most
+  if (a.hi - a.lo > SPLIT * MAX_SPLITS || HK * MAX_SPLITS > grid || grid > HID / 16 ||
+      a.inflight < 1 || a.inflight > SLOTS)
+    return (int)cudaErrorInvalidValue;
   const int bytes = (int)sizeof(Smem);
   cudaError_t e =
       cudaFuncSetAttribute(attn_block, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);

@@ -30,7 +30,7 @@ from ring_build import build_lib  # noqa: E402
 
 HID, HQ, HK, D, PAGE, WINDOW = 2880, 64, 8, 64, 16, 128
 QO, QKV = HQ * D, HQ * D + 2 * HK * D
-CK_QKV, CK_O, MAX_SPLITS = 320, 256, 32
+CK_QKV, CK_O, MAX_SPLITS = 320, 256, 16
 BLOCKS = 4096  # cache blocks of PAGE tokens
 
 
@@ -39,8 +39,8 @@ class Args(ctypes.Structure):
         "h", "norm_w", "w_qkv", "b_qkv", "w_o", "b_o", "rope", "sinks", "k_cache", "v_cache",
         "table")] + [("lo", ctypes.c_int), ("hi", ctypes.c_int), ("slot", ctypes.c_int),
                      ("scale", ctypes.c_float), ("eps", ctypes.c_float)] + [
-        (n, ctypes.c_void_p) for n in ("qkv", "part", "tickets", "attn", "out", "bar", "trace")
-    ] + [("inflight", ctypes.c_int)]
+        (n, ctypes.c_void_p) for n in ("qkv", "part", "tickets", "attn", "out", "bar", "gacc",
+                                       "gcnt", "trace")] + [("inflight", ctypes.c_int)]
 POINTS = ("consumers start", "x staged", "q/k/v units done", "barrier 0 passed",
           "attention done", "barrier 1 passed", "o's x staged", "end", "producer: q/k/v issued",
           "producer: all issued", "an item's keys loaded", "an item's partials out")
@@ -122,7 +122,9 @@ def main() -> None:
                "tickets": torch.zeros(HK, device=dev, dtype=torch.int32),
                "attn": torch.empty(QO, device=dev, dtype=torch.bfloat16),
                "out": torch.empty(HID, device=dev, dtype=torch.bfloat16),
-               "bar": torch.zeros(1, device=dev, dtype=torch.int32)}
+               "bar": torch.zeros(1, device=dev, dtype=torch.int32),
+               "gacc": torch.zeros(QKV + HID, device=dev),
+               "gcnt": torch.zeros((QKV + HID) // 16, device=dev, dtype=torch.int32)}
     eps, hi = 1e-5, args.context
     slot = int(table[(hi - 1) // PAGE]) * PAGE + (hi - 1) % PAGE  # the new token's
     print(f"{torch.cuda.get_device_name()} | {sms} SMs | shared memory a program "
@@ -135,7 +137,7 @@ def main() -> None:
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), table.data_ptr(), lo, hi, slot, 1 / math.sqrt(D), eps,
                  *(scratch[n].data_ptr() for n in ("qkv", "part", "tickets", "attn", "out",
-                                                   "bar")),
+                                                   "bar", "gacc", "gcnt")),
                  None if trace is None else trace.data_ptr(), inflight)
         keep.append(a)
         err = lib.attn_block_launch(ctypes.byref(a), sms, stream())
