@@ -16,8 +16,9 @@
 // (two parts: the sum does not depend on their order), the second part's warp writing them.
 // Between phases the consumers of every program meet at a grid barrier (a counter never reset:
 // a launch reads its generation from its first arrival). Attention: work item (KV head, split of
-// 128 keys) a program, its cached keys and values prefetched at the launch's start; the last
-// split of a head to finish (a ticket it resets) merges the partial softmaxes with the sink.
+// 128 keys) a program, its cached keys and values prefetched at the launch's start; a head of
+// several splits leaves partial softmaxes, which every program merges (with the sink) as it
+// stages o's x.
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
 #include "ring.cuh"
 
@@ -52,7 +53,6 @@ struct Args {
   float scale, eps;
   __nv_bfloat16* qkv;           // [QKV] scratch
   float* part;                  // [HK][MAX_SPLITS][GROUP][2 + D]: m, l, acc
-  unsigned* tickets;            // [HK] zero; the merging program resets its own
   __nv_bfloat16* attn;          // [QO] scratch
   __nv_bfloat16* out;           // [HID] h + o
   unsigned* bar;                // grid barrier counter, never reset
@@ -60,11 +60,13 @@ struct Args {
   unsigned* gcnt;               // [QKV / 16 + HID / 16] zero: their parts done
   unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
   int inflight;                 // the producer's copies in flight at most (<= SLOTS)
+  int cp_async;                 // the producer's copies: 0 one bulk copy a unit, 1 the warp's
+                                // cp.async (16 bytes a lane), as the product's streaming GEMVs
 };
 
 // trace points: consumers' start, x of q/k/v staged, q/k/v's units done, barrier 0 passed,
 // attention done, barrier 1 passed, o's x staged, end; the producer's q/k/v units issued, all;
-// an attention item's keys and values loaded, its partials out
+// an attention item's queries and new key in, its partials out
 constexpr int TRACE_POINTS = 12;
 __device__ __forceinline__ void mark(const Args& a, int point) {
   if (a.trace) {
@@ -82,7 +84,6 @@ struct Smem {
   uint64_t full[SLOTS], empty[SLOTS];
   __nv_bfloat16 k[SPLIT * D], v[SPLIT * D];
   float q[GROUP * D], p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
-  int flag;
 };
 
 __device__ __forceinline__ void consumers_sync() {
@@ -235,67 +236,83 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
     float sum = 0.f;
     for (int r = lane; r < SPLIT; r += 32) {
       const float e = r < nk ? __expf(s.p[warp * SPLIT + r] - mx) : 0.f;
-      s.p[warp * SPLIT + r] = e;
+      s.p[warp * SPLIT + r] = bf(e);  // p . v takes p in bf16, the sum does not
       sum += e;
     }
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) s.m[warp] = mx, s.l[warp] = sum;
   }
   consumers_sync();
-  const bool one = n == 1;
-  float* part = a.part + ((long)h * MAX_SPLITS + sp) * GROUP * (2 + D);
-  for (int i = tid; i < GROUP * D; i += THREADS) {  // p . v: query i / D, dim i % D
-    const int qi = i / D, d = i % D;
-    float acc0 = 0.f, acc1 = 0.f;  // two chains; p and v are 0 past the range
+  // p . v: thread (key quarter kq, query pair qp, dim pair dp), 32 keys, 2 x 2 outputs; the
+  // quarters' sums meet in s.xs (free until o's x), then thread i holds query i / D, dim i % D
+  float* red = reinterpret_cast<float*>(s.xs);  // [4][GROUP][D]
+  {
+    const int kq = tid >> 7, qp = (tid >> 5) & 3, dp = tid & 31;
+    float a00 = 0.f, a01 = 0.f, a10 = 0.f, a11 = 0.f;
+    const float* p0 = s.p + (2 * qp) * SPLIT + kq * 32;
+    const float* p1 = p0 + SPLIT;
+    const uint32_t* vv = reinterpret_cast<const uint32_t*>(s.v) + kq * 32 * (D / 2) + dp;
 #pragma unroll 8
-    for (int r = 0; r < SPLIT; r += 2) {
-      acc0 = fmaf(bf(s.p[qi * SPLIT + r]), __bfloat162float(s.v[r * D + d]), acc0);
-      acc1 = fmaf(bf(s.p[qi * SPLIT + r + 1]), __bfloat162float(s.v[(r + 1) * D + d]), acc1);
+    for (int r = 0; r < 32; ++r) {  // p and v are 0 past the range
+      const uint32_t w = vv[r * (D / 2)];
+      const float v0 = __uint_as_float(w << 16), v1 = __uint_as_float(w & 0xffff0000u);
+      a00 = fmaf(p0[r], v0, a00), a01 = fmaf(p0[r], v1, a01);
+      a10 = fmaf(p1[r], v0, a10), a11 = fmaf(p1[r], v1, a11);
     }
-    const float acc = acc0 + acc1;
-    if (one) {
-      const float sink = a.sinks[h * GROUP + qi], big = fmaxf(s.m[qi], sink);
-      const float w = __expf(s.m[qi] - big);
-      a.attn[(h * GROUP + qi) * D + d] =
-          __float2bfloat16(acc * w / (s.l[qi] * w + __expf(sink - big)));
-    } else {
-      part[qi * (2 + D) + 2 + d] = acc;
-      if (d == 0) part[qi * (2 + D)] = s.m[qi], part[qi * (2 + D) + 1] = s.l[qi];
-    }
-  }
-  if (one) return;
-  __threadfence();  // every thread's partials out before the ticket
-  consumers_sync();
-  if (tid == 0) {
-    mark(a, 11);
-    s.flag = atomicAdd(&a.tickets[h], 1u) == (unsigned)(n - 1);
+    float* o = red + (kq * GROUP + 2 * qp) * D + 2 * dp;
+    o[0] = a00, o[1] = a01, o[D] = a10, o[D + 1] = a11;
   }
   consumers_sync();
-  if (!s.flag) return;
-  __threadfence();
-  const float* hp = a.part + (long)h * MAX_SPLITS * GROUP * (2 + D);
-  for (int i = tid; i < GROUP * D; i += THREADS) {  // merge: query i / D, dim i % D
-    const int qi = i / D, d = i % D;
-    const float sink = a.sinks[h * GROUP + qi];
-    float ms[MAX_SPLITS], big = sink;
-#pragma unroll
-    for (int j = 0; j < MAX_SPLITS; ++j) {  // every split's loads in flight at once
-      ms[j] = j < n ? __ldcg(hp + (j * GROUP + qi) * (2 + D)) : -INFINITY;
-      big = fmaxf(big, ms[j]);
-    }
+  float* part = a.part + ((long)h * MAX_SPLITS + sp) * GROUP * (2 + D);
+  const int qi = tid / D, d = tid % D;  // THREADS == GROUP * D
+  const float acc = red[qi * D + d] + red[(GROUP + qi) * D + d] + red[(2 * GROUP + qi) * D + d] +
+                    red[(3 * GROUP + qi) * D + d];
+  if (n == 1) {  // the output itself
+    const float sink = a.sinks[h * GROUP + qi], big = fmaxf(s.m[qi], sink);
+    const float w = __expf(s.m[qi] - big);
+    a.attn[(h * GROUP + qi) * D + d] =
+        __float2bfloat16(acc * w / (s.l[qi] * w + __expf(sink - big)));
+  } else {  // merged by every program as it stages o's x (merge_attention)
+    part[qi * (2 + D) + 2 + d] = acc;
+    if (d == 0) part[qi * (2 + D)] = s.m[qi], part[qi * (2 + D) + 1] = s.l[qi];
+  }
+  if (tid == 0) mark(a, 11);
+}
+
+// o's x: the attention output, merged here from every split's partials when a head took
+// several (each program merges all 64 heads itself: no ticket, no merging program, no wait on
+// it; 128 KB of partials read from L2 a program); bf16 as the single-split output.
+__device__ void stage_attention(Smem& s, const Args& a, int n) {
+  if (n == 1) {
+    for (int i = threadIdx.x; i < QO / 8; i += THREADS)
+      reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
+    return;
+  }
+  float* ml = reinterpret_cast<float*>(s.k);  // [HQ][MAX_SPLITS][2]: each split's max, sum
+  for (int i = threadIdx.x; i < HQ * n; i += THREADS) {
+    const int hq = i / n, j = i % n, h = hq / GROUP, qi = hq % GROUP;
+    const float2 v = __ldcg(reinterpret_cast<const float2*>(
+        a.part + (((long)h * MAX_SPLITS + j) * GROUP + qi) * (2 + D)));
+    reinterpret_cast<float2*>(ml)[hq * MAX_SPLITS + j] = v;
+  }
+  consumers_sync();
+  __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(s.xs);
+  for (int i = threadIdx.x; i < QO; i += THREADS) {
+    const int hq = i / D, d = i % D, h = hq / GROUP, qi = hq % GROUP;
+    const float sink = a.sinks[hq];
+    const float2* mlq = reinterpret_cast<const float2*>(ml) + hq * MAX_SPLITS;
+    float big = sink;
+    for (int j = 0; j < n; ++j) big = fmaxf(big, mlq[j].x);
     float num = 0.f, den = __expf(sink - big);
-#pragma unroll
-    for (int j = 0; j < MAX_SPLITS; ++j) {
-      if (j < n) {
-        const float* pj = hp + (j * GROUP + qi) * (2 + D);
-        const float w = __expf(ms[j] - big);
-        den += w * __ldcg(pj + 1);
-        num += w * __ldcg(pj + 2 + d);
-      }
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const float w = __expf(mlq[j].x - big);
+      den += w * mlq[j].y;
+      num += w * __ldcg(a.part + (((long)h * MAX_SPLITS + j) * GROUP + qi) * (2 + D) + 2 + d);
     }
-    a.attn[(h * GROUP + qi) * D + d] = __float2bfloat16(num / den);
+    xh[i] = __float2bfloat16(num / den);
+    if (blockIdx.x == 0) a.attn[i] = xh[i];  // the merged output, for the check
   }
-  if (tid == 0) a.tickets[h] = 0;
 }
 
 __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
@@ -305,31 +322,39 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   const int ncq = HID / CK_QKV, nco = QO / CK_O, nuq = QKV / 16 * ncq, nuo = HID / 16 * nco;
   const int uq0 = c * nuq / P, uq1 = (c + 1) * nuq / P, uo0 = c * nuo / P, uo1 = (c + 1) * nuo / P;
   const int uq = uq1 - uq0;  // q/k/v's units here; o's follow in the ring
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < SLOTS; ++i) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], 1);
+  if (threadIdx.x == 0) {  // a full slot: the bulk copy's bytes, or every producer lane's copies
+    for (int i = 0; i < SLOTS; ++i)
+      mbar_init(&s.full[i], a.cp_async ? 32 : 1), mbar_init(&s.empty[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (warp == NW) {  // the producer: every unit of this program, q/k/v's then o's
-    if (lane == 0) {
-      const int units = uq + uo1 - uo0;
-      for (int k = 0; k < units; ++k) {
-        const int sl = k % SLOTS, round = k / SLOTS;
-        const bool q = k < uq;
-        const int ck = q ? CK_QKV : CK_O;  // the tiled layout: unit u at u * 16 * ck
-        const __nv_bfloat16* src = q ? a.w_qkv + (long)(uq0 + k) * 16 * CK_QKV
-                                     : a.w_o + (long)(uo0 + k - uq) * 16 * CK_O;
-        if (round) mbar_wait(&s.empty[sl], (round - 1) & 1);
-        // Copies in flight bound what a latency-bound phase's loads queue behind (call G: with
-        // the whole ring in flight, the norm's loads and attention's took 5-11 us).
-        const int back = k - a.inflight;
-        if (back >= 0) mbar_wait(&s.full[back % SLOTS], (back / SLOTS) & 1);
-        mbar_expect(&s.full[sl], 16 * ck * 2);
-        bulk_copy(s.ring + sl * SLOT, src, 16 * ck * 2, &s.full[sl]);
-        if (k == uq - 1) mark(a, 8);
+    const int units = uq + uo1 - uo0;
+    for (int k = 0; k < units; ++k) {
+      const int sl = k % SLOTS, round = k / SLOTS;
+      const bool q = k < uq;
+      const int bytes = 16 * (q ? CK_QKV : CK_O) * 2;  // the tiled layout: unit u at u * bytes
+      const uint8_t* src = q ? reinterpret_cast<const uint8_t*>(a.w_qkv) + (long)(uq0 + k) * bytes
+                             : reinterpret_cast<const uint8_t*>(a.w_o) +
+                                   (long)(uo0 + k - uq) * bytes;
+      if (round) mbar_wait(&s.empty[sl], (round - 1) & 1);
+      // Copies in flight bound what a latency-bound phase's loads queue behind (call G: with
+      // the whole ring in flight, the norm's loads and attention's took 5-11 us).
+      const int back = k - a.inflight;
+      if (back >= 0) mbar_wait(&s.full[back % SLOTS], (back / SLOTS) & 1);
+      if (a.cp_async) {
+        for (int i = lane; i < bytes / 16; i += 32)
+          cp_async16<2>(s.ring + sl * SLOT + i * 16, src + i * 16);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
+                         saddr(&s.full[sl]))
+                     : "memory");
+      } else if (lane == 0) {
+        mbar_expect(&s.full[sl], bytes);
+        bulk_copy(s.ring + sl * SLOT, src, bytes, &s.full[sl]);
       }
-      mark(a, 9);
+      if (k == uq - 1 && lane == 0) mark(a, 8);
     }
+    if (lane == 0) mark(a, 9);
     return;
   }
   unsigned gen = 0;
@@ -373,8 +398,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   if (threadIdx.x == 0) mark(a, 4);
   grid_sync(a.bar, 1, gen);
   if (threadIdx.x == 0) mark(a, 5);
-  for (int i = threadIdx.x; i < QO / 8; i += THREADS)
-    reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
+  stage_attention(s, a, n);
   if (threadIdx.x == 0) mark(a, 6);
   gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, [&](int row, float v) {
     const float o = bf(v + __bfloat162float(a.b_o[row]));

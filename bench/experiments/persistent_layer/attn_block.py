@@ -39,11 +39,12 @@ class Args(ctypes.Structure):
         "h", "norm_w", "w_qkv", "b_qkv", "w_o", "b_o", "rope", "sinks", "k_cache", "v_cache",
         "table")] + [("lo", ctypes.c_int), ("hi", ctypes.c_int), ("slot", ctypes.c_int),
                      ("scale", ctypes.c_float), ("eps", ctypes.c_float)] + [
-        (n, ctypes.c_void_p) for n in ("qkv", "part", "tickets", "attn", "out", "bar", "gacc",
-                                       "gcnt", "trace")] + [("inflight", ctypes.c_int)]
+        (n, ctypes.c_void_p) for n in ("qkv", "part", "attn", "out", "bar", "gacc", "gcnt",
+                                       "trace")] + [("inflight", ctypes.c_int),
+                                                    ("cp_async", ctypes.c_int)]
 POINTS = ("consumers start", "x staged", "q/k/v units done", "barrier 0 passed",
           "attention done", "barrier 1 passed", "o's x staged", "end", "producer: q/k/v issued",
-          "producer: all issued", "an item's keys loaded", "an item's partials out")
+          "producer: all issued", "an item's q and new key in", "an item's output out")
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -87,8 +88,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=1024, help="keys of a full layer")
     p.add_argument("--check-only", action="store_true")
-    p.add_argument("--inflight", default="16", help="the producer's copies in flight at most, "
-                   "a list (<= 16)")
+    p.add_argument("--variants", default="bulk:4,cp:4,cp:8",
+                   help="the producer's copies (bulk: one a unit, cp: cp.async a lane) and how "
+                   "many units in flight at most (<= 16), a list")
     args = p.parse_args()
     dev = torch.device("cuda")
     mma, why = load(torch.cuda.get_device_capability(dev))
@@ -119,7 +121,6 @@ def main() -> None:
     table = torch.randperm(BLOCKS, device=dev, generator=gen).int()
     scratch = {"qkv": torch.empty(QKV, device=dev, dtype=torch.bfloat16),
                "part": torch.empty(HK * MAX_SPLITS * 8 * (2 + D), device=dev),
-               "tickets": torch.zeros(HK, device=dev, dtype=torch.int32),
                "attn": torch.empty(QO, device=dev, dtype=torch.bfloat16),
                "out": torch.empty(HID, device=dev, dtype=torch.bfloat16),
                "bar": torch.zeros(1, device=dev, dtype=torch.int32),
@@ -131,14 +132,15 @@ def main() -> None:
           f"{lib.attn_block_smem()} B", flush=True)
     keep = []  # Args structs the graphs point at
 
-    def block(w: dict, lo: int, trace: torch.Tensor | None = None, inflight: int = 16) -> None:
+    def block(w: dict, lo: int, trace: torch.Tensor | None = None,
+              variant: tuple[int, int] = (4, 0)) -> None:
         a = Args(w["h"].data_ptr(), w["norm_w"].data_ptr(), w["w_qkv_t"].data_ptr(),
                  w["b_qkv"].data_ptr(), w["w_o_t"].data_ptr(), w["b_o"].data_ptr(),
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), table.data_ptr(), lo, hi, slot, 1 / math.sqrt(D), eps,
-                 *(scratch[n].data_ptr() for n in ("qkv", "part", "tickets", "attn", "out",
-                                                   "bar", "gacc", "gcnt")),
-                 None if trace is None else trace.data_ptr(), inflight)
+                 *(scratch[n].data_ptr() for n in ("qkv", "part", "attn", "out", "bar", "gacc",
+                                                   "gcnt")),
+                 None if trace is None else trace.data_ptr(), *variant)
         keep.append(a)
         err = lib.attn_block_launch(ctypes.byref(a), sms, stream())
         assert not err, f"launch failed: {err}"
@@ -146,7 +148,7 @@ def main() -> None:
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):
         for i, w in enumerate(sets):
             want = reference(w, k_cache, v_cache, table, lo, hi, slot, eps)
-            block(w, lo)
+            block(w, lo, None, (4, i % 2))  # sets 1 and 3 through cp.async
             torch.cuda.synchronize()
             errs = {"qkv": rel(scratch["qkv"], want["qkv"]),
                     "new key": rel(k_cache.view(-1, HK, D)[slot], want["k"]),
@@ -159,16 +161,17 @@ def main() -> None:
             assert errs["attn"] < 3e-2 and errs["o (out - h)"] < 3e-2, errs
     if args.check_only:
         return
-    inflights = [int(v) for v in args.inflight.split(",")]
+    variants = {v: (int(v.split(":")[1]), int(v.split(":")[0] == "cp"))
+                for v in args.variants.split(",")}
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):  # where a launch's time goes
-        for inflight in inflights:
+        for vname, variant in variants.items():
             trace = torch.zeros(sms, len(POINTS), device=dev, dtype=torch.int64)
             for w in sets * 2:  # warm, then the last launch traced
-                block(w, lo, None, inflight)
-            block(sets[0], lo, trace, inflight)
+                block(w, lo, None, variant)
+            block(sets[0], lo, trace, variant)
             torch.cuda.synchronize()
             t = (trace - trace[:, 0].min()).float() / 1e3
-            print(f"  trace, {name} layer, {inflight} copies in flight (us from the first "
+            print(f"  trace, {name} layer, producer {vname} (us from the first "
                   "program's start: min / median / max over programs that reached it):",
                   flush=True)
             for i, point in enumerate(POINTS):
@@ -208,14 +211,14 @@ def main() -> None:
             assert not err, err
 
     for name, lo, window in (("full", 0, 0), ("sliding", hi - WINDOW, WINDOW)):
-        ours = {f: timed(lambda w, lo=lo, f=f: block(w, lo, None, f), [(w,) for w in sets])
-                for f in inflights}
+        ours = {v: timed(lambda w, lo=lo, f=f: block(w, lo, None, f), [(w,) for w in sets])
+                for v, f in variants.items()}
         theirs = {parts: timed(lambda w, lo=lo, window=window, parts=parts:
                                product(w, lo, window, parts), [(w,) for w in sets])
                   for parts in ("qao", "q", "a", "o")}
         best = min(ours.values())
         print(f"== {name} layer, {hi - lo} keys: persistent block " +
-              ", ".join(f"{v:.2f} us ({f} in flight)" for f, v in ours.items()) +
+              ", ".join(f"{v:.2f} us ({f})" for f, v in ours.items()) +
               f" | the product's q/k/v + attention + o {theirs['qao']:6.2f} us (best "
               f"{(best / theirs['qao'] - 1) * 100:+.1f}%); alone: q/k/v {theirs['q']:.2f}, "
               f"attention {theirs['a']:.2f} (with a 12 KB copy), o {theirs['o']:.2f}",
