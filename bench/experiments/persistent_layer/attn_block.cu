@@ -28,12 +28,13 @@ using namespace ring;
 
 constexpr int HID = 2880, HQ = 64, HK = 8, D = 64, GROUP = HQ / HK, PAGE = 16;
 constexpr int QO = HQ * D, QKV = QO + 2 * HK * D;  // 4096, 5120
-constexpr int NW = 16, SLOTS = 16;                  // consumer warps, ring slots
-constexpr int CK_QKV = 320, CK_O = 256;             // K chunks: 10 KB and 8 KB units
-constexpr int SLOT = 16 * CK_QKV * 2;               // bytes a slot (the larger unit)
+constexpr int NW = 20, SLOTS = 20;                  // consumer warps, ring slots
+constexpr int CK_QKV = 192, CK_O = 256;             // K chunks: 6 KB and 8 KB units
+constexpr int SLOT = 16 * CK_O * 2;                 // bytes a slot (the larger unit): 20 hold
+                                                    // 160 KB of o's ~176 KB a program
 constexpr int SPLIT = 128, MAX_SPLITS = 16;         // keys a split; splits a head at most
 constexpr int MAX_TILES = 4, MAX_NC = 16;           // a program's tiles of a GEMV, chunks a tile
-constexpr int BARRIERS = 2;                         // grid barriers a launch
+constexpr int BARRIERS = 3;                         // grid barriers a launch
 constexpr int THREADS = NW * 32;
 
 struct Args {
@@ -66,8 +67,9 @@ struct Args {
 
 // trace points: consumers' start, x of q/k/v staged, q/k/v's units done, barrier 0 passed,
 // attention done, barrier 1 passed, o's x staged, end; the producer's q/k/v units issued, all;
-// an attention item's queries and new key in, its partials out
-constexpr int TRACE_POINTS = 12;
+// an attention item's queries and new key in, its output or partials out, its scores, its
+// softmax, its p . v
+constexpr int TRACE_POINTS = 15;
 __device__ __forceinline__ void mark(const Args& a, int point) {
   if (a.trace) {
     unsigned long long t;
@@ -229,6 +231,7 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
     s.p[i] = r < nk ? acc * a.scale : -INFINITY;
   }
   consumers_sync();
+  if (tid == 0) mark(a, 12);
   if (warp < GROUP) {  // warp qi: the row's max, its exponentials (0 past the range), their sum
     float mx = -INFINITY;
     for (int r = lane; r < SPLIT; r += 32) mx = fmaxf(mx, s.p[warp * SPLIT + r]);
@@ -243,10 +246,11 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
     if (lane == 0) s.m[warp] = mx, s.l[warp] = sum;
   }
   consumers_sync();
+  if (tid == 0) mark(a, 13);
   // p . v: thread (key quarter kq, query pair qp, dim pair dp), 32 keys, 2 x 2 outputs; the
   // quarters' sums meet in s.xs (free until o's x), then thread i holds query i / D, dim i % D
   float* red = reinterpret_cast<float*>(s.xs);  // [4][GROUP][D]
-  {
+  if (tid < 4 * 4 * 32) {
     const int kq = tid >> 7, qp = (tid >> 5) & 3, dp = tid & 31;
     float a00 = 0.f, a01 = 0.f, a10 = 0.f, a11 = 0.f;
     const float* p0 = s.p + (2 * qp) * SPLIT + kq * 32;
@@ -263,8 +267,10 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
     o[0] = a00, o[1] = a01, o[D] = a10, o[D + 1] = a11;
   }
   consumers_sync();
+  if (tid == 0) mark(a, 14);
+  if (tid >= GROUP * D) return;
   float* part = a.part + ((long)h * MAX_SPLITS + sp) * GROUP * (2 + D);
-  const int qi = tid / D, d = tid % D;  // THREADS == GROUP * D
+  const int qi = tid / D, d = tid % D;
   const float acc = red[qi * D + d] + red[(GROUP + qi) * D + d] + red[(2 * GROUP + qi) * D + d] +
                     red[(3 * GROUP + qi) * D + d];
   if (n == 1) {  // the output itself
@@ -272,47 +278,37 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
     const float w = __expf(s.m[qi] - big);
     a.attn[(h * GROUP + qi) * D + d] =
         __float2bfloat16(acc * w / (s.l[qi] * w + __expf(sink - big)));
-  } else {  // merged by every program as it stages o's x (merge_attention)
+  } else {  // merged after the next grid barrier (merge_attention)
     part[qi * (2 + D) + 2 + d] = acc;
     if (d == 0) part[qi * (2 + D)] = s.m[qi], part[qi * (2 + D) + 1] = s.l[qi];
   }
   if (tid == 0) mark(a, 11);
 }
 
-// o's x: the attention output, merged here from every split's partials when a head took
-// several (each program merges all 64 heads itself: no ticket, no merging program, no wait on
-// it; 128 KB of partials read from L2 a program); bf16 as the single-split output.
-__device__ void stage_attention(Smem& s, const Args& a, int n) {
-  if (n == 1) {
-    for (int i = threadIdx.x; i < QO / 8; i += THREADS)
-      reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
-    return;
+// A head of several splits: query head hq's output from every split's partial softmax and the
+// sink (a program a query head, between two grid barriers: 64 programs, 64 outputs each).
+__device__ void merge_attention(const Args& a, int hq, int n) {
+  const int d = threadIdx.x;  // < D
+  const int h = hq / GROUP, qi = hq % GROUP;
+  const float* hp = a.part + ((long)h * MAX_SPLITS * GROUP + qi) * (2 + D);
+  const float sink = a.sinks[hq];
+  float ms[MAX_SPLITS], ls[MAX_SPLITS], acc[MAX_SPLITS], big = sink;
+#pragma unroll
+  for (int j = 0; j < MAX_SPLITS; ++j) {  // every split's loads in flight at once
+    const float* pj = hp + j * GROUP * (2 + D);
+    ms[j] = j < n ? __ldcg(pj) : -INFINITY;
+    ls[j] = j < n ? __ldcg(pj + 1) : 0.f;
+    acc[j] = j < n ? __ldcg(pj + 2 + d) : 0.f;
+    big = fmaxf(big, ms[j]);
   }
-  float* ml = reinterpret_cast<float*>(s.k);  // [HQ][MAX_SPLITS][2]: each split's max, sum
-  for (int i = threadIdx.x; i < HQ * n; i += THREADS) {
-    const int hq = i / n, j = i % n, h = hq / GROUP, qi = hq % GROUP;
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(
-        a.part + (((long)h * MAX_SPLITS + j) * GROUP + qi) * (2 + D)));
-    reinterpret_cast<float2*>(ml)[hq * MAX_SPLITS + j] = v;
+  float num = 0.f, den = __expf(sink - big);
+#pragma unroll
+  for (int j = 0; j < MAX_SPLITS; ++j) {
+    const float w = __expf(ms[j] - big);  // 0 past the n splits
+    den += w * ls[j];
+    num += w * acc[j];
   }
-  consumers_sync();
-  __nv_bfloat16* xh = reinterpret_cast<__nv_bfloat16*>(s.xs);
-  for (int i = threadIdx.x; i < QO; i += THREADS) {
-    const int hq = i / D, d = i % D, h = hq / GROUP, qi = hq % GROUP;
-    const float sink = a.sinks[hq];
-    const float2* mlq = reinterpret_cast<const float2*>(ml) + hq * MAX_SPLITS;
-    float big = sink;
-    for (int j = 0; j < n; ++j) big = fmaxf(big, mlq[j].x);
-    float num = 0.f, den = __expf(sink - big);
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const float w = __expf(mlq[j].x - big);
-      den += w * mlq[j].y;
-      num += w * __ldcg(a.part + (((long)h * MAX_SPLITS + j) * GROUP + qi) * (2 + D) + 2 + d);
-    }
-    xh[i] = __float2bfloat16(num / den);
-    if (blockIdx.x == 0) a.attn[i] = xh[i];  // the merged output, for the check
-  }
+  a.attn[hq * D + d] = __float2bfloat16(num / den);
 }
 
 __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
@@ -397,8 +393,11 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 4);
   grid_sync(a.bar, 1, gen);
+  if (n > 1 && c < HQ && threadIdx.x < D) merge_attention(a, c, n);
+  grid_sync(a.bar, 2, gen);
   if (threadIdx.x == 0) mark(a, 5);
-  stage_attention(s, a, n);
+  for (int i = threadIdx.x; i < QO / 8; i += THREADS)
+    reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
   if (threadIdx.x == 0) mark(a, 6);
   gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, [&](int row, float v) {
     const float o = bf(v + __bfloat162float(a.b_o[row]));
@@ -415,8 +414,8 @@ extern "C" int attn_block_smem() { return (int)sizeof(Smem); }
 extern "C" int attn_block_launch(const void* args, int grid, void* stream) {
   const Args& a = *static_cast<const Args*>(args);
   // an item a program (its keys prefetched at the start); a tile in two programs' parts at most
-  if (a.hi - a.lo > SPLIT * MAX_SPLITS || HK * MAX_SPLITS > grid || grid > HID / 16 ||
-      a.inflight < 1 || a.inflight > SLOTS)
+  if (a.hi - a.lo > SPLIT * MAX_SPLITS || HK * MAX_SPLITS > grid || grid < HQ ||
+      grid > HID / 16 || a.inflight < 1 || a.inflight > SLOTS)
     return (int)cudaErrorInvalidValue;
   const int bytes = (int)sizeof(Smem);
   cudaError_t e =

@@ -30,7 +30,7 @@ from ring_build import build_lib  # noqa: E402
 
 HID, HQ, HK, D, PAGE, WINDOW = 2880, 64, 8, 64, 16, 128
 QO, QKV = HQ * D, HQ * D + 2 * HK * D
-CK_QKV, CK_O, MAX_SPLITS = 320, 256, 16
+CK_QKV, CK_O, MAX_SPLITS = 192, 256, 16
 BLOCKS = 4096  # cache blocks of PAGE tokens
 
 
@@ -43,8 +43,9 @@ class Args(ctypes.Structure):
                                        "trace")] + [("inflight", ctypes.c_int),
                                                     ("cp_async", ctypes.c_int)]
 POINTS = ("consumers start", "x staged", "q/k/v units done", "barrier 0 passed",
-          "attention done", "barrier 1 passed", "o's x staged", "end", "producer: q/k/v issued",
-          "producer: all issued", "an item's q and new key in", "an item's output out")
+          "attention done", "merged, barrier 2 passed", "o's x staged", "end",
+          "producer: q/k/v issued", "producer: all issued", "an item's q and new key in",
+          "an item's output out", "an item's scores", "an item's softmax", "an item's p . v")
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
