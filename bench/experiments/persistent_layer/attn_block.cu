@@ -85,7 +85,8 @@ struct Smem {
   int done[MAX_TILES];
   uint64_t full[SLOTS], empty[SLOTS];
   __nv_bfloat16 k[SPLIT * D], v[SPLIT * D];
-  float q[GROUP * D], p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
+  __nv_bfloat16 q[GROUP * D], pb[GROUP * SPLIT];  // queries, exponentials (MMA operands)
+  float p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
 };
 
 __device__ __forceinline__ void consumers_sync() {
@@ -171,6 +172,16 @@ __device__ __forceinline__ float rotated(const __nv_bfloat16* x, int d, const fl
   return bf(a * c + (d < D / 2 ? -b : b) * sn);
 }
 
+// A key or value tile's 16-byte chunk c of row r, swizzled so ldmatrix's 8 rows meet no bank
+// conflict (as dense_ring.cu's TILED units); in 16-byte units.
+__device__ __forceinline__ int kv_at(int r, int c) { return r * (D / 8) + (c ^ (r & 7)); }
+
+__device__ __forceinline__ void ldsm4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+
 // Attention item (KV head h, split sp): its keys [k0, k1), and the split holding the new key.
 struct Item {
   int h, sp, k0, k1;
@@ -185,8 +196,8 @@ __device__ __forceinline__ Item item_of(const Args& a, int i, int n) {
 __device__ void attention_prefetch(Smem& s, const Args& a, const Item& it) {
   for (int i = threadIdx.x; i < SPLIT * D / 8; i += THREADS) {
     const int r = i / (D / 8), c = i % (D / 8), key = it.k0 + r;
-    uint4* kd = reinterpret_cast<uint4*>(s.k) + i;
-    uint4* vd = reinterpret_cast<uint4*>(s.v) + i;
+    uint4* kd = reinterpret_cast<uint4*>(s.k) + kv_at(r, c);
+    uint4* vd = reinterpret_cast<uint4*>(s.v) + kv_at(r, c);
     if (key < it.k1 && key != a.hi - 1) {
       const long row = ((long)a.table[key / PAGE] * PAGE + key % PAGE) * HK + it.h;
       cp_async16(kd, reinterpret_cast<const uint4*>(a.k_cache + row * D) + c);
@@ -199,36 +210,43 @@ __device__ void attention_prefetch(Smem& s, const Args& a, const Item& it) {
 }
 
 // The item once q/k/v are out: its queries rotated, the new key and value (into the cache and,
-// for this split, into shared memory), the split's partial softmax, or the output itself when
-// the range is one split; the last split of a head to finish merges.
+// for this split, into shared memory), scores and p . v on the tensor cores (bf16, fp32 sums, as
+// the product's Triton kernel), the split's partial softmax, or the output itself when the range
+// is one split.
 __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, h = it.h, sp = it.sp;
   const int nk = it.k1 - it.k0;
   const __nv_bfloat16* qkv = a.qkv;
   for (int i = tid; i < GROUP * D; i += THREADS)  // this head group's 8 queries
-    s.q[i] = rotated(qkv + (h * GROUP + i / D) * D, i % D, a.rope);
+    s.q[i] = __float2bfloat16(rotated(qkv + (h * GROUP + i / D) * D, i % D, a.rope));
   if (it.k1 == a.hi && tid < D) {  // the new key and value
     const long at = ((long)a.slot * HK + h) * D + tid;
     const __nv_bfloat16 k = __float2bfloat16(rotated(qkv + QO + h * D, tid, a.rope));
     const __nv_bfloat16 v = __ldcg(qkv + QO + HK * D + h * D + tid);
     a.k_cache[at] = k, a.v_cache[at] = v;
-    s.k[(nk - 1) * D + tid] = k, s.v[(nk - 1) * D + tid] = v;
+    const int e = kv_at(nk - 1, tid / 8) * 8 + tid % 8;
+    s.k[e] = k, s.v[e] = v;
   }
   cp_wait<0>();
   consumers_sync();
   if (tid == 0) mark(a, 10);
-  for (int i = tid; i < GROUP * SPLIT; i += THREADS) {  // scores: query i / SPLIT, key i % SPLIT
-    const int qi = i / SPLIT, r = i % SPLIT;
-    float acc = 0.f;
+  const int g = lane >> 2, t = lane & 3;
+  if (warp < SPLIT / 16) {  // scores on the tensor cores: warp w keys 16w.., K as A, q as B
+    const uint4* kt = reinterpret_cast<const uint4*>(s.k);
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(s.q);  // [GROUP][D / 2]
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int cc = 0; cc < D / 8; ++cc) {  // 16 bytes of the key a step, rotated by the key's row
-      const int c = (cc + r) % (D / 8);  // so a warp's loads spread over the banks
-      const uint4 kv = reinterpret_cast<const uint4*>(s.k)[r * (D / 8) + c];
-      const __nv_bfloat16* kb = reinterpret_cast<const __nv_bfloat16*>(&kv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(s.q[qi * D + c * 8 + e], __bfloat162float(kb[e]), acc);
+    for (int kk = 0; kk < D; kk += 16) {
+      uint32_t r[4];
+      ldsm4(r, kt + kv_at(warp * 16 + (lane & 15), kk / 8 + (lane >> 4)));
+      mma_bf16(d, r[0], r[1], r[2], r[3], qw[g * (D / 2) + kk / 2 + t],
+               qw[g * (D / 2) + kk / 2 + 4 + t]);
     }
-    s.p[i] = r < nk ? acc * a.scale : -INFINITY;
+    const int k0 = warp * 16 + g, k1 = k0 + 8;  // d: (k0, 2t), (k0, 2t + 1), (k1, ..)
+    s.p[2 * t * SPLIT + k0] = k0 < nk ? d[0] * a.scale : -INFINITY;
+    s.p[(2 * t + 1) * SPLIT + k0] = k0 < nk ? d[1] * a.scale : -INFINITY;
+    s.p[2 * t * SPLIT + k1] = k1 < nk ? d[2] * a.scale : -INFINITY;
+    s.p[(2 * t + 1) * SPLIT + k1] = k1 < nk ? d[3] * a.scale : -INFINITY;
   }
   consumers_sync();
   if (tid == 0) mark(a, 12);
@@ -239,7 +257,7 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
     float sum = 0.f;
     for (int r = lane; r < SPLIT; r += 32) {
       const float e = r < nk ? __expf(s.p[warp * SPLIT + r] - mx) : 0.f;
-      s.p[warp * SPLIT + r] = bf(e);  // p . v takes p in bf16, the sum does not
+      s.pb[warp * SPLIT + r] = __float2bfloat16(e);  // p . v takes p in bf16, the sum does not
       sum += e;
     }
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -247,32 +265,29 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
   }
   consumers_sync();
   if (tid == 0) mark(a, 13);
-  // p . v: thread (key quarter kq, query pair qp, dim pair dp), 32 keys, 2 x 2 outputs; the
-  // quarters' sums meet in s.xs (free until o's x), then thread i holds query i / D, dim i % D
-  float* red = reinterpret_cast<float*>(s.xs);  // [4][GROUP][D]
-  if (tid < 4 * 4 * 32) {
-    const int kq = tid >> 7, qp = (tid >> 5) & 3, dp = tid & 31;
-    float a00 = 0.f, a01 = 0.f, a10 = 0.f, a11 = 0.f;
-    const float* p0 = s.p + (2 * qp) * SPLIT + kq * 32;
-    const float* p1 = p0 + SPLIT;
-    const uint32_t* vv = reinterpret_cast<const uint32_t*>(s.v) + kq * 32 * (D / 2) + dp;
-#pragma unroll 8
-    for (int r = 0; r < 32; ++r) {  // p and v are 0 past the range
-      const uint32_t w = vv[r * (D / 2)];
-      const float v0 = __uint_as_float(w << 16), v1 = __uint_as_float(w & 0xffff0000u);
-      a00 = fmaf(p0[r], v0, a00), a01 = fmaf(p0[r], v1, a01);
-      a10 = fmaf(p1[r], v0, a10), a11 = fmaf(p1[r], v1, a11);
+  float* red = reinterpret_cast<float*>(s.xs);  // [GROUP][D], free until o's x
+  if (warp < D / 16) {  // p . v on the tensor cores: warp w dims 16w.., V^T as A, p as B
+    const uint4* vt = reinterpret_cast<const uint4*>(s.v);
+    const uint32_t* pw = reinterpret_cast<const uint32_t*>(s.pb);  // [GROUP][SPLIT / 2]
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k0 = 0; k0 < SPLIT; k0 += 16) {  // matrices: (keys k0.., dims 16w..), (k0, 16w + 8),
+      uint32_t r[4];                           // (k0 + 8, 16w), (k0 + 8, 16w + 8), transposed
+      const int row = k0 + (lane & 7) + ((lane >> 4) << 3), chunk = 2 * warp + ((lane >> 3) & 1);
+      ldsm4_trans(r, vt + kv_at(row, chunk));
+      mma_bf16(d, r[0], r[1], r[2], r[3], pw[g * (SPLIT / 2) + k0 / 2 + t],
+               pw[g * (SPLIT / 2) + k0 / 2 + 4 + t]);
     }
-    float* o = red + (kq * GROUP + 2 * qp) * D + 2 * dp;
-    o[0] = a00, o[1] = a01, o[D] = a10, o[D + 1] = a11;
+    const int m0 = warp * 16 + g;  // d: (dim m0, query 2t), (m0, 2t + 1), (m0 + 8, ..)
+    red[2 * t * D + m0] = d[0], red[(2 * t + 1) * D + m0] = d[1];
+    red[2 * t * D + m0 + 8] = d[2], red[(2 * t + 1) * D + m0 + 8] = d[3];
   }
   consumers_sync();
   if (tid == 0) mark(a, 14);
   if (tid >= GROUP * D) return;
   float* part = a.part + ((long)h * MAX_SPLITS + sp) * GROUP * (2 + D);
   const int qi = tid / D, d = tid % D;
-  const float acc = red[qi * D + d] + red[(GROUP + qi) * D + d] + red[(2 * GROUP + qi) * D + d] +
-                    red[(3 * GROUP + qi) * D + d];
+  const float acc = red[qi * D + d];
   if (n == 1) {  // the output itself
     const float sink = a.sinks[h * GROUP + qi], big = fmaxf(s.m[qi], sink);
     const float w = __expf(s.m[qi] - big);
