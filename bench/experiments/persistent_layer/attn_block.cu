@@ -34,7 +34,7 @@ constexpr int SLOT = 16 * CK_O * 2;                 // bytes a slot (the larger 
                                                     // 160 KB of o's ~176 KB a program
 constexpr int SPLIT = 128, MAX_SPLITS = 16;         // keys a split; splits a head at most
 constexpr int MAX_TILES = 4, MAX_NC = 16;           // a program's tiles of a GEMV, chunks a tile
-constexpr int BARRIERS = 3;                         // grid barriers a launch
+__host__ __device__ constexpr int barriers(bool two_part) { return two_part ? 4 : 3; }
 constexpr int THREADS = NW * 32;
 
 struct Args {
@@ -59,6 +59,11 @@ struct Args {
   unsigned* bar;                // grid barrier counter, never reset
   float* gacc;                  // [QKV + HID] zero: shared tiles' rows (q/k/v's, then o's)
   unsigned* gcnt;               // [QKV / 16 + HID / 16] zero: their parts done
+  float* gpart;                 // two_part: [2][QKV + HID], each row's two parts' sums
+  int two_part;                 // a GEMV's rows left as two parts (the part holding chunk 0,
+                                // the other; 0 for a whole tile) that their readers add after
+                                // the next grid barrier, instead of gacc's atomic hand-over;
+                                // o's output then needs one more barrier and a combine
   unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
   int inflight;                 // the producer's copies in flight at most (<= SLOTS)
   int cp_async;                 // the producer's copies: 0 one bulk copy a unit, 1 the warp's
@@ -93,12 +98,14 @@ __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
 }
 
-// every program's consumers at barrier `j` of this launch; `gen` from the first arrival
-__device__ void grid_sync(unsigned* bar, int j, unsigned& gen) {
+// every program's consumers at barrier `j` of this launch; `gen` from the first arrival (a
+// counter for launches of one barrier count)
+__device__ void grid_sync(const Args& a, int j, unsigned& gen) {
+  unsigned* bar = a.bar;
   consumers_sync();
   if (threadIdx.x == 0) {
     __threadfence();
-    const unsigned old = atomicAdd(bar, 1u), per = BARRIERS * gridDim.x;
+    const unsigned old = atomicAdd(bar, 1u), per = barriers(a.two_part) * gridDim.x;
     if (j == 0) gen = old / per;
     const unsigned target = gen * per + (j + 1) * gridDim.x;
     while ((int)(ld_acquire(bar) - target) < 0) {
@@ -113,7 +120,7 @@ __device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2b
 // chunk u % nc), the first at ring position r0; x in s.xs. A tile's sums go to put(row, sum).
 template <int CK, typename Put>
 __device__ void gemv_phase(Smem& s, int r0, int ulo, int uhi, int nc, float* gacc,
-                           unsigned* gcnt, Put put) {
+                           unsigned* gcnt, float* gpart, long gstride, Put put) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int lrow = lane & 15, lcol = (lane >> 4) * 8, tile0 = ulo / nc;
   for (int i = threadIdx.x; i < MAX_TILES; i += THREADS) s.done[i] = 0;
@@ -147,6 +154,13 @@ __device__ void gemv_phase(Smem& s, int r0, int ulo, int uhi, int nc, float* gac
     const int row = tile * 16 + (lane & 15);
     float v = 0.f;
     for (int c = c0; c < c1; ++c) v += s.part[tl][c][lane & 15];
+    if (gpart) {  // two parts, added by their readers
+      if (lane < 16) {
+        gpart[(c0 == 0 ? 0 : gstride) + row] = v;
+        if (c1 - c0 == nc) gpart[gstride + row] = 0.f;
+      }
+      continue;
+    }
     if (c1 - c0 == nc) {  // the whole tile here
       if (lane < 16) put(row, v);
       continue;
@@ -163,13 +177,19 @@ __device__ void gemv_phase(Smem& s, int r0, int ulo, int uhi, int nc, float* gac
   }
 }
 
-// A head group's queries (rotated, rounded to bf16) or the new key: row x of D, rotated
-// half-split as the product's rope does, in fp32.
-__device__ __forceinline__ float rotated(const __nv_bfloat16* x, int d, const float* rope) {
-  const float a = __bfloat162float(__ldcg(x + d));
-  const float b = __bfloat162float(__ldcg(x + (d + D / 2) % D));
-  const float c = rope[d % (D / 2)], sn = rope[D / 2 + d % (D / 2)];
-  return bf(a * c + (d < D / 2 ? -b : b) * sn);
+// q/k/v's output row r (bf16, bias added), from a.qkv or its two parts
+__device__ __forceinline__ float qkv_at(const Args& a, int r) {
+  if (!a.two_part) return __bfloat162float(__ldcg(a.qkv + r));
+  const float* p = a.gpart + r;
+  return bf(__ldcg(p) + __ldcg(p + QKV + HID) + __bfloat162float(a.b_qkv[r]));
+}
+
+// A head group's queries (rotated, rounded to bf16) or the new key: q/k/v's row base + d,
+// rotated half-split as the product's rope does, in fp32.
+__device__ __forceinline__ float rotated(const Args& a, int base, int d) {
+  const float x = qkv_at(a, base + d), y = qkv_at(a, base + (d + D / 2) % D);
+  const float c = a.rope[d % (D / 2)], sn = a.rope[D / 2 + d % (D / 2)];
+  return bf(x * c + (d < D / 2 ? -y : y) * sn);
 }
 
 // A key or value tile's 16-byte chunk c of row r, swizzled so ldmatrix's 8 rows meet no bank
@@ -216,13 +236,12 @@ __device__ void attention_prefetch(Smem& s, const Args& a, const Item& it) {
 __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, h = it.h, sp = it.sp;
   const int nk = it.k1 - it.k0;
-  const __nv_bfloat16* qkv = a.qkv;
   for (int i = tid; i < GROUP * D; i += THREADS)  // this head group's 8 queries
-    s.q[i] = __float2bfloat16(rotated(qkv + (h * GROUP + i / D) * D, i % D, a.rope));
+    s.q[i] = __float2bfloat16(rotated(a, (h * GROUP + i / D) * D, i % D));
   if (it.k1 == a.hi && tid < D) {  // the new key and value
     const long at = ((long)a.slot * HK + h) * D + tid;
-    const __nv_bfloat16 k = __float2bfloat16(rotated(qkv + QO + h * D, tid, a.rope));
-    const __nv_bfloat16 v = __ldcg(qkv + QO + HK * D + h * D + tid);
+    const __nv_bfloat16 k = __float2bfloat16(rotated(a, QO + h * D, tid));
+    const __nv_bfloat16 v = __float2bfloat16(qkv_at(a, QO + HK * D + h * D + tid));
     a.k_cache[at] = k, a.v_cache[at] = v;
     const int e = kv_at(nk - 1, tid / 8) * 8 + tid % 8;
     s.k[e] = k, s.v[e] = v;
@@ -397,27 +416,41 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
     if (at < HID) xh[at] = __float2bfloat16(wv[i] * (hv[i] * inv));
   }
   if (threadIdx.x == 0) mark(a, 1);
-  gemv_phase<CK_QKV>(s, 0, uq0, uq1, ncq, a.gacc, a.gcnt, [&](int row, float v) {
+  float* gp = a.two_part ? a.gpart : nullptr;
+  const long gs = QKV + HID;
+  gemv_phase<CK_QKV>(s, 0, uq0, uq1, ncq, a.gacc, a.gcnt, gp, gs, [&](int row, float v) {
     a.qkv[row] = __float2bfloat16(v + __bfloat162float(a.b_qkv[row]));
   });
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 2);
-  grid_sync(a.bar, 0, gen);
+  grid_sync(a, 0, gen);
   if (threadIdx.x == 0) mark(a, 3);
-  if (has_item) attention_item(s, a, item_of(a, c, n), n);
+  if (has_item) {
+    attention_item(s, a, item_of(a, c, n), n);
+  } else if (a.two_part) {  // q/k/v's rows into a.qkv, for the check (programs without an item)
+    const int idle = P - HK * n, i = c - HK * n, r0 = i * QKV / idle, r1 = (i + 1) * QKV / idle;
+    for (int r = r0 + threadIdx.x; r < r1; r += THREADS) a.qkv[r] = __float2bfloat16(qkv_at(a, r));
+  }
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 4);
-  grid_sync(a.bar, 1, gen);
+  grid_sync(a, 1, gen);
   if (n > 1 && c < HQ && threadIdx.x < D) merge_attention(a, c, n);
-  grid_sync(a.bar, 2, gen);
+  grid_sync(a, 2, gen);
   if (threadIdx.x == 0) mark(a, 5);
   for (int i = threadIdx.x; i < QO / 8; i += THREADS)
     reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
   if (threadIdx.x == 0) mark(a, 6);
-  gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, [&](int row, float v) {
+  auto residual = [&](int row, float v) {
     const float o = bf(v + __bfloat162float(a.b_o[row]));
     a.out[row] = __float2bfloat16(__bfloat162float(a.h[row]) + o);
-  });
+  };
+  gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, gp ? gp + QKV : gp,
+                   gs, residual);
+  if (a.two_part) {  // o's two parts, the bias and the residual: a share of rows a program
+    grid_sync(a, 3, gen);
+    for (int r = c * HID / P + threadIdx.x; r < (c + 1) * HID / P; r += THREADS)
+      residual(r, __ldcg(a.gpart + QKV + r) + __ldcg(a.gpart + gs + QKV + r));
+  }
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 7);
 }

@@ -40,7 +40,9 @@ class Args(ctypes.Structure):
         "table")] + [("lo", ctypes.c_int), ("hi", ctypes.c_int), ("slot", ctypes.c_int),
                      ("scale", ctypes.c_float), ("eps", ctypes.c_float)] + [
         (n, ctypes.c_void_p) for n in ("qkv", "part", "attn", "out", "bar", "gacc", "gcnt",
-                                       "trace")] + [("inflight", ctypes.c_int),
+                                       "gpart")] + [("two_part", ctypes.c_int),
+                                                    ("trace", ctypes.c_void_p),
+                                                    ("inflight", ctypes.c_int),
                                                     ("cp_async", ctypes.c_int)]
 POINTS = ("consumers start", "x staged", "q/k/v units done", "barrier 0 passed",
           "attention done", "merged, barrier 2 passed", "o's x staged", "end",
@@ -89,9 +91,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=1024, help="keys of a full layer")
     p.add_argument("--check-only", action="store_true")
-    p.add_argument("--variants", default="bulk:4,cp:4,cp:8",
-                   help="the producer's copies (bulk: one a unit, cp: cp.async a lane) and how "
-                   "many units in flight at most (<= 16), a list")
+    p.add_argument("--variants", default="bulk:20,cp:20,bulk:20:two",
+                   help="the producer's copies (bulk: one a unit, cp: cp.async a lane), how "
+                   "many units in flight at most (<= 20), and (':two') the GEMVs' rows left in "
+                   "two parts for their readers, a list")
     args = p.parse_args()
     dev = torch.device("cuda")
     mma, why = load(torch.cuda.get_device_capability(dev))
@@ -124,7 +127,8 @@ def main() -> None:
                "part": torch.empty(HK * MAX_SPLITS * 8 * (2 + D), device=dev),
                "attn": torch.empty(QO, device=dev, dtype=torch.bfloat16),
                "out": torch.empty(HID, device=dev, dtype=torch.bfloat16),
-               "bar": torch.zeros(1, device=dev, dtype=torch.int32),
+               "bar": torch.zeros(2, device=dev, dtype=torch.int32),  # a counter a mode
+               "gpart": torch.zeros(2, QKV + HID, device=dev),
                "gacc": torch.zeros(QKV + HID, device=dev),
                "gcnt": torch.zeros((QKV + HID) // 16, device=dev, dtype=torch.int32)}
     eps, hi = 1e-5, args.context
@@ -134,14 +138,15 @@ def main() -> None:
     keep = []  # Args structs the graphs point at
 
     def block(w: dict, lo: int, trace: torch.Tensor | None = None,
-              variant: tuple[int, int] = (4, 0)) -> None:
+              variant: tuple[int, int, int] = (4, 0, 0)) -> None:
         a = Args(w["h"].data_ptr(), w["norm_w"].data_ptr(), w["w_qkv_t"].data_ptr(),
                  w["b_qkv"].data_ptr(), w["w_o_t"].data_ptr(), w["b_o"].data_ptr(),
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), table.data_ptr(), lo, hi, slot, 1 / math.sqrt(D), eps,
-                 *(scratch[n].data_ptr() for n in ("qkv", "part", "attn", "out", "bar", "gacc",
-                                                   "gcnt")),
-                 None if trace is None else trace.data_ptr(), *variant)
+                 *(scratch[n].data_ptr() for n in ("qkv", "part", "attn", "out")),
+                 scratch["bar"].data_ptr() + 4 * variant[2],
+                 *(scratch[n].data_ptr() for n in ("gacc", "gcnt", "gpart")), variant[2],
+                 None if trace is None else trace.data_ptr(), *variant[:2])
         keep.append(a)
         err = lib.attn_block_launch(ctypes.byref(a), sms, stream())
         assert not err, f"launch failed: {err}"
@@ -149,7 +154,7 @@ def main() -> None:
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):
         for i, w in enumerate(sets):
             want = reference(w, k_cache, v_cache, table, lo, hi, slot, eps)
-            block(w, lo, None, (4, i % 2))  # sets 1 and 3 through cp.async
+            block(w, lo, None, (4, i % 2, i // 2))  # cp.async: 1, 3; two parts: 2, 3
             torch.cuda.synchronize()
             errs = {"qkv": rel(scratch["qkv"], want["qkv"]),
                     "new key": rel(k_cache.view(-1, HK, D)[slot], want["k"]),
@@ -162,7 +167,7 @@ def main() -> None:
             assert errs["attn"] < 3e-2 and errs["o (out - h)"] < 3e-2, errs
     if args.check_only:
         return
-    variants = {v: (int(v.split(":")[1]), int(v.split(":")[0] == "cp"))
+    variants = {v: (int(v.split(":")[1]), int(v.split(":")[0] == "cp"), int(v.endswith("two")))
                 for v in args.variants.split(",")}
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):  # where a launch's time goes
         for vname, variant in variants.items():
