@@ -66,6 +66,7 @@ struct Args {
                                 // o's output then needs one more barrier and a combine
   unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
   int inflight;                 // the producer's copies in flight at most (<= SLOTS)
+  int gate_o;                   // o's units wait until every program's q/k/v is done
   int cp_async;                 // the producer's copies: 0 one bulk copy a unit, 1 the warp's
                                 // cp.async (16 bytes a lane), as the product's streaming GEMVs
 };
@@ -73,8 +74,8 @@ struct Args {
 // trace points: consumers' start, x of q/k/v staged, q/k/v's units done, barrier 0 passed,
 // attention done, barrier 1 passed, o's x staged, end; the producer's q/k/v units issued, all;
 // an attention item's queries and new key in, its output or partials out, its scores, its
-// softmax, its p . v
-constexpr int TRACE_POINTS = 15;
+// softmax, its p . v; o's units done
+constexpr int TRACE_POINTS = 16;
 __device__ __forceinline__ void mark(const Args& a, int point) {
   if (a.trace) {
     unsigned long long t;
@@ -88,7 +89,7 @@ struct Smem {
   uint32_t xs[QO / 2];  // a GEMV's x as bf16 pairs
   float part[MAX_TILES][MAX_NC][16];  // each chunk's 16 sums
   int done[MAX_TILES];
-  uint64_t full[SLOTS], empty[SLOTS];
+  uint64_t full[SLOTS], empty[SLOTS], go;  // go: barrier 0 passed (gate_o)
   __nv_bfloat16 k[SPLIT * D], v[SPLIT * D];
   __nv_bfloat16 q[GROUP * D], pb[GROUP * SPLIT];  // queries, exponentials (MMA operands)
   float p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
@@ -355,6 +356,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   if (threadIdx.x == 0) {  // a full slot: the bulk copy's bytes, or every producer lane's copies
     for (int i = 0; i < SLOTS; ++i)
       mbar_init(&s.full[i], a.cp_async ? 32 : 1), mbar_init(&s.empty[i], 1);
+    mbar_init(&s.go, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -368,6 +370,8 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
                              : reinterpret_cast<const uint8_t*>(a.w_o) +
                                    (long)(uo0 + k - uq) * bytes;
       if (round) mbar_wait(&s.empty[sl], (round - 1) & 1);
+      // gate_o: o's rows would take bandwidth from other programs' q/k/v, the critical path
+      if (k == uq && a.gate_o) mbar_wait(&s.go, 0);
       // Copies in flight bound what a latency-bound phase's loads queue behind (call G: with
       // the whole ring in flight, the norm's loads and attention's took 5-11 us).
       const int back = k - a.inflight;
@@ -424,7 +428,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 2);
   grid_sync(a, 0, gen);
-  if (threadIdx.x == 0) mark(a, 3);
+  if (threadIdx.x == 0) mark(a, 3), mbar_arrive(&s.go);
   if (has_item) {
     attention_item(s, a, item_of(a, c, n), n);
   } else if (a.two_part) {  // q/k/v's rows into a.qkv, for the check (programs without an item)
@@ -446,6 +450,8 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   };
   gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, gp ? gp + QKV : gp,
                    gs, residual);
+  consumers_sync();
+  if (threadIdx.x == 0) mark(a, 15);
   if (a.two_part) {  // o's two parts, the bias and the residual: a share of rows a program
     grid_sync(a, 3, gen);
     for (int r = c * HID / P + threadIdx.x; r < (c + 1) * HID / P; r += THREADS)

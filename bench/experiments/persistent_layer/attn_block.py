@@ -43,11 +43,13 @@ class Args(ctypes.Structure):
                                        "gpart")] + [("two_part", ctypes.c_int),
                                                     ("trace", ctypes.c_void_p),
                                                     ("inflight", ctypes.c_int),
+                                                    ("gate_o", ctypes.c_int),
                                                     ("cp_async", ctypes.c_int)]
 POINTS = ("consumers start", "x staged", "q/k/v units done", "barrier 0 passed",
           "attention done", "merged, barrier 2 passed", "o's x staged", "end",
           "producer: q/k/v issued", "producer: all issued", "an item's q and new key in",
-          "an item's output out", "an item's scores", "an item's softmax", "an item's p . v")
+          "an item's output out", "an item's scores", "an item's softmax", "an item's p . v",
+          "o's units done")
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -91,10 +93,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=1024, help="keys of a full layer")
     p.add_argument("--check-only", action="store_true")
-    p.add_argument("--variants", default="bulk:20,cp:20,bulk:20:two",
+    p.add_argument("--variants", default="bulk:20:two,bulk:20:two:gate",
                    help="the producer's copies (bulk: one a unit, cp: cp.async a lane), how "
-                   "many units in flight at most (<= 20), and (':two') the GEMVs' rows left in "
-                   "two parts for their readers, a list")
+                   "many units in flight at most (<= 20), ':two' the GEMVs' rows left in two "
+                   "parts for their readers, ':gate' o's units after every program's q/k/v, "
+                   "a list")
     args = p.parse_args()
     dev = torch.device("cuda")
     mma, why = load(torch.cuda.get_device_capability(dev))
@@ -138,7 +141,7 @@ def main() -> None:
     keep = []  # Args structs the graphs point at
 
     def block(w: dict, lo: int, trace: torch.Tensor | None = None,
-              variant: tuple[int, int, int] = (4, 0, 0)) -> None:
+              variant: tuple[int, int, int, int] = (4, 0, 0, 0)) -> None:
         a = Args(w["h"].data_ptr(), w["norm_w"].data_ptr(), w["w_qkv_t"].data_ptr(),
                  w["b_qkv"].data_ptr(), w["w_o_t"].data_ptr(), w["b_o"].data_ptr(),
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
@@ -146,7 +149,7 @@ def main() -> None:
                  *(scratch[n].data_ptr() for n in ("qkv", "part", "attn", "out")),
                  scratch["bar"].data_ptr() + 4 * variant[2],
                  *(scratch[n].data_ptr() for n in ("gacc", "gcnt", "gpart")), variant[2],
-                 None if trace is None else trace.data_ptr(), *variant[:2])
+                 None if trace is None else trace.data_ptr(), variant[0], variant[3], variant[1])
         keep.append(a)
         err = lib.attn_block_launch(ctypes.byref(a), sms, stream())
         assert not err, f"launch failed: {err}"
@@ -154,7 +157,7 @@ def main() -> None:
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):
         for i, w in enumerate(sets):
             want = reference(w, k_cache, v_cache, table, lo, hi, slot, eps)
-            block(w, lo, None, (4, i % 2, i // 2))  # cp.async: 1, 3; two parts: 2, 3
+            block(w, lo, None, (4, i % 2, i // 2, i // 2))  # cp.async: 1, 3; 2, 3 two
             torch.cuda.synchronize()
             errs = {"qkv": rel(scratch["qkv"], want["qkv"]),
                     "new key": rel(k_cache.view(-1, HK, D)[slot], want["k"]),
@@ -167,8 +170,8 @@ def main() -> None:
             assert errs["attn"] < 3e-2 and errs["o (out - h)"] < 3e-2, errs
     if args.check_only:
         return
-    variants = {v: (int(v.split(":")[1]), int(v.split(":")[0] == "cp"), int(v.endswith("two")))
-                for v in args.variants.split(",")}
+    variants = {v: (int(v.split(":")[1]), int(v.startswith("cp")), int(":two" in v),
+                    int(":gate" in v)) for v in args.variants.split(",")}
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):  # where a launch's time goes
         for vname, variant in variants.items():
             trace = torch.zeros(sms, len(POINTS), device=dev, dtype=torch.int64)
