@@ -90,7 +90,8 @@ struct Smem {
   float part[MAX_TILES][MAX_NC][16];  // each chunk's 16 sums
   int done[MAX_TILES];
   uint64_t full[SLOTS], empty[SLOTS], go;  // go: barrier 0 passed (gate_o)
-  __nv_bfloat16 k[SPLIT * D], v[SPLIT * D];
+  alignas(16) __nv_bfloat16 k[SPLIT * D];  // 16-byte chunks (cp.async, ldmatrix)
+  alignas(16) __nv_bfloat16 v[SPLIT * D];
   __nv_bfloat16 q[GROUP * D], pb[GROUP * SPLIT];  // queries, exponentials (MMA operands)
   float p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
 };
