@@ -179,7 +179,10 @@ class Tokenizer:
 
     def fill_byte_cache(self) -> None:
         """Looks up every token's bytes now (under a second) rather than on first use: a server
-        does it at start-up, so its first burst of traffic detokenizes as fast as later ones."""
+        does it at start-up, so its first burst of traffic detokenizes as fast as later ones.
+        Nothing to do when a server before filled it (the tokenizer is shared, `load_tokenizer`)."""
+        if len(self._bytes) == self.vocab_size:
+            return
         for token_id in range(self.vocab_size):
             self.token_bytes(token_id)
 

@@ -103,11 +103,34 @@ def load_model_config(folder: Path | None, config: EngineConfig) -> ModelConfig:
 
 
 def load_tokenizer(folder: Path | None) -> Tokenizer:
-    if folder is not None:
-        return Tokenizer.from_folder(folder)
-    from tinyoss.tools.o200k import tokenizer_dir
+    if folder is None:
+        from tinyoss.tools.o200k import tokenizer_dir
 
-    return Tokenizer.from_folder(tokenizer_dir())
+        folder = tokenizer_dir()
+    return _last_tokenizer(Path(folder))
+
+
+# the tokenizer last loaded, under (its tokenizer.json's real path, size, mtime)
+_TOKENIZERS: dict[tuple[str, int, int], Tokenizer] = {}
+
+
+def _last_tokenizer(folder: Path) -> Tokenizer:
+    """`Tokenizer.from_folder`, kept for the next load of the same, unchanged file. Parsing
+    o200k's tokenizer.json took 2 s of every LLM's and server's start after the first in one
+    process (a second engine, a test suite's many) on a 2-core CPU. A Tokenizer is not changed
+    once built (its byte cache only fills), so engines may share one; only the last is kept."""
+    path = folder / "tokenizer.json"
+    try:
+        stat = path.stat()
+    except OSError:
+        return Tokenizer.from_folder(folder)  # which says what is missing
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    tokenizer = _TOKENIZERS.get(key)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_folder(folder)
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = tokenizer
+    return tokenizer
 
 
 @dataclass
