@@ -14,8 +14,8 @@
 // each chunk's 16 sums in shared memory; the warp finishing a program's part of a tile adds them
 // in chunk order and writes the outputs, or (a shared tile) adds its part into a global fp32 row
 // (two parts: the sum does not depend on their order), the second part's warp writing them.
-// Between phases the consumers of every program meet at a grid barrier (sense-reversing: nothing
-// to reset between launches). Attention: work item (KV head, split of
+// Between phases the consumers of every program meet at a grid barrier (a counter never reset:
+// a launch reads its generation from its first arrival). Attention: work item (KV head, split of
 // 128 keys) a program, its cached keys and values prefetched at the launch's start; a head of
 // several splits leaves partial softmaxes, which every program merges (with the sink) as it
 // stages o's x.
@@ -34,6 +34,7 @@ constexpr int SLOT = 16 * CK_O * 2;                 // bytes a slot (the larger 
                                                     // 160 KB of o's ~176 KB a program
 constexpr int SPLIT = 128, MAX_SPLITS = 16;         // keys a split; splits a head at most
 constexpr int MAX_TILES = 4, MAX_NC = 16;           // a program's tiles of a GEMV, chunks a tile
+__host__ __device__ constexpr int barriers(bool two_part) { return two_part ? 4 : 3; }
 constexpr int THREADS = NW * 32;
 
 struct Args {
@@ -55,7 +56,7 @@ struct Args {
   float* part;                  // [HK][MAX_SPLITS][GROUP][2 + D]: m, l, acc
   __nv_bfloat16* attn;          // [QO] scratch
   __nv_bfloat16* out;           // [HID] h + o
-  unsigned* bar;                // [2] zero: the grid barrier's arrivals and generation
+  unsigned* bar;                // grid barrier counter, never reset
   float* gacc;                  // [QKV + HID] zero: shared tiles' rows (q/k/v's, then o's)
   unsigned* gcnt;               // [QKV / 16 + HID / 16] zero: their parts done
   float* gpart;                 // two_part: [2][QKV + HID], each row's two parts' sums
@@ -92,30 +93,24 @@ struct Smem {
   alignas(16) __nv_bfloat16 k[SPLIT * D];  // 16-byte chunks (cp.async, ldmatrix)
   alignas(16) __nv_bfloat16 v[SPLIT * D];
   __nv_bfloat16 q[GROUP * D], pb[GROUP * SPLIT];  // queries, exponentials (MMA operands)
-  float p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW], sink[GROUP];
+  float p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
 };
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
 }
 
-// every program's consumers at a grid barrier: a sense-reversing one (bar[0] counts arrivals, the
-// last resets it and bumps the generation bar[1]), so launches may take any number of barriers
-// (a sliding layer's one split skips the merge's) and nothing is reset between launches
-__device__ void grid_sync(const Args& a) {
-  unsigned* count = a.bar;
-  unsigned* generation = a.bar + 1;
+// every program's consumers at barrier `j` of this launch; `gen` from the first arrival (a
+// counter for launches of one barrier count)
+__device__ void grid_sync(const Args& a, int j, unsigned& gen) {
+  unsigned* bar = a.bar;
   consumers_sync();
   if (threadIdx.x == 0) {
-    const unsigned g = ld_acquire(generation);
     __threadfence();
-    if (atomicAdd(count, 1u) == gridDim.x - 1) {
-      atomicExch(count, 0u);
-      __threadfence();
-      atomicAdd(generation, 1u);
-    } else {
-      while (ld_acquire(generation) == g) {
-      }
+    const unsigned old = atomicAdd(bar, 1u), per = barriers(a.two_part) * gridDim.x;
+    if (j == 0) gen = old / per;
+    const unsigned target = gen * per + (j + 1) * gridDim.x;
+    while ((int)(ld_acquire(bar) - target) < 0) {
     }
   }
   consumers_sync();
@@ -315,7 +310,7 @@ __device__ void attention_item(Smem& s, const Args& a, const Item& it, int n) {
   const int qi = tid / D, d = tid % D;
   const float acc = red[qi * D + d];
   if (n == 1) {  // the output itself
-    const float sink = s.sink[qi], big = fmaxf(s.m[qi], sink);
+    const float sink = a.sinks[h * GROUP + qi], big = fmaxf(s.m[qi], sink);
     const float w = __expf(s.m[qi] - big);
     a.attn[(h * GROUP + qi) * D + d] =
         __float2bfloat16(acc * w / (s.l[qi] * w + __expf(sink - big)));
@@ -397,6 +392,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
     if (lane == 0) mark(a, 9);
     return;
   }
+  unsigned gen = 0;
   if (threadIdx.x == 0) mark(a, 0);
   constexpr int PER = (HID + THREADS - 1) / THREADS;
   float hv[PER], wv[PER];  // RMSNorm of h in one pass (every program: 11 KB), x of q/k/v
@@ -408,11 +404,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   }
   const int n = (a.hi - a.lo + SPLIT - 1) / SPLIT;
   const bool has_item = c < HK * n;
-  if (has_item) {
-    const Item it = item_of(a, c, n);
-    attention_prefetch(s, a, it);
-    if (threadIdx.x < GROUP) s.sink[threadIdx.x] = a.sinks[it.h * GROUP + threadIdx.x];
-  }
+  if (has_item) attention_prefetch(s, a, item_of(a, c, n));
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < PER; ++i) ss += hv[i] * hv[i];
@@ -436,7 +428,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   });
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 2);
-  grid_sync(a);
+  grid_sync(a, 0, gen);
   if (threadIdx.x == 0) mark(a, 3), mbar_arrive(&s.go);
   if (has_item) {
     attention_item(s, a, item_of(a, c, n), n);
@@ -446,11 +438,9 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   }
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 4);
-  if (n > 1) {  // a head's splits merged: one more barrier
-    grid_sync(a);
-    if (c < HQ && threadIdx.x < D) merge_attention(a, c, n);
-  }
-  grid_sync(a);
+  grid_sync(a, 1, gen);
+  if (n > 1 && c < HQ && threadIdx.x < D) merge_attention(a, c, n);
+  grid_sync(a, 2, gen);
   if (threadIdx.x == 0) mark(a, 5);
   for (int i = threadIdx.x; i < QO / 8; i += THREADS)
     reinterpret_cast<uint4*>(s.xs)[i] = __ldcg(reinterpret_cast<const uint4*>(a.attn) + i);
@@ -464,7 +454,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 15);
   if (a.two_part) {  // o's two parts, the bias and the residual: a share of rows a program
-    grid_sync(a);
+    grid_sync(a, 3, gen);
     for (int r = c * HID / P + threadIdx.x; r < (c + 1) * HID / P; r += THREADS)
       residual(r, __ldcg(a.gpart + QKV + r) + __ldcg(a.gpart + gs + QKV + r));
   }

@@ -130,7 +130,7 @@ def main() -> None:
                "part": torch.empty(HK * MAX_SPLITS * 8 * (2 + D), device=dev),
                "attn": torch.empty(QO, device=dev, dtype=torch.bfloat16),
                "out": torch.empty(HID, device=dev, dtype=torch.bfloat16),
-               "bar": torch.zeros(2, device=dev, dtype=torch.int32),
+               "bar": torch.zeros(2, device=dev, dtype=torch.int32),  # a counter a mode
                "gpart": torch.zeros(2, QKV + HID, device=dev),
                "gacc": torch.zeros(QKV + HID, device=dev),
                "gcnt": torch.zeros((QKV + HID) // 16, device=dev, dtype=torch.int32)}
@@ -147,7 +147,7 @@ def main() -> None:
                  w["rope"].data_ptr(), w["sinks"].data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), table.data_ptr(), lo, hi, slot, 1 / math.sqrt(D), eps,
                  *(scratch[n].data_ptr() for n in ("qkv", "part", "attn", "out")),
-                 scratch["bar"].data_ptr(),
+                 scratch["bar"].data_ptr() + 4 * variant[2],
                  *(scratch[n].data_ptr() for n in ("gacc", "gcnt", "gpart")), variant[2],
                  None if trace is None else trace.data_ptr(), variant[0], variant[3], variant[1])
         keep.append(a)
