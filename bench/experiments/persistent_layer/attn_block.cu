@@ -28,10 +28,10 @@ using namespace ring;
 
 constexpr int HID = 2880, HQ = 64, HK = 8, D = 64, GROUP = HQ / HK, PAGE = 16;
 constexpr int QO = HQ * D, QKV = QO + 2 * HK * D;  // 4096, 5120
-constexpr int NW = 20, SLOTS = 20;                  // consumer warps, ring slots
+constexpr int NW = 22, SLOTS = 22;                  // consumer warps, ring slots
 constexpr int CK_QKV = 192, CK_O = 256;             // K chunks: 6 KB and 8 KB units
-constexpr int SLOT = 16 * CK_O * 2;                 // bytes a slot (the larger unit): 20 hold
-                                                    // 160 KB of o's ~176 KB a program
+constexpr int SLOT = 16 * CK_O * 2;                 // bytes a slot (the larger unit): 22 hold
+                                                    // o's 21-22 units a program
 constexpr int SPLIT = 128, MAX_SPLITS = 16;         // keys a split; splits a head at most
 constexpr int MAX_TILES = 4, MAX_NC = 16;           // a program's tiles of a GEMV, chunks a tile
 __host__ __device__ constexpr int barriers(bool two_part) { return two_part ? 4 : 3; }
@@ -87,14 +87,19 @@ __device__ __forceinline__ void mark(const Args& a, int point) {
 struct Smem {
   uint8_t ring[SLOTS * SLOT];
   uint32_t xs[QO / 2];  // a GEMV's x as bf16 pairs
-  float part[MAX_TILES][MAX_NC][16];  // each chunk's 16 sums
+  union {  // a GEMV phase's, then attention's
+    float part[MAX_TILES][MAX_NC][16];  // each chunk's 16 sums
+    float p[GROUP * SPLIT];             // scores, [query][key]
+  };
   int done[MAX_TILES];
   uint64_t full[SLOTS], empty[SLOTS], go;  // go: barrier 0 passed (gate_o)
   alignas(16) __nv_bfloat16 k[SPLIT * D];  // 16-byte chunks (cp.async, ldmatrix)
   alignas(16) __nv_bfloat16 v[SPLIT * D];
   __nv_bfloat16 q[GROUP * D], pb[GROUP * SPLIT];  // queries, exponentials (MMA operands)
-  float p[GROUP * SPLIT], m[GROUP], l[GROUP], red[NW];
+  float m[GROUP], l[GROUP], red[NW];
 };
+
+static_assert(sizeof(Smem) <= 227 * 1024, "an SM's shared memory a program");
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");

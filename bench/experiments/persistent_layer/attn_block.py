@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--variants", default="bulk:20:two,bulk:20:two:gate",
                    help="the producer's copies (bulk: one a unit, cp: cp.async a lane), how "
-                   "many units in flight at most (<= 20), ':two' the GEMVs' rows left in two "
+                   "many units in flight at most (<= 22), ':two' the GEMVs' rows left in two "
                    "parts for their readers, ':gate' o's units after every program's q/k/v, "
                    "a list")
     args = p.parse_args()
