@@ -93,7 +93,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=1024, help="keys of a full layer")
     p.add_argument("--check-only", action="store_true")
-    p.add_argument("--variants", default="bulk:20:two,bulk:20:two:gate",
+    p.add_argument("--variants", default="bulk:22:two:gate,bulk:8:two:gate",
                    help="the producer's copies (bulk: one a unit, cp: cp.async a lane), how "
                    "many units in flight at most (<= 22), ':two' the GEMVs' rows left in two "
                    "parts for their readers, ':gate' o's units after every program's q/k/v, "
