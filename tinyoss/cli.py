@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -416,6 +417,10 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%s", note)
     try:
         args.func(args)
+        # The interpreter's exit garbage-collects every object left, torch's hundreds of
+        # thousands included: 1.3 s of CPU after the command was done. Frozen, they are only
+        # freed (or left to the OS); the atexit handlers (logging, the engine core's) still run.
+        gc.freeze()
     except CliError as e:
         print(f"tinyoss {args.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
