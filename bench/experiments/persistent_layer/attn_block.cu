@@ -34,7 +34,7 @@ constexpr int SLOT = 16 * CK_O * 2;                 // bytes a slot (the larger 
                                                     // o's 21-22 units a program
 constexpr int SPLIT = 128, MAX_SPLITS = 16;         // keys a split; splits a head at most
 constexpr int MAX_TILES = 4, MAX_NC = 16;           // a program's tiles of a GEMV, chunks a tile
-__host__ __device__ constexpr int barriers(bool two_part) { return two_part ? 4 : 3; }
+__host__ __device__ constexpr int barriers(int two_part) { return two_part & 2 ? 4 : 3; }
 constexpr int THREADS = NW * 32;
 
 struct Args {
@@ -60,10 +60,11 @@ struct Args {
   float* gacc;                  // [QKV + HID] zero: shared tiles' rows (q/k/v's, then o's)
   unsigned* gcnt;               // [QKV / 16 + HID / 16] zero: their parts done
   float* gpart;                 // two_part: [2][QKV + HID], each row's two parts' sums
-  int two_part;                 // a GEMV's rows left as two parts (the part holding chunk 0,
-                                // the other; 0 for a whole tile) that their readers add after
-                                // the next grid barrier, instead of gacc's atomic hand-over;
-                                // o's output then needs one more barrier and a combine
+  int two_part;                 // bits, q/k/v (1) and o (2): the GEMV's rows left as two parts
+                                // (the part holding chunk 0, the other; 0 for a whole tile)
+                                // that their readers add after the next grid barrier, not
+                                // gacc's atomic hand-over; o's then take one more barrier and
+                                // a combine
   unsigned long long* trace;    // [programs][TRACE_POINTS] globaltimer ns, or null
   int inflight;                 // the producer's copies in flight at most (<= SLOTS)
   int gate_o;                   // o's units wait until every program's q/k/v is done
@@ -186,7 +187,7 @@ __device__ void gemv_phase(Smem& s, int r0, int ulo, int uhi, int nc, float* gac
 
 // q/k/v's output row r (bf16, bias added), from a.qkv or its two parts
 __device__ __forceinline__ float qkv_at(const Args& a, int r) {
-  if (!a.two_part) return __bfloat162float(__ldcg(a.qkv + r));
+  if (!(a.two_part & 1)) return __bfloat162float(__ldcg(a.qkv + r));
   const float* p = a.gpart + r;
   return bf(__ldcg(p) + __ldcg(p + QKV + HID) + __bfloat162float(a.b_qkv[r]));
 }
@@ -426,9 +427,9 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
     if (at < HID) xh[at] = __float2bfloat16(wv[i] * (hv[i] * inv));
   }
   if (threadIdx.x == 0) mark(a, 1);
-  float* gp = a.two_part ? a.gpart : nullptr;
   const long gs = QKV + HID;
-  gemv_phase<CK_QKV>(s, 0, uq0, uq1, ncq, a.gacc, a.gcnt, gp, gs, [&](int row, float v) {
+  gemv_phase<CK_QKV>(s, 0, uq0, uq1, ncq, a.gacc, a.gcnt, a.two_part & 1 ? a.gpart : nullptr, gs,
+                     [&](int row, float v) {
     a.qkv[row] = __float2bfloat16(v + __bfloat162float(a.b_qkv[row]));
   });
   consumers_sync();
@@ -437,7 +438,7 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
   if (threadIdx.x == 0) mark(a, 3), mbar_arrive(&s.go);
   if (has_item) {
     attention_item(s, a, item_of(a, c, n), n);
-  } else if (a.two_part) {  // q/k/v's rows into a.qkv, for the check (programs without an item)
+  } else if (a.two_part & 1) {  // q/k/v's rows into a.qkv, for the check (programs without one)
     const int idle = P - HK * n, i = c - HK * n, r0 = i * QKV / idle, r1 = (i + 1) * QKV / idle;
     for (int r = r0 + threadIdx.x; r < r1; r += THREADS) a.qkv[r] = __float2bfloat16(qkv_at(a, r));
   }
@@ -454,11 +455,11 @@ __global__ void __launch_bounds__(THREADS + 32, 1) attn_block(Args a) {
     const float o = bf(v + __bfloat162float(a.b_o[row]));
     a.out[row] = __float2bfloat16(__bfloat162float(a.h[row]) + o);
   };
-  gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16, gp ? gp + QKV : gp,
-                   gs, residual);
+  gemv_phase<CK_O>(s, uq, uo0, uo1, nco, a.gacc + QKV, a.gcnt + QKV / 16,
+                   a.two_part & 2 ? a.gpart + QKV : nullptr, gs, residual);
   consumers_sync();
   if (threadIdx.x == 0) mark(a, 15);
-  if (a.two_part) {  // o's two parts, the bias and the residual: a share of rows a program
+  if (a.two_part & 2) {  // o's two parts, the bias and the residual: a share of rows a program
     grid_sync(a, 3, gen);
     for (int r = c * HID / P + threadIdx.x; r < (c + 1) * HID / P; r += THREADS)
       residual(r, __ldcg(a.gpart + QKV + r) + __ldcg(a.gpart + gs + QKV + r));

@@ -96,7 +96,8 @@ def main() -> None:
     p.add_argument("--variants", default="bulk:22:two:gate,bulk:8:two:gate",
                    help="the producer's copies (bulk: one a unit, cp: cp.async a lane), how "
                    "many units in flight at most (<= 22), ':two' the GEMVs' rows left in two "
-                   "parts for their readers, ':gate' o's units after every program's q/k/v, "
+                   "parts for their readers (':twoq' q/k/v's only), ':gate' o's units after "
+                   "every program's q/k/v, "
                    "a list")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -130,7 +131,7 @@ def main() -> None:
                "part": torch.empty(HK * MAX_SPLITS * 8 * (2 + D), device=dev),
                "attn": torch.empty(QO, device=dev, dtype=torch.bfloat16),
                "out": torch.empty(HID, device=dev, dtype=torch.bfloat16),
-               "bar": torch.zeros(2, device=dev, dtype=torch.int32),  # a counter a mode
+               "bar": torch.zeros(4, device=dev, dtype=torch.int32),  # a counter a mode
                "gpart": torch.zeros(2, QKV + HID, device=dev),
                "gacc": torch.zeros(QKV + HID, device=dev),
                "gcnt": torch.zeros((QKV + HID) // 16, device=dev, dtype=torch.int32)}
@@ -157,7 +158,7 @@ def main() -> None:
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):
         for i, w in enumerate(sets):
             want = reference(w, k_cache, v_cache, table, lo, hi, slot, eps)
-            block(w, lo, None, (4, i % 2, i // 2, i // 2))  # cp.async: 1, 3; 2, 3 two
+            block(w, lo, None, (4, i % 2, (0, 0, 3, 1)[i], i // 2))  # cp.async: 1, 3
             torch.cuda.synchronize()
             errs = {"qkv": rel(scratch["qkv"], want["qkv"]),
                     "new key": rel(k_cache.view(-1, HK, D)[slot], want["k"]),
@@ -170,8 +171,9 @@ def main() -> None:
             assert errs["attn"] < 3e-2 and errs["o (out - h)"] < 3e-2, errs
     if args.check_only:
         return
-    variants = {v: (int(v.split(":")[1]), int(v.startswith("cp")), int(":two" in v),
-                    int(":gate" in v)) for v in args.variants.split(",")}
+    variants = {v: (int(v.split(":")[1]), int(v.startswith("cp")),
+                    3 if ":two:" in v + ":" else int(":twoq" in v), int(":gate" in v))
+                for v in args.variants.split(",")}
     for name, lo in (("full", 0), ("sliding", hi - WINDOW)):  # where a launch's time goes
         for vname, variant in variants.items():
             trace = torch.zeros(sms, len(POINTS), device=dev, dtype=torch.int64)
