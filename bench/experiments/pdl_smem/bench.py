@@ -127,17 +127,15 @@ def main() -> None:
     report("gate_up alone (here, v2 trigger, S 2)", chain(gate_up(2)), check=False)
     report("Gluon down alone (product)", chain(gluon_down))
     names = [lib.pdl_down_name(v).decode() for v in range(lib.pdl_variants(1))]
+    base = report("product: gate_up + Gluon down", chain(product))
+    report("gate_up + down 0, attribute only", chain(gate_up(0), down(0, 1)))
     for v, name in enumerate(names):
         report(f"down {name} alone", chain(down(v, 0)))
-    base = report("product: gate_up + Gluon down", chain(product))
-    for v, name in enumerate(names):
         report(f"gate_up + down {name}, no PDL", chain(gate_up(0), down(v, 0)))
-        report(f"gate_up + down {name}, attribute only", chain(gate_up(0), down(v, 1)))
         for g in (1, 2):
             us = report(f"gate_up v{g} (trigger) + down {name}, PDL",
                         chain(gate_up(g), down(v, 1)))
             print(f"{'':<44} {us - base:+7.2f} us against the product", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@
 // a full prefetch then a wait (down: all S - 1 >= K / 32 / C stages issued, griddepcontrol.wait,
 // then x). Built by bench.py beside the product's source, which it includes.
 #include "../../../tinyoss/kernels/moe_gemv_mma.cu"
+#include "../persistent_layer/ring.cuh"
 
 namespace {
 
@@ -81,6 +82,123 @@ int launch_pdl(bool attr, const void* x, int x_div, const int* ids, int pairs, c
                                  stride_qe, stride_q, stride_se, alpha, limit);
 }
 
+
+// down with each program's rows in one piece: one bulk copy of its 16 * TILES consecutive rows
+// (PAD 0; ldmatrix-free 32-bit reads, two lanes a bank) or one copy a row into rows padded by 16
+// bytes (PAD 1: no bank conflicts), its scales in one more, all completing on one mbarrier; then
+// the wait, x, and TILES x KSPLIT warps (a 16-row tile, a K part each) reading the words block_mma
+// takes straight from shared memory.
+template <int TILES, int KSPLIT, bool PAD, bool WAIT>
+__global__ void __launch_bounds__(TILES * KSPLIT * 32)
+    down_bulk(const float* __restrict__ x, int x_div, const int* __restrict__ ids,
+              const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+              const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+              float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+              long stride_se, float alpha, float limit) {
+  constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
+  constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
+  extern __shared__ uint4 smem[];
+  __shared__ float xmax[TILES * KSPLIT];
+  __shared__ uint64_t bar;
+  const int nblk = K / 32, rb = K / 2 + (PAD ? 16 : 0);  // bytes a row in shared memory
+  uint8_t* wsm = (uint8_t*)smem;                          // [ROWS][rb]
+  uint8_t* ss = wsm + ROWS * rb;                          // [ROWS][nblk]
+  uint4* xs = (uint4*)(ss + ((ROWS * nblk + 15) & ~15));  // [K / 8] hi, then [K / 8] lo
+  uint4* xl = xs + K / 8;
+  const int pair = blockIdx.x, row0 = blockIdx.y * ROWS;
+  const long e = ids[pair];  // written by the router, two launches back: complete
+  if (e < 0) return;
+  const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    ring::mbar_init(&bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 0) {
+    if (lane == 0) {
+      ring::mbar_expect(&bar, ROWS * (K / 2) + ROWS * nblk);
+      ring::bulk_copy(ss, s + e * stride_se + (long)row0 * nblk, ROWS * nblk, &bar);
+      if (!PAD) ring::bulk_copy(wsm, src, ROWS * (K / 2), &bar);
+    }
+    if (PAD) {
+      __syncwarp();  // the expect before any copy completes
+      for (int r = lane; r < ROWS; r += 32) {
+        ring::bulk_copy(wsm + r * rb, src + (long)r * stride_q, K / 2, &bar);
+      }
+    }
+  }
+  if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's
+  const float pre = stage_x<true, XWORDS, TILES * KSPLIT>(x + (long)(pair / x_div) * K, K, xs,
+                                                           xl, xmax);
+  __syncthreads();
+  ring::mbar_wait(&bar, 0);
+  const int tile = warp % TILES, part = warp / TILES;
+  const int g = lane >> 2, t = lane & 3;
+  const int la = tile * 16 + g, lb = la + 8;
+  const int per = (nblk + KSPLIT - 1) / KSPLIT, first = part * per;
+  const int last = min(nblk, first + per);
+  const uint32_t* wa = reinterpret_cast<const uint32_t*>(wsm + la * rb) + t;
+  const uint32_t* wb = reinterpret_cast<const uint32_t*>(wsm + lb * rb) + t;
+  float acc_a = 0.f, acc_b = 0.f;
+#pragma unroll 4
+  for (int b = first; b < last; ++b) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    block_mma<true>(d, wa[4 * b], wb[4 * b], xs[4 * b + t], xl[4 * b + t]);
+    acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
+    acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
+  }
+  if (KSPLIT > 1) {
+    float* red = reinterpret_cast<float*>(xs);  // x is read no more
+    __syncthreads();
+    if (part > 0 && t == 0) {
+      red[((part - 1) * TILES + tile) * 16 + g] = acc_a;
+      red[((part - 1) * TILES + tile) * 16 + 8 + g] = acc_b;
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int p = 1; p < KSPLIT; ++p) {
+      acc_a += red[((p - 1) * TILES + tile) * 16 + g];
+      acc_b += red[((p - 1) * TILES + tile) * 16 + 8 + g];
+    }
+  }
+  if (t == 0) {
+    store<false>(acc_a, acc_b, pre, row0 + la, row0 + lb, pair, e, bias, wts, out, N, alpha,
+                 limit);
+  }
+}
+
+template <int TILES, int KSPLIT, bool PAD, bool WAIT>
+int launch_bulk(bool attr, const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
+                const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
+                long stride_qe, int stride_q, long stride_se, float alpha, float limit,
+                cudaStream_t stream) {
+  constexpr int ROWS = 16 * TILES;
+  if (N % ROWS || K % 32 || K > KMAX || (!PAD && stride_q != K / 2) || (ROWS * (K / 32)) % 16)
+    return (int)cudaErrorInvalidValue;
+  const int smem = ROWS * (K / 2 + (PAD ? 16 : 0)) + ((ROWS * (K / 32) + 15) & ~15) + 2 * (K / 8) * 16;
+  auto kernel = down_bulk<TILES, KSPLIT, PAD, WAIT>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+  }
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(pairs, N / ROWS);
+  cfg.blockDim = dim3(TILES * KSPLIT * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = at;
+  cfg.numAttrs = attr ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<const float*>(x), x_div, ids, q, s,
+                                 static_cast<const __nv_bfloat16*>(bias), wts, out, N, K,
+                                 stride_qe, stride_q, stride_se, alpha, limit);
+}
+
 using LaunchFn = int (*)(bool, const void*, int, const int*, int, const uint8_t*, const uint8_t*,
                          const void*, const float*, float*, int, int, long, int, long, float,
                          float, cudaStream_t);
@@ -93,18 +211,20 @@ const LaunchFn kGateUp[] = {
     launch_pdl<true, 10, 3, 4, B, 2, true, false>,
     launch_pdl<true, 10, 2, 4, B, 2, true, false>,
 };
-// down, every stage prefetched: (C, W, HINT)
+// down, every row of a program in shared memory before the wait
 const LaunchFn kDown[] = {
-    launch_pdl<false, 10, 10, 1, float, 0, false, true>,
     launch_pdl<false, 10, 10, 2, float, 0, false, true>,
-    launch_pdl<false, 10, 10, 4, float, 0, false, true>,
-    launch_pdl<false, 15, 7, 1, float, 0, false, true>,
-    launch_pdl<false, 15, 7, 2, float, 0, false, true>,
-    launch_pdl<false, 10, 10, 1, float, 2, false, true>,
-    launch_pdl<false, 10, 10, 2, float, 2, false, true>,
+    launch_bulk<1, 1, false, true>,
+    launch_bulk<1, 2, false, true>,
+    launch_bulk<1, 4, false, true>,
+    launch_bulk<2, 2, false, true>,
+    launch_bulk<1, 2, true, true>,
+    launch_bulk<1, 4, true, true>,
+    launch_bulk<2, 2, true, true>,
 };
-const char* kDownNames[] = {"C10 W1", "C10 W2", "C10 W4", "C15 W1", "C15 W2", "C10 W1 L2:256",
-                            "C10 W2 L2:256"};
+const char* kDownNames[] = {"stream C10 W2", "bulk 16 rows x1", "bulk 16 rows x2",
+                            "bulk 16 rows x4", "bulk 32 rows x2", "bulk padded 16 x2",
+                            "bulk padded 16 x4", "bulk padded 32 x2"};
 
 }  // namespace
 
