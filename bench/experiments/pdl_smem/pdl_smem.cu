@@ -83,12 +83,40 @@ int launch_pdl(bool attr, const void* x, int x_div, const int* ids, int pairs, c
 }
 
 
+// An MMA the compiler may reorder (the product's is asm volatile, which keeps every MMA in
+// source order, so a block's chained MMAs and the next block's cannot interleave).
+__device__ __forceinline__ void mma_nv(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// block_mma<true> with x's hi and lo parts in two accumulators (chains of two MMAs, not four):
+// rows g and g + 8's sums for the block.
+__device__ __forceinline__ void block_mma_ilp(float& ra, float& rb, uint32_t qa, uint32_t qb,
+                                              uint4 xv, uint4 xl) {
+  uint32_t a0, a1, b0, b1;
+  float d[4] = {0.f, 0.f, 0.f, 0.f}, f[4] = {0.f, 0.f, 0.f, 0.f};
+  decode_half<true>(qa, a0, a1);
+  decode_half<true>(qb, b0, b1);
+  mma_nv(d, a0, b0, a1, b1, xv.x, xv.y);
+  mma_nv(f, a0, b0, a1, b1, xl.x, xl.y);
+  decode_half<false>(qa, a0, a1);
+  decode_half<false>(qb, b0, b1);
+  mma_nv(d, a0, b0, a1, b1, xv.z, xv.w);
+  mma_nv(f, a0, b0, a1, b1, xl.z, xl.w);
+  ra = d[0] + f[0];
+  rb = d[2] + f[2];
+}
+
 // down with each program's rows in one piece: one bulk copy of its 16 * TILES consecutive rows
 // (PAD 0; ldmatrix-free 32-bit reads, two lanes a bank) or one copy a row into rows padded by 16
 // bytes (PAD 1: no bank conflicts), its scales in one more, all completing on one mbarrier; then
 // the wait, x, and TILES x KSPLIT warps (a 16-row tile, a K part each) reading the words block_mma
 // takes straight from shared memory.
-template <int TILES, int KSPLIT, bool PAD, bool WAIT>
+template <int TILES, int KSPLIT, bool PAD, bool WAIT, bool ILP>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     down_bulk(const float* __restrict__ x, int x_div, const int* __restrict__ ids,
               const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -143,10 +171,17 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   float acc_a = 0.f, acc_b = 0.f;
 #pragma unroll 4
   for (int b = first; b < last; ++b) {
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
-    block_mma<true>(d, wa[4 * b], wb[4 * b], xs[4 * b + t], xl[4 * b + t]);
-    acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
-    acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
+    float da, db;
+    if (ILP) {
+      block_mma_ilp(da, db, wa[4 * b], wb[4 * b], xs[4 * b + t], xl[4 * b + t]);
+    } else {
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      block_mma<true>(d, wa[4 * b], wb[4 * b], xs[4 * b + t], xl[4 * b + t]);
+      da = d[0];
+      db = d[2];
+    }
+    acc_a = fmaf(da, __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
+    acc_b = fmaf(db, __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
   }
   if (KSPLIT > 1) {
     float* red = reinterpret_cast<float*>(xs);  // x is read no more
@@ -169,7 +204,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <int TILES, int KSPLIT, bool PAD, bool WAIT>
+template <int TILES, int KSPLIT, bool PAD, bool WAIT, bool ILP = false>
 int launch_bulk(bool attr, const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
                 const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
                 long stride_qe, int stride_q, long stride_se, float alpha, float limit,
@@ -178,7 +213,7 @@ int launch_bulk(bool attr, const void* x, int x_div, const int* ids, int pairs, 
   if (N % ROWS || K % 32 || K > KMAX || (!PAD && stride_q != K / 2) || (ROWS * (K / 32)) % 16)
     return (int)cudaErrorInvalidValue;
   const int smem = ROWS * (K / 2 + (PAD ? 16 : 0)) + ((ROWS * (K / 32) + 15) & ~15) + 2 * (K / 8) * 16;
-  auto kernel = down_bulk<TILES, KSPLIT, PAD, WAIT>;
+  auto kernel = down_bulk<TILES, KSPLIT, PAD, WAIT, ILP>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -213,18 +248,19 @@ const LaunchFn kGateUp[] = {
 };
 // down, every row of a program in shared memory before the wait
 const LaunchFn kDown[] = {
-    launch_pdl<false, 10, 10, 2, float, 0, false, true>,
-    launch_bulk<1, 1, false, true>,
-    launch_bulk<1, 2, false, true>,
-    launch_bulk<1, 4, false, true>,
     launch_bulk<2, 2, false, true>,
-    launch_bulk<1, 2, true, true>,
-    launch_bulk<1, 4, true, true>,
-    launch_bulk<2, 2, true, true>,
+    launch_bulk<1, 4, false, true>,
+    launch_bulk<2, 2, false, true, true>,
+    launch_bulk<1, 4, false, true, true>,
+    launch_bulk<2, 4, false, true, true>,
+    launch_bulk<2, 3, false, true, true>,
+    launch_bulk<1, 6, false, true, true>,
+    launch_bulk<2, 2, true, true, true>,
+    launch_bulk<2, 4, true, true, true>,
 };
-const char* kDownNames[] = {"stream C10 W2", "bulk 16 rows x1", "bulk 16 rows x2",
-                            "bulk 16 rows x4", "bulk 32 rows x2", "bulk padded 16 x2",
-                            "bulk padded 16 x4", "bulk padded 32 x2"};
+const char* kDownNames[] = {"bulk 32 rows x2",       "bulk 16 rows x4",     "ilp 32 rows x2",
+                            "ilp 16 rows x4",        "ilp 32 rows x4",      "ilp 32 rows x3",
+                            "ilp 16 rows x6",        "ilp padded 32 x2",    "ilp padded 32 x4"};
 
 }  // namespace
 
