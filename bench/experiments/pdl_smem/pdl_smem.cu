@@ -116,7 +116,8 @@ __device__ __forceinline__ void block_mma_ilp(float& ra, float& rb, uint32_t qa,
 // bytes (PAD 1: no bank conflicts), its scales in one more, all completing on one mbarrier; then
 // the wait, x, and TILES x KSPLIT warps (a 16-row tile, a K part each) reading the words block_mma
 // takes straight from shared memory.
-template <int TILES, int KSPLIT, bool PAD, bool WAIT, bool ILP>
+// MODE (what a run leaves out, to see what bounds it): 0 nothing, 1 the math, 2 the copies
+template <int TILES, int KSPLIT, bool PAD, bool WAIT, bool ILP, int MODE = 0>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     down_bulk(const float* __restrict__ x, int x_div, const int* __restrict__ ids,
               const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == 0) {
+  if (warp == 0 && MODE != 2) {
     if (lane == 0) {
       ring::mbar_expect(&bar, ROWS * (K / 2) + ROWS * nblk);
       ring::bulk_copy(ss, s + e * stride_se + (long)row0 * nblk, ROWS * nblk, &bar);
@@ -160,12 +161,12 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   const float pre = stage_x<true, XWORDS, TILES * KSPLIT>(x + (long)(pair / x_div) * K, K, xs,
                                                            xl, xmax);
   __syncthreads();
-  ring::mbar_wait(&bar, 0);
+  if (MODE != 2) ring::mbar_wait(&bar, 0);
   const int tile = warp % TILES, part = warp / TILES;
   const int g = lane >> 2, t = lane & 3;
   const int la = tile * 16 + g, lb = la + 8;
   const int per = (nblk + KSPLIT - 1) / KSPLIT, first = part * per;
-  const int last = min(nblk, first + per);
+  const int last = MODE == 1 ? first : min(nblk, first + per);
   const uint32_t* wa = reinterpret_cast<const uint32_t*>(wsm + la * rb) + t;
   const uint32_t* wb = reinterpret_cast<const uint32_t*>(wsm + lb * rb) + t;
   float acc_a = 0.f, acc_b = 0.f;
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <int TILES, int KSPLIT, bool PAD, bool WAIT, bool ILP = false>
+template <int TILES, int KSPLIT, bool PAD, bool WAIT, bool ILP = false, int MODE = 0>
 int launch_bulk(bool attr, const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
                 const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
                 long stride_qe, int stride_q, long stride_se, float alpha, float limit,
@@ -213,7 +214,7 @@ int launch_bulk(bool attr, const void* x, int x_div, const int* ids, int pairs, 
   if (N % ROWS || K % 32 || K > KMAX || (!PAD && stride_q != K / 2) || (ROWS * (K / 32)) % 16)
     return (int)cudaErrorInvalidValue;
   const int smem = ROWS * (K / 2 + (PAD ? 16 : 0)) + ((ROWS * (K / 32) + 15) & ~15) + 2 * (K / 8) * 16;
-  auto kernel = down_bulk<TILES, KSPLIT, PAD, WAIT, ILP>;
+  auto kernel = down_bulk<TILES, KSPLIT, PAD, WAIT, ILP, MODE>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -248,19 +249,19 @@ const LaunchFn kGateUp[] = {
 };
 // down, every row of a program in shared memory before the wait
 const LaunchFn kDown[] = {
-    launch_bulk<2, 2, false, true>,
-    launch_bulk<1, 4, false, true>,
-    launch_bulk<2, 2, false, true, true>,
-    launch_bulk<1, 4, false, true, true>,
-    launch_bulk<2, 4, false, true, true>,
-    launch_bulk<2, 3, false, true, true>,
-    launch_bulk<1, 6, false, true, true>,
-    launch_bulk<2, 2, true, true, true>,
     launch_bulk<2, 4, true, true, true>,
+    launch_bulk<2, 4, true, true, true, 1>,
+    launch_bulk<2, 4, true, true, true, 2>,
+    launch_bulk<2, 6, true, true, true>,
+    launch_bulk<3, 4, true, true, true>,
+    launch_bulk<3, 3, true, true, true>,
+    launch_bulk<4, 2, true, true, true>,
+    launch_bulk<4, 4, true, true, true>,
+    launch_bulk<4, 4, true, true, true, 1>,
 };
-const char* kDownNames[] = {"bulk 32 rows x2",       "bulk 16 rows x4",     "ilp 32 rows x2",
-                            "ilp 16 rows x4",        "ilp 32 rows x4",      "ilp 32 rows x3",
-                            "ilp 16 rows x6",        "ilp padded 32 x2",    "ilp padded 32 x4"};
+const char* kDownNames[] = {"ilp padded 32 x4", "32 x4 no math", "32 x4 no copies",
+                            "ilp padded 32 x6", "ilp padded 48 x4", "ilp padded 48 x3",
+                            "ilp padded 64 x2", "ilp padded 64 x4", "64 x4 no math"};
 
 }  // namespace
 
