@@ -1,5 +1,5 @@
 """The tensor-core MoE GEMV's choices, on CPU: where it can run, which shapes it takes, and that
-the pair GEMV hands it gate_up from GATE_UP_MIN_TOKENS and down from DOWN_MIN_TOKENS tokens on.
+the pair GEMV hands it gate_up from GATE_UP_MIN_TOKENS and down from `down_min_tokens` tokens on.
 Its numerics are tested on the GPU (tests/test_moe_triton.py: against the Gluon kernel and
 `moe_torch`)."""
 
@@ -103,6 +103,9 @@ def test_supports_gpt_oss_shapes_in_bf16_only():
         assert mm.MmaGemv.supports_gate_up(x, shard), ranks
         assert mm.MmaGemv.supports_down(x, shard), ranks  # the pair kernel cuts its last group
         assert mm.MmaGemv.supports_grouped(x, shard), ranks  # so does the grouped one
+        assert mm.MmaGemv.down_min_tokens(shard) == mm.DOWN_MIN_TOKENS == 2, ranks  # Gluon's
+    # one GPU's experts: one token's down too (launched early behind gate_up)
+    assert mm.MmaGemv.down_min_tokens(_experts(32, 2880, 2880, torch.bfloat16)) == 1
     assert not mm.MmaGemv.supports_grouped(x, _experts(32, 2816, 2880, torch.bfloat16))
 
 
@@ -120,6 +123,8 @@ class _Recorder:
 
     def supports_down(self, x, w) -> bool:
         return self.takes_down
+
+    down_min_tokens = staticmethod(mm.MmaGemv.down_min_tokens)
 
     def gate_up(self, x, x_div, ids, blocks, scales, bias, wts, act, alpha, limit):
         assert ids.dtype == torch.int32
@@ -157,7 +162,7 @@ def test_pair_gemv_hands_both_projections_to_the_tensor_cores(t, takes_down):
     fake = _Recorder(down=takes_down)
     out = mt.moe_triton(x, weights, ids, w, mma=fake)
     want = [("gate_up", 4 * t)] * (t >= mm.GATE_UP_MIN_TOKENS)
-    want += [("down", 4 * t)] * (t >= mm.DOWN_MIN_TOKENS and takes_down)
+    want += [("down", 4 * t)] * (t >= fake.down_min_tokens(w) and takes_down)
     assert fake.calls == want
     ref = moe_torch(x, weights, ids, w)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5

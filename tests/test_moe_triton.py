@@ -302,7 +302,7 @@ def test_mma_gemv_matches_gluon(t, scale, mma):
     the library picks by pairs (4: t = 1, 5-8: t = 2, more: gate_up streamed through shared
     memory). At x * 3e4 the pre-activations reach ~1e5 and both
     kernels part from `moe_torch` by ~1e-4 (measured: 1.2e-4 this one, 1.5e-4 Gluon), so there
-    the bound is 1e-4. At 1 token only gate_up runs on the tensor cores."""
+    the bound is 1e-4. At 1 token down is the resident kernel launched early behind gate_up."""
     x, weights, ids, w = big_case(600 + t, t)
     x = (x.float() * scale).to(DTYPE)
     got = mt._gemv_pairs(x, weights, ids, w, None, mma)
@@ -374,9 +374,9 @@ def test_grouped_mma_matches_gluon_on_a_rank_share(t, blocks, mma):
 @pytest.mark.parametrize("t", [1, 2, 8, 12, 40, 64])
 def test_mma_kernels_skip_pairs_held_by_another_rank(t, mma):
     """Expert parallelism on the GPU's kernels: pairs of id -1 are skipped by the tensor-core
-    pair kernels (gate_up from 1 token, streamed above 8 pairs; down from 2), Gluon's down (1
-    token), the grouped kernels (12: register down, 40 and 64: streamed) and, without the
-    tensor-core library, Gluon's pair GEMV and the grouped GEMMs."""
+    pair kernels (gate_up from 1 token, streamed above 8 pairs; down from 2), the resident down
+    launched early behind gate_up (1 token), the grouped kernels (12: register down, 40 and 64:
+    streamed) and, without the tensor-core library, Gluon's pair GEMV and the grouped GEMMs."""
     x, weights, ids, w = big_case(1000 + t, t)
     ids = held_elsewhere(ids, t)
     away = ids.reshape(-1) < 0
@@ -427,8 +427,10 @@ def test_grouped_mma_is_the_path_up_to_its_limit(mma):
 
 
 @gpu
-@pytest.mark.parametrize("t", [6, 20])
+@pytest.mark.parametrize("t", [1, 6, 20])
 def test_mma_gemv_captures_in_cuda_graph(t, mma):
+    """Replays on new inputs, also at 1 token, where down is launched before gate_up ends and
+    waits for it in the graph (a programmatic edge)."""
     x, weights, ids, w = big_case(90, t)
     mt.moe_triton(x, weights, ids, w, mma=mma)
     graph = torch.cuda.CUDAGraph()

@@ -234,6 +234,39 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
                : "r"((uint32_t)__cvta_generic_to_shared(p)));
 }
 
+// An mbarrier and the bulk copies (cp.async.bulk) that complete on it, for down_resident.
+__device__ __forceinline__ uint32_t saddr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* b) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(b)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  uint32_t ok;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(saddr(b)), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* b) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(saddr(dst)),
+      "l"(src), "r"(bytes), "r"(saddr(b))
+      : "memory");
+}
+
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
 // expert 0, no bias, weight 1). U: scale blocks a load group; KSPLIT: warps that
@@ -410,14 +443,17 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
 
 // The streamed pair kernel, for gate_up at more than 8 pairs and at one token (there with the
 // L2 fetching 256 bytes a miss: HINT 2), and down at 8 and from 20 pairs: W warps a program share
-// the pair's x, each streams its 16 rows; the tile's scales come with the first stage.
-template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
+// the pair's x, each streams its 16 rows; the tile's scales come with the first stage. TRIG
+// (one token's gate_up): the next kernel, down_resident, may launch as soon as every program of
+// this one has started, and load its weights while this one runs.
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0, bool TRIG = false>
 __global__ void __launch_bounds__(W * 32)
     pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                      const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                      const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                      float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                      long stride_se, float alpha, float limit) {
+  if (TRIG) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr bool SPLIT = !SWIGLU;
   constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);
   constexpr int STAGE = 16 * (C + 1) * 16;  // bytes a stage
@@ -454,14 +490,14 @@ __global__ void __launch_bounds__(W * 32)
   }
 }
 
-template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0>
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0, bool TRIG = false>
 int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
                   const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
                   long stride_qe, int stride_q, long stride_se, float alpha, float limit,
                   cudaStream_t stream) {
   if (N % (16 * W) || (K / 32) % C || K > KMAX) return (int)cudaErrorInvalidValue;
   const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
-  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT, HINT>;
+  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT, HINT, TRIG>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -471,6 +507,126 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
   return (int)cudaGetLastError();
+}
+
+// One token's down, launched early (programmatic dependent launch) behind gate_up's TRIG: each
+// program copies its 16 * TILES rows (one bulk copy a row, into rows padded by 16 bytes: no bank
+// conflicts) and their scales into shared memory, then waits for gate_up (griddepcontrol.wait),
+// stages its x and multiplies; TILES x KSPLIT warps, a 16-row tile and a K part each. The
+// programs that fit beside gate_up's load during it, the rest as gate_up's programs end; against
+// Gluon's down after gate_up, the pair takes 27.7 instead of 30.5 us at gpt-oss-20b's shapes
+// (bench/experiments/pdl_smem).
+template <int TILES, int KSPLIT>
+__global__ void __launch_bounds__(TILES * KSPLIT * 32)
+    down_resident(const float* __restrict__ x, const int* __restrict__ ids,
+                  const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                  const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
+                  float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
+                  long stride_se) {
+  constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
+  constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
+  extern __shared__ uint4 smem[];
+  __shared__ float xmax[TILES * KSPLIT];
+  __shared__ uint64_t bar;
+  const int nblk = K / 32, rb = K / 2 + 16;  // bytes a row in shared memory
+  uint8_t* wsm = (uint8_t*)smem;             // [ROWS][rb]
+  uint8_t* ss = wsm + ROWS * rb;             // [ROWS][nblk]
+  uint4* xs = (uint4*)(ss + ((ROWS * nblk + 15) & ~15));
+  uint4* xl = xs + K / 8;
+  const int pair = blockIdx.x, row0 = blockIdx.y * ROWS;
+  const long e = ids[pair];  // the router's, complete before gate_up started
+  if (e < 0) return;         // a pair another rank holds (expert parallelism)
+  const uint8_t* src = q + e * stride_qe + (long)row0 * stride_q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) mbar_init(&bar);
+  __syncthreads();
+  if (warp == 0) {
+    if (lane == 0) {
+      mbar_expect(&bar, ROWS * (K / 2) + ROWS * nblk);
+      bulk_copy(ss, s + e * stride_se + (long)row0 * nblk, ROWS * nblk, &bar);
+    }
+    __syncwarp();  // the expected bytes are set before any row's copy can complete
+    for (int r = lane; r < ROWS; r += 32) {
+      bulk_copy(wsm + r * rb, src + (long)r * stride_q, K / 2, &bar);
+    }
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // gate_up done, its output visible
+  const float pre = stage_x<true, XWORDS, TILES * KSPLIT>(x + (long)pair * K, K, xs, xl, xmax);
+  __syncthreads();
+  mbar_wait(&bar, 0);
+  const int tile = warp % TILES, part = warp / TILES;
+  const int g = lane >> 2, t = lane & 3;
+  const int la = tile * 16 + g, lb = la + 8;
+  const int per = (nblk + KSPLIT - 1) / KSPLIT, first = part * per;
+  const int last = min(nblk, first + per);
+  const uint32_t* wa = reinterpret_cast<const uint32_t*>(wsm + la * rb) + t;
+  const uint32_t* wb = reinterpret_cast<const uint32_t*>(wsm + lb * rb) + t;
+  float acc_a = 0.f, acc_b = 0.f;
+#pragma unroll 4
+  for (int b = first; b < last; ++b) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    block_mma<true>(d, wa[4 * b], wb[4 * b], xs[4 * b + t], xl[4 * b + t]);
+    acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
+    acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
+  }
+  if (KSPLIT > 1) {  // the other parts' sums into part 0's
+    float* red = reinterpret_cast<float*>(xs);  // x is read no more
+    __syncthreads();
+    if (part > 0 && t == 0) {
+      red[((part - 1) * TILES + tile) * 16 + g] = acc_a;
+      red[((part - 1) * TILES + tile) * 16 + 8 + g] = acc_b;
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int p = 1; p < KSPLIT; ++p) {
+      acc_a += red[((p - 1) * TILES + tile) * 16 + g];
+      acc_b += red[((p - 1) * TILES + tile) * 16 + 8 + g];
+    }
+  }
+  if (t == 0) {
+    store<false>(acc_a, acc_b, pre, row0 + la, row0 + lb, pair, e, bias, wts, out, N, 0.f, 0.f);
+  }
+}
+
+// down_resident's shared memory for K, or 0 where it cannot take the shapes (rows in whole
+// programs, the rows' and scales' copies 16-byte aligned and sized, x staged whole).
+template <int TILES>
+int resident_smem(const uint8_t* q, const uint8_t* s, int N, int K, long stride_qe, int stride_q,
+                  long stride_se) {
+  constexpr int ROWS = 16 * TILES;
+  const int nblk = K / 32;
+  const bool fits = N % ROWS == 0 && K % 32 == 0 && K <= KMAX && (K / 2) % 16 == 0 &&
+                    (ROWS * nblk) % 16 == 0 && (uintptr_t)q % 16 == 0 &&
+                    (uintptr_t)s % 16 == 0 && stride_q % 16 == 0 && stride_qe % 16 == 0 &&
+                    stride_se % 16 == 0 && stride_se >= (long)N * nblk;
+  const int smem = ROWS * (K / 2 + 16) + ((ROWS * nblk + 15) & ~15) + 2 * (K / 8) * 16;
+  return fits ? smem : 0;
+}
+
+template <int TILES, int KSPLIT>
+int launch_resident(const float* x, const int* ids, int pairs, const uint8_t* q, const uint8_t* s,
+                    const void* bias, const float* wts, float* out, int N, int K,
+                    long stride_qe, int stride_q, long stride_se, cudaStream_t stream) {
+  const int smem = resident_smem<TILES>(q, s, N, K, stride_qe, stride_q, stride_se);
+  if (!smem) return (int)cudaErrorInvalidValue;
+  auto kernel = down_resident<TILES, KSPLIT>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(pairs, N / (16 * TILES));
+  cfg.blockDim = dim3(TILES * KSPLIT * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, x, ids, q, s,
+                                 static_cast<const __nv_bfloat16*>(bias), wts, out, N, K,
+                                 stride_qe, stride_q, stride_se);
 }
 
 // x of a group's `count` columns (pairs cols[0..count), rows cols[j] / x_div of x) staged in
@@ -1085,11 +1241,11 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
 // pairs a step has (4 a token): gate_up streamed through shared memory above 8 pairs, with one
-// warp a row tile at 5-8; down with two-tile programs up to 8 pairs. Down runs from 2 tokens on
-// (at 1, Gluon's is faster).
+// warp a row tile at 5-8; down with two-tile programs up to 8 pairs. At one token down runs here
+// on one GPU's K only (down_resident behind gate_up's trigger); a rank's share takes Gluon's.
 // one token on one GPU's rows: streamed, the L2 fetching 256 bytes a miss
-// (bench/results/2026-11-28_session33.md)
-#define TINYOSS_GATE_UP_ONE true, 10, 3, 4, __nv_bfloat16, 2
+// (bench/results/2026-11-28_session33.md), letting down_resident launch at its start
+#define TINYOSS_GATE_UP_ONE true, 10, 3, 4, __nv_bfloat16, 2, true
 #define TINYOSS_GATE_UP_FEW true, 9, 1, 4, __nv_bfloat16
 #define TINYOSS_GATE_UP_STREAM true, 10, 3, 4, __nv_bfloat16
 // a tensor-parallel rank's share of gate_up's rows (fewer than one GPU's 5760): one 16-row tile
@@ -1105,6 +1261,10 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 // measured faster than the register tiles (bench/results/2026-11-28_session33.md), K in whole
 // stages only (one GPU's 2880)
 #define TINYOSS_DOWN_STREAM false, 10, 3, 4, float
+// one token: down_resident, 32-row programs of 8 warps (K in 4 parts), launched behind gate_up
+// (bench/experiments/pdl_smem)
+#define TINYOSS_DOWN_RESIDENT_TILES 2
+#define TINYOSS_DOWN_RESIDENT TINYOSS_DOWN_RESIDENT_TILES, 4
 // grouped by expert: 192 gate_up and 320 down rows a program, down streamed (192 rows a program)
 // above 64 pairs (sweep_pair.py --grouped)
 #define TINYOSS_GATE_UP_GROUPED true, 9, 12, __nv_bfloat16
@@ -1138,6 +1298,12 @@ extern "C" int tinyoss_down_mma(const void* x, int x_div, const int* ids, int pa
                                 const float* wts, float* out, int N, int K, long stride_qe,
                                 int stride_q, long stride_se, float alpha, float limit,
                                 void* stream) {
+  if (pairs <= 4 && resident_smem<TINYOSS_DOWN_RESIDENT_TILES>(q, s, N, K, stride_qe, stride_q,
+                                                                stride_se)) {
+    return launch_resident<TINYOSS_DOWN_RESIDENT>(static_cast<const float*>(x), ids, pairs, q, s,
+                                                  bias, wts, out, N, K, stride_qe, stride_q,
+                                                  stride_se, static_cast<cudaStream_t>(stream));
+  }
   const bool streamed = (K / 32) % 10 == 0 && (pairs == 8 || pairs >= 20);
   auto run = streamed    ? launch_stream<TINYOSS_DOWN_STREAM>
              : pairs > 8 ? launch<TINYOSS_DOWN>
@@ -1229,6 +1395,7 @@ extern "C" int tinyoss_mma_ready(void) {
                            (const void*)pair_gemv_stream<TINYOSS_GATE_UP_STREAM>,
                            (const void*)pair_gemv_stream<TINYOSS_DOWN_STREAM>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN>,
+                           (const void*)down_resident<TINYOSS_DOWN_RESIDENT>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN, true>,
                            (const void*)pair_gemv_mma<TINYOSS_DOWN_FEW, true>,

@@ -45,7 +45,6 @@ import triton.language as tl
 
 from tinyoss.kernels.moe_gemv_gluon import GLUON, pair_gemv_gluon
 from tinyoss.kernels.moe_gemv_mma import (
-    DOWN_MIN_TOKENS,
     GATE_UP_MIN_TOKENS,
     GROUPED_MAX_TOKENS,
     MmaGemv,
@@ -524,8 +523,8 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                 mma: MmaGemv | None = None) -> torch.Tensor:
     """Each (token, expert) pair's weighted expert output, y [T * K, H] fp32, by pair GEMVs:
     `mma` (the tensor-core kernel, when given) for gate_up from GATE_UP_MIN_TOKENS and for down
-    from DOWN_MIN_TOKENS tokens on, each where it takes the shapes (a tensor-parallel rank's
-    share too), else Gluon's (the Triton kernel in the interpreter)."""
+    from `mma.down_min_tokens(w)` tokens on, each where it takes the shapes (a tensor-parallel
+    rank's share too), else Gluon's (the Triton kernel in the interpreter)."""
     t, h, k, e, i = _shapes(x, topk_ids, w)
     cfg = config or GemvConfig()
     if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n1 % 2:
@@ -540,7 +539,7 @@ def _gemv_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     dn = (w.down_blocks, w.down_scales, w.down_bias)
     act = _empty((pairs, i), torch.float32, x.device)
     gate_up_cores = mma is not None and t >= GATE_UP_MIN_TOKENS and mma.supports_gate_up(x, w)
-    down_cores = mma is not None and t >= DOWN_MIN_TOKENS and mma.supports_down(x, w)
+    down_cores = mma is not None and t >= mma.down_min_tokens(w) and mma.supports_down(x, w)
     ids32 = ids.to(torch.int32) if gate_up_cores or down_cores else ids
     if gate_up_cores:
         mma.gate_up(x.contiguous(), k, ids32, *gu, wts, act, w.alpha, w.limit)
