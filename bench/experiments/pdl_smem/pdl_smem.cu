@@ -263,6 +263,97 @@ const char* kDownNames[] = {"ilp padded 32 x4", "32 x4 no math", "32 x4 no copie
                             "ilp padded 32 x6", "ilp padded 48 x4", "ilp padded 48 x3",
                             "ilp padded 64 x2", "ilp padded 64 x4", "64 x4 no math"};
 
+// A dense bf16 layer at one row of x (o behind attention): each program copies its ROWS weight
+// rows (one bulk copy a row, rows padded by 16 bytes) into shared memory, then waits for the
+// kernel before (griddepcontrol.wait), stages x and multiplies on the tensor cores with x as the
+// first row of A (m16n8k16: eight weight rows a B tile), WARPS warps a K part each.
+template <int ROWS, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    dense_resident(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                   const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                   int N, int K) {
+  extern __shared__ uint4 smem[];
+  __shared__ uint64_t bar;
+  __shared__ float red[WARPS][ROWS];
+  const int rb = 2 * K + 16;
+  uint8_t* ws = (uint8_t*)smem;
+  uint4* xs = (uint4*)(ws + ROWS * rb);
+  const int row0 = blockIdx.x * ROWS, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) mbar_init(&bar);
+  __syncthreads();
+  if (warp == 0) {
+    if (lane == 0) mbar_expect(&bar, ROWS * 2 * K);
+    __syncwarp();
+    for (int r = lane; r < ROWS; r += 32) bulk_copy(ws + r * rb, w + (long)(row0 + r) * K, 2 * K, &bar);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  for (int i = threadIdx.x; i < K / 8; i += WARPS * 32) xs[i] = reinterpret_cast<const uint4*>(x)[i];
+  __syncthreads();
+  mbar_wait(&bar, 0);
+  const int g = lane >> 2, t = lane & 3;
+  const int per = K / WARPS, k_lo = warp * per;
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs);
+  float acc[ROWS / 8][4] = {};
+#pragma unroll 4
+  for (int k0 = k_lo; k0 < k_lo + per; k0 += 16) {
+    const uint32_t a0 = g == 0 ? xw[(k0 >> 1) + t] : 0u;
+    const uint32_t a2 = g == 0 ? xw[(k0 >> 1) + 4 + t] : 0u;
+#pragma unroll
+    for (int j = 0; j < ROWS / 8; ++j) {
+      const uint32_t* wr = reinterpret_cast<const uint32_t*>(ws + (j * 8 + g) * rb);
+      mma_bf16(acc[j], a0, 0u, a2, 0u, wr[(k0 >> 1) + t], wr[(k0 >> 1) + 4 + t]);
+    }
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < ROWS / 8; ++j) {
+      red[warp][j * 8 + 2 * t] = acc[j][0];
+      red[warp][j * 8 + 2 * t + 1] = acc[j][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    float v = bias ? __bfloat162float(bias[row0 + threadIdx.x]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) v += red[i][threadIdx.x];
+    out[row0 + threadIdx.x] = __float2bfloat16(v);
+  }
+}
+
+template <int ROWS, int WARPS>
+int launch_dense_resident(bool attr, const void* x, const void* w, const void* bias, void* out,
+                          int N, int K, cudaStream_t stream) {
+  if (N % ROWS || K % (16 * WARPS) || (uintptr_t)w % 16 || (uintptr_t)x % 16)
+    return (int)cudaErrorInvalidValue;
+  const int smem = ROWS * (2 * K + 16) + 2 * K;
+  auto kernel = dense_resident<ROWS, WARPS>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return (int)err;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(N / ROWS);
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = at;
+  cfg.numAttrs = attr ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<const __nv_bfloat16*>(x),
+                                 static_cast<const __nv_bfloat16*>(w),
+                                 static_cast<const __nv_bfloat16*>(bias),
+                                 static_cast<__nv_bfloat16*>(out), N, K);
+}
+
+using DenseFn = int (*)(bool, const void*, const void*, const void*, void*, int, int,
+                        cudaStream_t);
+const DenseFn kDense[] = {launch_dense_resident<8, 8>,  launch_dense_resident<16, 8>,
+                          launch_dense_resident<24, 8>, launch_dense_resident<8, 16>,
+                          launch_dense_resident<16, 16>, launch_dense_resident<24, 16>};
+const char* kDenseNames[] = {"8 rows, 8 warps",  "16 rows, 8 warps",  "24 rows, 8 warps",
+                             "8 rows, 16 warps", "16 rows, 16 warps", "24 rows, 16 warps"};
+
 }  // namespace
 
 extern "C" int pdl_variants(int down) {
@@ -284,4 +375,11 @@ extern "C" int pdl_down(int v, int attr, const void* x, int x_div, const int* id
                         float alpha, float limit, void* stream) {
   return kDown[v](attr != 0, x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe,
                   stride_q, stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int pdl_dense_variants() { return (int)(sizeof(kDense) / sizeof(kDense[0])); }
+extern "C" const char* pdl_dense_name(int v) { return kDenseNames[v]; }
+extern "C" int pdl_dense(int v, int attr, const void* x, const void* w, const void* bias,
+                         void* out, int N, int K, void* stream) {
+  return kDense[v](attr != 0, x, w, bias, out, N, K, static_cast<cudaStream_t>(stream));
 }
