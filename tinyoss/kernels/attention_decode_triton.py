@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 MIN_SPLIT = 128  # keys per program at least: a sliding layer (128 keys) is one split
@@ -66,14 +65,10 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, rop
                     max_splits, num_splits, table_stride, q_stride, kv_stride, HK: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                     PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    MERGE_CHUNK: tl.constexpr, FINAL: tl.constexpr, STORED: tl.constexpr,
-                    TRIGGER: tl.constexpr = False):
+                    MERGE_CHUNK: tl.constexpr, FINAL: tl.constexpr, STORED: tl.constexpr):
     """One split's partial softmax into m, l, acc, merged by the last split to finish; FINAL
     (every range fits one split): the attention output itself, sink included, into out.
-    STORED: q is rotated and the new keys are in the cache already. TRIGGER: the next kernel
-    (o, launched with programmatic serialization) may start loading its weights at once."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    STORED: q is rotated and the new keys are in the cache already."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -263,7 +258,7 @@ class DecodeAttention:
                  v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  rope_cache: torch.Tensor, tables: torch.Tensor, ranges: torch.Tensor,
                  sinks: torch.Tensor, scale: float, window: int = 0,
-                 stored: bool = False, trigger: bool = False) -> torch.Tensor:
+                 stored: bool = False) -> torch.Tensor:
         """q [B, Hq, D], k and v [B, Hk, D] (one new token per sequence, not yet rotated; views
         into the q/k/v output are fine), slots [B] (their cache slots; < 0: not stored),
         positions [B], rope_cache [max_len, D] (cos | sin), tables [B, max_blocks] int32,
@@ -282,6 +277,5 @@ class DecodeAttention:
             q, k, v, k_cache, v_cache, slots, positions, rope_cache, tables, ranges, self.m,
             self.l_sum, self.acc, self.tickets, sinks, out, scale, self.max_splits, splits,
             tables.stride(0), q.stride(0), k.stride(0), PAGE=page, MIN_SPLIT=MIN_SPLIT,
-            BLOCK_KV=BLOCK_KV, MERGE_CHUNK=MERGE_CHUNK, FINAL=final, STORED=stored,
-            TRIGGER=trigger, **common)
+            BLOCK_KV=BLOCK_KV, MERGE_CHUNK=MERGE_CHUNK, FINAL=final, STORED=stored, **common)
         return out

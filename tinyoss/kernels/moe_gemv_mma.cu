@@ -275,13 +275,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 // load groups (a tensor-parallel rank's down: 45, 23 or 12 blocks), the last group is cut.
 // OT: the output's type (bf16 for a dense layer).
 template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, bool TAIL = false,
-          typename OT = float>
+          typename OT = float, bool TRIG = false>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     pair_gemv_mma(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                   const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                   OT* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                   long stride_se, float alpha, float limit) {
+  if (TRIG) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr bool SPLIT = std::is_same<XT, float>::value;  // fp32 x: hi + lo
   constexpr int ROWS = 16 * TILES, THREADS = TILES * KSPLIT * 32;
   constexpr int XWORDS = (KMAX / 8 + THREADS - 1) / THREADS;
@@ -364,7 +365,8 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
   }
 }
 
-template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float>
+template <bool SWIGLU, int U, int KSPLIT, int TILES, typename XT, typename OT = float,
+          bool TRIG = false>
 int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
            const uint8_t* s, const void* bias, const float* wts, OT* out, int N, int K,
            long stride_qe, int stride_q, long stride_se, float alpha, float limit,
@@ -374,8 +376,8 @@ int launch(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q
   const int smem = (std::is_same<XT, float>::value ? 2 : 1) * (K / 8) * 16 + ROWS * (K / 32);
   dim3 grid(pairs, N / ROWS);
   auto kernel = K % (32 * U * KSPLIT)
-                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT>
-                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT>;
+                    ? pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, true, OT, TRIG>
+                    : pair_gemv_mma<SWIGLU, U, KSPLIT, TILES, XT, false, OT, TRIG>;
   kernel<<<grid, TILES * KSPLIT * 32, smem, stream>>>(
       static_cast<const XT*>(x), x_div, ids, q, s, static_cast<const __nv_bfloat16*>(bias), wts,
       out, N, K, stride_qe, stride_q, stride_se, alpha, limit);
