@@ -319,8 +319,9 @@ def test_mma_gemv_matches_gluon_on_a_rank_share(t, blocks, mma):
     """A tensor-parallel rank's experts (intermediate 32 * blocks: TP 2, 4, 8) on the tensor
     cores for both projections: down's K is no multiple of its tiles' load groups, so the pair
     kernel cuts the last one (t = 2: the few-pairs tile, K split in two; 3 and 8: the wide
-    tile); gate_up's fewer rows take one-tile programs at 1-2 tokens (K in 2 or 5 parts). Each
-    pair's output equals the Gluon kernel's within 1e-5, as at full size."""
+    tile); gate_up's fewer rows take one-tile programs at 1-2 tokens (K in 2 or 5 parts); at 1
+    token TP 2's down is the resident kernel launched early behind gate_up, TP 4's and 8's
+    Gluon's. Each pair's output equals the Gluon kernel's within 1e-5, as at full size."""
     x, weights, ids, w = big_case(800 + 10 * t + blocks, t, i=32 * blocks)
     assert mma.supports_down(x, w)
     got = mt._gemv_pairs(x, weights, ids, w, None, mma)
@@ -427,16 +428,16 @@ def test_grouped_mma_is_the_path_up_to_its_limit(mma):
 
 
 @gpu
-@pytest.mark.parametrize("t", [1, 6, 20])
-def test_mma_gemv_captures_in_cuda_graph(t, mma):
-    """Replays on new inputs, also at 1 token, where down is launched before gate_up ends and
-    waits for it in the graph (a programmatic edge)."""
-    x, weights, ids, w = big_case(90, t)
+@pytest.mark.parametrize("t,i", [(1, 2880), (1, 1440), (6, 2880), (20, 2880)])
+def test_mma_gemv_captures_in_cuda_graph(t, i, mma):
+    """Replays on new inputs, also at 1 token (one GPU's experts and TP 2's share), where down
+    is launched before gate_up ends and waits for it in the graph (a programmatic edge)."""
+    x, weights, ids, w = big_case(90, t, i)
     mt.moe_triton(x, weights, ids, w, mma=mma)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = mt.moe_triton(x, weights, ids, w, mma=mma)
-    x2, weights2, ids2, _ = big_case(91, t)
+    x2, weights2, ids2, _ = big_case(91, t, i)
     x.copy_(x2)
     weights.copy_(weights2)
     ids.copy_(ids2)

@@ -150,7 +150,7 @@ def install(kernels: Kernels, backend: str, p: Platform, max_num_tokens: int) ->
 
             mma, why = load(p.capability)
             log.info("MoE GEMV on the tensor cores (down from 1 token a step on one GPU's "
-                     "experts, from %d on a rank's share; grouped by expert up to %d): %s",
+                     "experts and TP 2's share, else from %d; grouped by expert up to %d): %s",
                      DOWN_MIN_TOKENS, GROUPED_MAX_TOKENS,
                      why if mma else f"no, {why}; the Gluon kernel and the grouped GEMMs run")
             if mma is not None:

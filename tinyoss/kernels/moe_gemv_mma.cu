@@ -516,8 +516,8 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
 // conflicts) and their scales into shared memory, then waits for gate_up (griddepcontrol.wait),
 // stages its x and multiplies; TILES x KSPLIT warps, a 16-row tile and a K part each. The
 // programs that fit beside gate_up's load during it, the rest as gate_up's programs end; against
-// Gluon's down after gate_up, the pair takes 27.7 instead of 30.5 us at gpt-oss-20b's shapes
-// (bench/experiments/pdl_smem).
+// Gluon's down after gate_up, the pair is ~10% faster at gpt-oss's shapes on one GPU and TP 2's
+// share (bench/experiments/pdl_smem).
 template <int TILES, int KSPLIT>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     down_resident(const float* __restrict__ x, const int* __restrict__ ids,
@@ -1244,7 +1244,8 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 // The tiles: the best of a sweep at gpt-oss-20b shapes (bench/experiments/mma_gemv), by the
 // pairs a step has (4 a token): gate_up streamed through shared memory above 8 pairs, with one
 // warp a row tile at 5-8; down with two-tile programs up to 8 pairs. At one token down runs here
-// on one GPU's K only (down_resident behind gate_up's trigger); a rank's share takes Gluon's.
+// on one GPU's K and TP 2's share (down_resident behind gate_up's trigger); narrower shares take
+// Gluon's.
 // one token on one GPU's rows: streamed, the L2 fetching 256 bytes a miss
 // (bench/results/2026-11-28_session33.md), letting down_resident launch at its start
 #define TINYOSS_GATE_UP_ONE true, 10, 3, 4, __nv_bfloat16, 2, true
@@ -1253,7 +1254,7 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 // a tensor-parallel rank's share of gate_up's rows (fewer than one GPU's 5760): one 16-row tile
 // a program, so that the fewer rows still spread over every SM; K in 5 parts below 2880 rows
 // (sweep_pair.py --intermediate, bench/results/2026-11-28_h100_pair_tiles_tp_share.txt)
-#define TINYOSS_GATE_UP_SHARE true, 15, 2, 1, __nv_bfloat16
+#define TINYOSS_GATE_UP_SHARE true, 15, 2, 1, __nv_bfloat16, float, true  // lets down_resident launch
 #define TINYOSS_GATE_UP_SHARE_NARROW true, 9, 5, 1, __nv_bfloat16
 #define TINYOSS_GATE_UP_SHARE_FEW true, 9, 2, 1, __nv_bfloat16
 #define TINYOSS_GATE_UP_SHARE_BELOW 5760
@@ -1263,9 +1264,9 @@ int launch_fp8_stream(const void* x, const uint8_t* w, const float* scale, const
 // measured faster than the register tiles (bench/results/2026-11-28_session33.md), K in whole
 // stages only (one GPU's 2880)
 #define TINYOSS_DOWN_STREAM false, 10, 3, 4, float
-// one token: down_resident, 32-row programs of 8 warps (K in 4 parts), launched behind gate_up
-// (bench/experiments/pdl_smem)
-#define TINYOSS_DOWN_RESIDENT_TILES 2
+// one token: down_resident, 48-row programs of 12 warps (K in 4 parts), launched behind gate_up
+// (bench/experiments/pdl_smem: on one GPU's K as fast as 32 rows, on TP 2's share faster)
+#define TINYOSS_DOWN_RESIDENT_TILES 3
 #define TINYOSS_DOWN_RESIDENT TINYOSS_DOWN_RESIDENT_TILES, 4
 // grouped by expert: 192 gate_up and 320 down rows a program, down streamed (192 rows a program)
 // above 64 pairs (sweep_pair.py --grouped)

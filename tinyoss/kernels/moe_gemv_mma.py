@@ -17,13 +17,13 @@ The Gluon pair GEMV spends ~5 instructions a weight on the CUDA cores. These ker
 word of eight codes into four fp16 pairs with 11 integer operations in the pair kernels (16 in
 the grouped ones, where the cheaper decode needs more registers) and leave the products to
 `mma.sync`. gate_up runs here from 1 token a step, down from `down_min_tokens`: 1 on one GPU's
-K, where one token's down is launched early behind gate_up (programmatic dependent launch) and
-copies its weight rows into shared memory while gate_up runs (bench/experiments/pdl_smem); 2 on a
-tensor-parallel rank's share, where at 1 token Gluon's down is faster. The library picks the tile
-by the step's pairs; above 8 pairs, and at one token on one GPU's rows, gate_up streams its rows
-through shared memory (bench/results/2026-11-25_h100_mma_tiles.md; at one token with the L2
-fetching 256 bytes a miss), and so does down at 2 and at 5-8 tokens on one GPU's K (bench/results/
-2026-11-28_session33.md).
+K and on TP 2's share, where one token's down is launched early behind gate_up (programmatic
+dependent launch) and copies its weight rows into shared memory while gate_up runs
+(bench/experiments/pdl_smem); 2 on narrower shares, where at 1 token Gluon's down is faster.
+The library picks the tile by the step's pairs; above 8 pairs, and at one token on one GPU's
+rows, gate_up streams its rows through shared memory (bench/results/2026-11-25_h100_mma_tiles.md;
+at one token with the L2 fetching 256 bytes a miss), and so does down at 2 and at 5-8 tokens on
+one GPU's K (bench/results/2026-11-28_session33.md).
 Above GEMV_MAX_TOKENS the pairs are sorted by expert and cut into groups of up to 8 pairs of one
 expert (one launch, `sort_pairs`); a program takes a group, one pair a column of the MMA,
 reading the expert's rows once for them: faster than the grouped GEMMs (which dequantize to
@@ -54,8 +54,8 @@ from tinyoss.kernels.moe_torch import ExpertWeights
 log = logging.getLogger("tinyoss")
 
 GATE_UP_MIN_TOKENS = 1
-DOWN_MIN_TOKENS = 2  # on a rank's share: at 1 token Gluon's down is faster
-FULL_K = 2880  # one GPU's intermediate size: down from 1 token
+DOWN_MIN_TOKENS = 2  # on TP 4's and 8's shares: at 1 token Gluon's down is faster
+RESIDENT_MIN_K = 1440  # down's K from which one token's down runs here (TP 2's share)
 GROUPED_MAX_TOKENS = 64  # measured faster than the grouped GEMMs up to here
 GROUPED_ROWS = (192, 320, 192)  # rows a program: grouped gate_up (else 64), down, streamed down
 SOURCE = Path(__file__).with_suffix(".cu")
@@ -144,9 +144,9 @@ class MmaGemv:
 
     @staticmethod
     def down_min_tokens(w: ExpertWeights) -> int:
-        """Tokens a step from which down runs here: 1 on one GPU's K (the early-launched
-        resident down), DOWN_MIN_TOKENS on a tensor-parallel rank's share."""
-        return 1 if w.down_blocks.shape[2] * 32 == FULL_K else DOWN_MIN_TOKENS
+        """Tokens a step from which down runs here: 1 from RESIDENT_MIN_K (the early-launched
+        resident down: one GPU's K, TP 2's share), else DOWN_MIN_TOKENS."""
+        return 1 if w.down_blocks.shape[2] * 32 >= RESIDENT_MIN_K else DOWN_MIN_TOKENS
 
     @staticmethod
     def supports_grouped(x: torch.Tensor, w: ExpertWeights) -> bool:
