@@ -445,6 +445,38 @@ def test_mma_gemv_captures_in_cuda_graph(t, i, mma):
     assert rel_err(out, moe_torch(x, weights, ids, w)) < TOL
 
 
+@gpu
+def test_one_token_layers_routed_on_the_device_replay_as_eager(mma):
+    """Four one-token MoE layers in one CUDA graph, each routed by the one before on the device:
+    down (launched while gate_up runs) reads its pairs' ids before it waits for gate_up, so each
+    layer must see the ids just written. The graph's outputs on a new input equal the eager
+    chain's bit for bit."""
+    x, weights, ids, w = big_case(95, 1)
+    router = torch.randn(32, 2880, generator=torch.Generator().manual_seed(95)).to(DEVICE)
+
+    def chain(h, wts, top_ids):
+        outs = []
+        for _ in range(4):
+            h = mt.moe_triton(h, wts, top_ids, w, mma=mma)
+            top, top_ids = (h.float() @ router.T).topk(TOPK, dim=-1)
+            wts = torch.softmax(top, dim=-1)
+            outs.append(h)
+        return outs
+
+    chain(x, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(x, weights, ids)
+    x2, weights2, ids2, _ = big_case(96, 1)
+    x.copy_(x2)
+    weights.copy_(weights2)
+    ids.copy_(ids2)
+    graph.replay()
+    want = chain(x2, weights2, ids2)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))
+    assert len({tuple(o.float().flatten()[:8].tolist()) for o in want}) == 4  # layers differ
+
+
 def test_the_grouped_gemms_read_each_pair_phase_as_one_slice():
     """`_permute_columns`: column 8w + jj + 4h of each K tile lands at (tile/4) jj + 2w + h,
     past K zeros; `_permuted` (where gate_up writes down's input) agrees with it column for
