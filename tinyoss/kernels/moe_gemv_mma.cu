@@ -518,7 +518,7 @@ int launch_stream(const void* x, int x_div, const int* ids, int pairs, const uin
 // programs that fit beside gate_up's load during it, the rest as gate_up's programs end; against
 // Gluon's down after gate_up, the pair is ~10% faster at gpt-oss's shapes on one GPU and TP 2's
 // share (bench/experiments/pdl_smem).
-template <int TILES, int KSPLIT, bool LO = true>
+template <int TILES, int KSPLIT>
 __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     down_resident(const float* __restrict__ x, const int* __restrict__ ids,
                   const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     }
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // gate_up done, its output visible
-  const float pre = stage_x<LO, XWORDS, TILES * KSPLIT>(x + (long)pair * K, K, xs, xl, xmax);
+  const float pre = stage_x<true, XWORDS, TILES * KSPLIT>(x + (long)pair * K, K, xs, xl, xmax);
   __syncthreads();
   mbar_wait(&bar, 0);
   const int tile = warp % TILES, part = warp / TILES;
@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
 #pragma unroll 4
   for (int b = first; b < last; ++b) {
     float d[4] = {0.f, 0.f, 0.f, 0.f};
-    block_mma<LO>(d, wa[4 * b], wb[4 * b], xs[4 * b + t], LO ? xl[4 * b + t] : uint4{});
+    block_mma<true>(d, wa[4 * b], wb[4 * b], xs[4 * b + t], xl[4 * b + t]);
     acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
     acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
   }
@@ -606,13 +606,13 @@ int resident_smem(const uint8_t* q, const uint8_t* s, int N, int K, long stride_
   return fits ? smem : 0;
 }
 
-template <int TILES, int KSPLIT, bool LO = true>
+template <int TILES, int KSPLIT>
 int launch_resident(const float* x, const int* ids, int pairs, const uint8_t* q, const uint8_t* s,
                     const void* bias, const float* wts, float* out, int N, int K,
                     long stride_qe, int stride_q, long stride_se, cudaStream_t stream) {
   const int smem = resident_smem<TILES>(q, s, N, K, stride_qe, stride_q, stride_se);
   if (!smem) return (int)cudaErrorInvalidValue;
-  auto kernel = down_resident<TILES, KSPLIT, LO>;
+  auto kernel = down_resident<TILES, KSPLIT>;
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return (int)err;

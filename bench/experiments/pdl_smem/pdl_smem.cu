@@ -22,10 +22,10 @@ const GateUpFn kGateUp[2][3] = {
     {launch_stream<true, 10, 3, 4, B, 2, true>, launch<true, 15, 2, 1, B, float, true>,
      launch<true, 9, 5, 1, B, float, true>},
 };
-const DownFn kDown[] = {launch_resident<3, 4>, launch_resident<3, 4, false>,
-                        launch_resident<2, 4, false>, launch_resident<3, 2, false>};
-const char* kDownNames[] = {"48 rows x4 (product)", "48 rows x4, x in one fp16 part",
-                            "32 rows x4, x in one fp16 part", "48 rows x2, x in one fp16 part"};
+const DownFn kDown[] = {launch_resident<3, 4>, launch_resident<2, 4>, launch_resident<1, 4>,
+                        launch_resident<3, 2>, launch_resident<2, 2>};
+const char* kDownNames[] = {"48 rows x4 (product)", "32 rows x4", "16 rows x4", "48 rows x2",
+                            "32 rows x2"};
 
 }  // namespace
 
