@@ -54,26 +54,38 @@ def build() -> ctypes.CDLL:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--intermediate", default="2880,1440,736")
+    ap.add_argument("--tokens", default="1", help="tokens a step (above 1: one GPU's K only, "
+                    "against the product's tensor-core down)")
     args = ap.parse_args()
+    from tinyoss.kernels.hardware import capability
+    from tinyoss.kernels.moe_gemv_mma import load
+
+    mma, why = load(capability())
+    assert mma is not None, why
     lib = build()
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     print(torch.cuda.get_device_name(), flush=True)
     names = [lib.pdl_down_name(v).decode() for v in range(lib.pdl_down_variants())]
-    for inter in map(int, args.intermediate.split(",")):
-        shape = 0 if inter == 2880 else 1 if 2 * inter >= 2880 else 2
+    cases = [(1, i) for i in map(int, args.intermediate.split(","))] + [
+        (t, 2880) for t in map(int, args.tokens.split(",")) if t > 1]
+    for t, inter in cases:
+        pairs = 4 * t
+        shape = ((0 if inter == 2880 else 1 if 2 * inter >= 2880 else 2) if t == 1
+                 else 3 if pairs <= 8 else 4)
         ws = [replace(w, gate_up_bias=w.gate_up_bias.bfloat16(),
                       down_bias=w.down_bias.bfloat16())
               for w in (weights(s, 32, H, inter) for s in range(4))]
         sets = [dict(x=x, w=w, ids=ids.reshape(-1).to(torch.int32).contiguous(),
                      wts=wts.reshape(-1).float().contiguous(),
-                     act=torch.empty(4, inter, device="cuda"), y=torch.empty(4, H, device="cuda"))
-                for x, wts, ids, w in call_sets(1, ws)]
+                     act=torch.empty(pairs, inter, device="cuda"),
+                     y=torch.empty(pairs, H, device="cuda"))
+                for x, wts, ids, w in call_sets(t, ws)]
 
         def gate_up(trig):
             def run(c):
                 w = c["w"]
                 err = lib.pdl_gate_up(
-                    trig, shape, c["x"].data_ptr(), 4, c["ids"].data_ptr(), 4,
+                    trig, shape, c["x"].data_ptr(), 4, c["ids"].data_ptr(), pairs,
                     w.gate_up_blocks.data_ptr(), w.gate_up_scales.data_ptr(),
                     w.gate_up_bias.data_ptr(), c["wts"].data_ptr(), c["act"].data_ptr(),
                     w.gate_up_blocks.shape[1], H, w.gate_up_blocks.stride(0),
@@ -82,8 +94,12 @@ def main() -> None:
                 assert err == 0, err
             return run
 
-        def gluon_down(c):
+        def gluon_down(c):  # before: Gluon's at one token, the tensor-core kernels above
             w = c["w"]
+            if t > 1:
+                mma.down(c["act"], c["ids"], w.down_blocks, w.down_scales, w.down_bias, c["wts"],
+                         c["y"], w.alpha, w.limit)
+                return
             mt._pair_gemv_cores(c["act"], 1, c["ids"], (w.down_blocks, w.down_scales,
                                                         w.down_bias), c["wts"], c["y"], H,
                                 inter, w, mt.GemvConfig(), mt.GemvConfig().block_n2,
@@ -92,7 +108,7 @@ def main() -> None:
         def down(v):
             def run(c):
                 w = c["w"]
-                err = lib.pdl_down(v, c["act"].data_ptr(), c["ids"].data_ptr(), 4,
+                err = lib.pdl_down(v, c["act"].data_ptr(), c["ids"].data_ptr(), pairs,
                                    w.down_blocks.data_ptr(), w.down_scales.data_ptr(),
                                    w.down_bias.data_ptr(), c["wts"].data_ptr(), c["y"].data_ptr(),
                                    H, inter, w.down_blocks.stride(0), w.down_blocks.stride(1),
@@ -115,13 +131,13 @@ def main() -> None:
             us = timed(fn, [()]) / len(sets)
             errs = [((c["y"] - r).norm() / r.norm()).item() for c, r in zip(sets, refs)]
             tail = f"  err {max(errs):.1e}" if check else ""
-            print(f"I={inter:<5} {name:<46} {us:7.2f} us{tail}", flush=True)
+            print(f"T={t} I={inter:<5} {name:<46} {us:7.2f} us{tail}", flush=True)
             return us
 
         report("gate_up alone", chain(gate_up(0)), check=False)
         report("gate_up alone, trigger", chain(gate_up(1)), check=False)
-        report("Gluon down alone", chain(gluon_down))
-        base = report("gate_up + Gluon down (before)", chain(gate_up(0), gluon_down))
+        report("down alone (before)", chain(gluon_down))
+        base = report("gate_up + down (before)", chain(gate_up(0), gluon_down))
         for v, name in enumerate(names):
             report(f"down {name} alone", chain(down(v)))
             report(f"gate_up + down {name}, no trigger", chain(gate_up(0), down(v)))

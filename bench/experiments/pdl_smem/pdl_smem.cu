@@ -15,12 +15,14 @@ using DownFn = int (*)(const float*, const int*, int, const uint8_t*, const uint
                        cudaStream_t);
 
 // [trigger][shape]: one GPU's rows (the product's one-token tiles), a rank's share (N >= 2880:
-// TP 2), a narrower share (TP 4)
-const GateUpFn kGateUp[2][3] = {
+// TP 2), a narrower share (TP 4); one GPU's rows at 5-8 pairs (2 tokens), above 8 pairs
+const GateUpFn kGateUp[2][5] = {
     {launch_stream<true, 10, 3, 4, B, 2, false>, launch<true, 15, 2, 1, B, float, false>,
-     launch<true, 9, 5, 1, B, float, false>},
+     launch<true, 9, 5, 1, B, float, false>, launch<true, 9, 1, 4, B, float, false>,
+     launch_stream<true, 10, 3, 4, B, 0, false>},
     {launch_stream<true, 10, 3, 4, B, 2, true>, launch<true, 15, 2, 1, B, float, true>,
-     launch<true, 9, 5, 1, B, float, true>},
+     launch<true, 9, 5, 1, B, float, true>, launch<true, 9, 1, 4, B, float, true>,
+     launch_stream<true, 10, 3, 4, B, 0, true>},
 };
 const DownFn kDown[] = {launch_resident<3, 4>, launch_resident<2, 4>, launch_resident<1, 4>,
                         launch_resident<3, 2>, launch_resident<2, 2>};
