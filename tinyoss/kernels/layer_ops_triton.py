@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 
@@ -247,13 +246,11 @@ def _norm_route_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, nw_ptr, rw_ptr, rb_ptr, logits_ptr, count_ptr, w_ptr,
     ids_ptr, n_cols, n_experts, eps, first, end, EPB: tl.constexpr, K: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr, TRIGGER: tl.constexpr = False,
+    BLOCK_E: tl.constexpr, ARGMAX_FROM: tl.constexpr,
 ):
     """Program (t, g): norm(x + res) of token t (every program of t computes it, program 0
     stores it and the new residual), router logits of experts g*EPB.. into logits [T, E]; the
     last program of t to finish (a ticket in count [t], reset by it) takes the top-k."""
-    if TRIGGER:
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -300,7 +297,7 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
 def norm_route_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
-    held: tuple[int, int] | None = None, trigger: bool = False,
+    held: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `Kernels.post_attention`'s unfused path: (norm(x + residual),
     x + residual, top-k weights fp32, ids int32, as `router_topk_triton` gives them for
@@ -330,5 +327,5 @@ def norm_route_triton(
             x, residual, out, res_out, norm_weight, router_weight, router_bias, logits,
             _ticket_counters(x.device), weights, ids, h, e, eps, first, end, EPB=epb, K=k,
             BLOCK=triton.next_power_of_2(h), BLOCK_E=block_e, ARGMAX_FROM=TOPK_ARGMAX_FROM,
-            TRIGGER=trigger, num_warps=warps)
+            num_warps=warps)
     return out, res_out, weights, ids

@@ -448,15 +448,13 @@ __device__ __forceinline__ void stream_rows(uint8_t* ring, const uint8_t* __rest
 // the pair's x, each streams its 16 rows; the tile's scales come with the first stage. TRIG
 // (one token's gate_up): the next kernel, down_resident, may launch as soon as every program of
 // this one has started, and load its weights while this one runs.
-template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0, bool TRIG = false,
-          bool WAIT = false>
+template <bool SWIGLU, int C, int S, int W, typename XT, int HINT = 0, bool TRIG = false>
 __global__ void __launch_bounds__(W * 32)
     pair_gemv_stream(const XT* __restrict__ x, int x_div, const int* __restrict__ ids,
                      const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                      const __nv_bfloat16* __restrict__ bias, const float* __restrict__ wts,
                      float* __restrict__ out, int N, int K, long stride_qe, int stride_q,
                      long stride_se, float alpha, float limit) {
-  if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (TRIG) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr bool SPLIT = !SWIGLU;
   constexpr int XWORDS = (KMAX / 8 + W * 32 - 1) / (W * 32);

@@ -24,35 +24,6 @@ const GateUpFn kGateUp[2][5] = {
      launch<true, 9, 5, 1, B, float, true>, launch<true, 9, 1, 4, B, float, true>,
      launch_stream<true, 10, 3, 4, B, 0, true>},
 };
-// one token's gate_up launched early behind the norm + router (waits first, then triggers down)
-template <bool SWIGLU, int C, int S, int W, typename XT, int HINT>
-int launch_waiting(const void* x, int x_div, const int* ids, int pairs, const uint8_t* q,
-                   const uint8_t* s, const void* bias, const float* wts, float* out, int N, int K,
-                   long stride_qe, int stride_q, long stride_se, float alpha, float limit,
-                   cudaStream_t stream) {
-  const int smem = (SWIGLU ? 1 : 2) * (K / 8) * 16 + W * (S * 16 * (C + 1) * 16 + 16 * (K / 32));
-  auto kernel = pair_gemv_stream<SWIGLU, C, S, W, XT, HINT, true, true>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return (int)err;
-  }
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(pairs, N / (16 * W));
-  cfg.blockDim = dim3(W * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<const XT*>(x), x_div, ids, q, s,
-                                 static_cast<const __nv_bfloat16*>(bias), wts, out, N, K,
-                                 stride_qe, stride_q, stride_se, alpha, limit);
-}
-const GateUpFn kWaiting = launch_waiting<true, 10, 3, 4, B, 2>;
-
 const DownFn kDown[] = {launch_resident<3, 4>, launch_resident<2, 4>, launch_resident<1, 4>,
                         launch_resident<3, 2>, launch_resident<2, 2>};
 const char* kDownNames[] = {"48 rows x4 (product)", "32 rows x4", "16 rows x4", "48 rows x2",
@@ -78,13 +49,4 @@ extern "C" int pdl_down(int v, const void* x, const int* ids, int pairs, const u
                         int K, long stride_qe, int stride_q, long stride_se, void* stream) {
   return kDown[v](static_cast<const float*>(x), ids, pairs, q, s, bias, wts, out, N, K,
                   stride_qe, stride_q, stride_se, static_cast<cudaStream_t>(stream));
-}
-
-extern "C" int pdl_gate_up_waiting(const void* x, int x_div, const int* ids, int pairs,
-                                   const uint8_t* q, const uint8_t* s, const void* bias,
-                                   const float* wts, float* out, int N, int K, long stride_qe,
-                                   int stride_q, long stride_se, float alpha, float limit,
-                                   void* stream) {
-  return kWaiting(x, x_div, ids, pairs, q, s, bias, wts, out, N, K, stride_qe, stride_q,
-                  stride_se, alpha, limit, static_cast<cudaStream_t>(stream));
 }
