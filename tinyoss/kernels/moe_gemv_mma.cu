@@ -267,6 +267,28 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// The KSPLIT warps of a 16-row tile (each a part of K) summing rows g and g + 8 into part 0's
+// through red (shared memory no longer read, 16 * TILES * (KSPLIT - 1) floats); every thread of
+// the program calls it. False for the other parts, which are done.
+template <int TILES, int KSPLIT>
+__device__ __forceinline__ bool sum_parts(float* red, int part, int tile, int g, int t,
+                                          float& acc_a, float& acc_b) {
+  if (KSPLIT == 1) return true;
+  __syncthreads();
+  if (part > 0 && t == 0) {
+    red[((part - 1) * TILES + tile) * 16 + g] = acc_a;
+    red[((part - 1) * TILES + tile) * 16 + 8 + g] = acc_b;
+  }
+  __syncthreads();
+  if (part > 0) return false;
+#pragma unroll
+  for (int p = 1; p < KSPLIT; ++p) {
+    acc_a += red[((p - 1) * TILES + tile) * 16 + g];
+    acc_b += red[((p - 1) * TILES + tile) * 16 + 8 + g];
+  }
+  return true;
+}
+
 // SWIGLU: gate_up (x bf16, out [pairs, N / 2] after the clamped SwiGLU); else down (x fp32,
 // out [pairs, N] times the routing weight) or a dense layer (x bf16, ids, bias and wts null:
 // expert 0, no bias, weight 1). U: scale blocks a load group; KSPLIT: warps that
@@ -344,20 +366,9 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
       }
     }
   }
-  if (KSPLIT > 1) {  // the other parts' sums into part 0's
-    float* red = reinterpret_cast<float*>(smem);  // x is read no more
-    __syncthreads();
-    if (part > 0 && t == 0) {
-      red[((part - 1) * TILES + warp) * 16 + g] = acc_a;
-      red[((part - 1) * TILES + warp) * 16 + 8 + g] = acc_b;
-    }
-    __syncthreads();
-    if (part > 0) return;
-#pragma unroll
-    for (int p = 1; p < KSPLIT; ++p) {
-      acc_a += red[((p - 1) * TILES + warp) * 16 + g];
-      acc_b += red[((p - 1) * TILES + warp) * 16 + 8 + g];
-    }
+  // x is read no more: its shared memory takes the other parts' sums
+  if (!sum_parts<TILES, KSPLIT>(reinterpret_cast<float*>(smem), part, warp, g, t, acc_a, acc_b)) {
+    return;
   }
   if (t == 0) {
     store<SWIGLU>(acc_a, acc_b, pre, row0 + la, row0 + lb, pair, e, bias, wts, out, N, alpha,
@@ -571,20 +582,9 @@ __global__ void __launch_bounds__(TILES * KSPLIT * 32)
     acc_a = fmaf(d[0], __uint_as_float((uint32_t)ss[la * nblk + b] << 23), acc_a);
     acc_b = fmaf(d[2], __uint_as_float((uint32_t)ss[lb * nblk + b] << 23), acc_b);
   }
-  if (KSPLIT > 1) {  // the other parts' sums into part 0's
-    float* red = reinterpret_cast<float*>(xs);  // x is read no more
-    __syncthreads();
-    if (part > 0 && t == 0) {
-      red[((part - 1) * TILES + tile) * 16 + g] = acc_a;
-      red[((part - 1) * TILES + tile) * 16 + 8 + g] = acc_b;
-    }
-    __syncthreads();
-    if (part > 0) return;
-#pragma unroll
-    for (int p = 1; p < KSPLIT; ++p) {
-      acc_a += red[((p - 1) * TILES + tile) * 16 + g];
-      acc_b += red[((p - 1) * TILES + tile) * 16 + 8 + g];
-    }
+  // x is read no more: its shared memory takes the other parts' sums
+  if (!sum_parts<TILES, KSPLIT>(reinterpret_cast<float*>(xs), part, tile, g, t, acc_a, acc_b)) {
+    return;
   }
   if (t == 0) {
     store<false>(acc_a, acc_b, pre, row0 + la, row0 + lb, pair, e, bias, wts, out, N, 0.f, 0.f);
